@@ -1,0 +1,7 @@
+"""qsa_aiter: GPU kernels for the QSA indexer (sparse-attention key-group scoring) of Qwen3.8-Flash-Next."""
+
+from .ops import explain, qsa_paged_mqa_logits, selected_kernel
+from .reference import reference_paged_mqa_logits
+
+__all__ = ["qsa_paged_mqa_logits", "explain", "selected_kernel", "reference_paged_mqa_logits"]
+__version__ = "0.1.0"

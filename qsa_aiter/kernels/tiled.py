@@ -1,0 +1,141 @@
+"""Tiled prefill scorer: ``BLOCK_M`` rows x ``BLOCK_N`` keys output tiles with tensor-core dots.
+
+Rows are expected request-major (a prefill chunk is contiguous per request). A program owns one row tile and a
+strided share of its column tiles. The query tile is loaded once per program: with the model's 4 heads as four
+per-head ``[BLOCK_M, D]`` operands (four dots per key tile, ReLU'd and summed in registers); with other power-of-two
+head counts as one rows x heads stacked M operand (one dot, ReLU per head, heads summed out of M). A row tile
+that spans requests walks them (in any order), one page-table row at a time, storing only the rows of the request in
+hand; column tiles past a request's visible range are never visited.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from .common import (
+    DYNAMIC_SCALARS, ScoreLaunch, common_signature, is_pow2, load_key_tile, row_visibility,
+    stacked_head_scores, target_programs,
+)
+
+_NO_REQUEST = tl.constexpr(2147483647)  # larger than any request id
+
+
+@triton.jit(do_not_specialize=DYNAMIC_SCALARS)
+def _tiled_prefill_kernel(
+    q_ptr, k_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr,
+    num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
+    RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr, UPCAST: tl.constexpr,
+):
+    row_tile = tl.program_id(0)
+    col_prog = tl.program_id(1)
+    col_progs = tl.num_programs(1)
+    first_row = row_tile * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
+    req, vis = row_visibility(t2r_ptr, pos_ptr, ctx_ptr, rows, num_tokens, num_requests, num_columns, RATIO)
+    if col_prog == 0:
+        tl.store(vis_ptr + rows, vis, mask=rows < num_tokens)
+    d = tl.arange(0, HEAD_DIM)
+    q_ok = (rows < num_tokens)[:, None]
+    if PER_HEAD:
+        # Four per-head [BLOCK_M, D] operands, loaded once: each head's scores land in the same accumulator layout,
+        # so ReLU and the head sum are plain register arithmetic.
+        q_head = q_ptr + rows.to(tl.int64)[:, None] * (NUM_HEADS * HEAD_DIM) + d[None, :]
+        q0 = tl.load(q_head, mask=q_ok, other=0.0)
+        q1 = tl.load(q_head + HEAD_DIM, mask=q_ok, other=0.0)
+        q2 = tl.load(q_head + 2 * HEAD_DIM, mask=q_ok, other=0.0)
+        q3 = tl.load(q_head + 3 * HEAD_DIM, mask=q_ok, other=0.0)
+        if UPCAST:
+            q0, q1, q2, q3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
+    else:
+        # Other head counts: the tile's rows x heads stacked into one M operand (q is [tokens * heads, D]).
+        m = tl.arange(0, BLOCK_M * NUM_HEADS)
+        q_rows = first_row.to(tl.int64) * NUM_HEADS + m
+        q = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :],
+                    mask=(q_rows < num_tokens * NUM_HEADS)[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+    out_rows = out_ptr + rows.to(tl.int64) * out_stride
+
+    # Walk the requests present in the tile (one pass for a tile inside one request); a request's column loop
+    # stops at its rows' widest visible count, so tiles past every row's visible range are never visited.
+    cur = tl.min(tl.where(vis > 0, req, _NO_REQUEST), axis=0)
+    while cur != _NO_REQUEST:
+        mine = (req == cur) & (vis > 0)
+        req_vis = tl.max(tl.where(mine, vis, 0), axis=0)
+        pt_row = pt_ptr + cur.to(tl.int64) * pt_stride
+        for tile in range(col_prog, tl.cdiv(req_vis, BLOCK_N), col_progs):
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            keys, page_ok = load_key_tile(k_ptr, pt_row, cols, cols < req_vis, num_pages, PAGE_SIZE, HEAD_DIM,
+                                          HEAD_DIM)
+            if UPCAST:
+                keys = keys.to(tl.float32)
+            if PER_HEAD:
+                keys_t = tl.trans(keys)
+                acc = tl.maximum(tl.dot(q0, keys_t), 0.0)
+                acc += tl.maximum(tl.dot(q1, keys_t), 0.0)
+                acc += tl.maximum(tl.dot(q2, keys_t), 0.0)
+                acc += tl.maximum(tl.dot(q3, keys_t), 0.0)
+                score = tl.where(page_ok[None, :], acc * scale, float("-inf"))
+            else:
+                score = stacked_head_scores(q, keys, page_ok, scale, BLOCK_M, NUM_HEADS, BLOCK_N)
+            keep = mine[:, None] & (cols[None, :] < vis[:, None])
+            tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
+        cur = tl.min(tl.where((vis > 0) & (req > cur), req, _NO_REQUEST), axis=0)
+
+
+@dataclass(frozen=True)
+class TiledConfig:
+    block_m: int = 64  # query rows per tile (with stacked heads, the dot's M is block_m * heads)
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 2
+    stack_heads: int = 0  # 1: one stacked rows x heads dot even with 4 heads
+
+
+def unsupported_reason(problem) -> str | None:
+    if not is_pow2(problem.num_heads):
+        return f"needs a power-of-two head count (got {problem.num_heads})"
+    if not (is_pow2(problem.head_dim) and problem.head_dim >= 16):
+        return f"needs a power-of-two head_dim >= 16 (got {problem.head_dim})"
+    return None
+
+
+def default_config(problem) -> TiledConfig:
+    if problem.num_heads == 4:
+        return TiledConfig()
+    # Stacked heads: keep M = block_m * heads at 128.
+    return TiledConfig(block_m=max(1, 128 // problem.num_heads), block_n=128, stack_heads=1)
+
+
+def constexprs(problem, cfg: TiledConfig, upcast: bool) -> dict:
+    return dict(
+        RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
+        PAGE_SIZE=problem.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        PER_HEAD=problem.num_heads == 4 and not cfg.stack_heads, UPCAST=upcast,
+    )
+
+
+def grid(problem, cfg: TiledConfig, target: int) -> tuple[int, int]:
+    row_tiles = triton.cdiv(problem.num_tokens, cfg.block_m)
+    tiles = triton.cdiv(max(problem.num_columns, 1), cfg.block_n)
+    return row_tiles, max(1, min(tiles, target // row_tiles))
+
+
+def launch(problem, args: ScoreLaunch, cfg: TiledConfig | None = None) -> None:
+    cfg = cfg or default_config(problem)
+    _tiled_prefill_kernel[grid(problem, cfg, target_programs(args.q.device, cfg.programs_per_sm))](
+        *args.common_args(), **constexprs(problem, cfg, args.upcast),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+KERNEL = _tiled_prefill_kernel
+
+
+def signature(q_dtype: str, index_dtype: str) -> dict[str, str]:
+    return common_signature(q_dtype, index_dtype)

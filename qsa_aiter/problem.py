@@ -1,0 +1,195 @@
+"""Validation of a scoring call and the host-side description (``ScoreProblem``) that dispatch decides from.
+
+Nothing here reads device memory: every fact comes from shapes, dtypes, devices and the caller's host-side hints,
+so the op stays capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+PHASES = ("prefill", "verify", "draft", "decode")
+#: Above this many query rows a call without a phase hint is treated as prefill (SPEC section 4).
+MAX_DECODE_ROWS = 256
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_KV_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "bf16"}  # the registry's "bf16" row covers 16-bit caches
+
+
+@dataclass(frozen=True)
+class ScoreProblem:
+    """Everything dispatch may know about a call, all from host-side facts."""
+
+    device_type: str
+    q_dtype: torch.dtype
+    kv_dtype: str  # registry axis: "bf16" (bf16 and fp16 caches)
+    cache_dtype: torch.dtype
+    block_size: int  # compressed groups per page
+    num_tokens: int
+    num_heads: int
+    head_dim: int
+    num_requests: int
+    table_width: int
+    num_pages: int
+    num_columns: int
+    compress_ratio: int
+    phase: str
+    phase_source: str  # "hint" or "inferred: <why>"
+    max_query_len: int | None
+    cache_bytes: int
+
+    def summary(self) -> str:
+        return (
+            f"kv={self.kv_dtype}({str(self.cache_dtype).removeprefix('torch.')}) page={self.block_size} "
+            f"phase={self.phase} rows={self.num_tokens} heads={self.num_heads} head_dim={self.head_dim} "
+            f"requests={self.num_requests} columns={self.num_columns} device={self.device_type}"
+        )
+
+
+def _fail(kind: type[Exception], name: str, expected: str, got: object) -> None:
+    raise kind(f"qsa_paged_mqa_logits: `{name}` must be {expected}; got {got}")
+
+
+def _check_tensor(name, t, *, ndim, dtypes, device=None, contiguous=False) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+    if t.dim() != ndim:
+        _fail(ValueError, name, f"{ndim}-D", f"shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        _fail(TypeError, name, "one of " + ", ".join(str(d).removeprefix("torch.") for d in dtypes), t.dtype)
+    if device is not None and t.device != device:
+        _fail(ValueError, name, f"on {device} like `q`", t.device)
+    if contiguous and not t.is_contiguous():
+        _fail(ValueError, name, "contiguous", f"strides {t.stride()}")
+
+
+def _check_int(name, value, *, minimum, maximum=None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(TypeError, name, "an int", type(value).__name__)
+    value = int(value)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        _fail(ValueError, name, bound, value)
+    return value
+
+
+def infer_phase(num_tokens: int, num_requests: int, max_query_len: int | None, stacked_enabled: bool) -> tuple[str, str]:
+    """Phase from host-side facts (SPEC section 4). Returns ``(phase, why)``."""
+    if num_tokens > MAX_DECODE_ROWS:
+        return "prefill", f"{num_tokens} rows > {MAX_DECODE_ROWS}"
+    if max_query_len is not None:
+        multi, why = max_query_len > 1, f"max_query_len={max_query_len}"
+    else:
+        multi, why = num_tokens > num_requests, f"{num_tokens} rows over {num_requests} requests"
+    if multi:
+        return "verify", why + " (several rows per request)"
+    if stacked_enabled:
+        return "draft", why + " (one row per request, stacked scorer on)"
+    return "decode", why + " (one row per request, stacked scorer off)"
+
+
+def validate_scoring_call(
+    q,
+    compressed_k_cache,
+    page_table,
+    token_to_request,
+    query_positions,
+    context_lens,
+    compress_ratio,
+    score_divisor,
+    max_columns,
+    row_starts,
+    k_scale,
+    out,
+    phase,
+    max_query_len,
+    stacked_enabled: bool,
+) -> tuple[ScoreProblem, float]:
+    """Check every argument; return the problem description and the score divisor. Raises before anything is written."""
+    _check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), contiguous=True)
+    device = q.device
+    tokens, heads, head_dim = q.shape
+    if heads < 1 or head_dim < 1:
+        _fail(ValueError, "q", "[tokens, heads >= 1, head_dim >= 1]", tuple(q.shape))
+    cache = compressed_k_cache
+    if not isinstance(cache, torch.Tensor):
+        _fail(TypeError, "compressed_k_cache", "a torch.Tensor", type(cache).__name__)
+    if cache.dtype not in _KV_DTYPE_NAMES:
+        _fail(TypeError, "compressed_k_cache", "bf16 or fp16 (16-bit index cache)", cache.dtype)
+    _check_tensor("compressed_k_cache", cache, ndim=4, dtypes=(q.dtype,), device=device, contiguous=True)
+    num_pages, block_size, kv_heads, cache_dim = cache.shape
+    if kv_heads != 1 or cache_dim != head_dim:
+        _fail(ValueError, "compressed_k_cache", f"[pages, page_size, 1, {head_dim}]", tuple(cache.shape))
+    if num_pages < 1 or block_size < 1:
+        _fail(ValueError, "compressed_k_cache", "at least one page of at least one slot", tuple(cache.shape))
+    if k_scale is not None:
+        _fail(ValueError, "k_scale", "None for a 16-bit index cache", type(k_scale).__name__)
+    _check_tensor("page_table", page_table, ndim=2, dtypes=_INDEX_DTYPES, device=device)
+    if page_table.shape[1] > 0 and page_table.stride(1) != 1:
+        _fail(ValueError, "page_table", "contiguous along its last dim", f"strides {page_table.stride()}")
+    requests, width = page_table.shape
+    _check_tensor("token_to_request", token_to_request, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
+    _check_tensor("query_positions", query_positions, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
+    _check_tensor("context_lens", context_lens, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
+    if token_to_request.numel() != tokens:
+        _fail(ValueError, "token_to_request", f"length {tokens} (q's tokens)", token_to_request.numel())
+    if query_positions.numel() != tokens:
+        _fail(ValueError, "query_positions", f"length {tokens} (q's tokens)", query_positions.numel())
+    if context_lens.numel() != requests:
+        _fail(ValueError, "context_lens", f"length {requests} (page_table rows)", context_lens.numel())
+    ratio = _check_int("compress_ratio", compress_ratio, minimum=1)
+    if score_divisor is None:
+        divisor = math.sqrt(head_dim)
+    else:
+        if isinstance(score_divisor, bool) or not isinstance(score_divisor, numbers.Real):
+            _fail(TypeError, "score_divisor", "a positive real number or None", type(score_divisor).__name__)
+        divisor = float(score_divisor)
+        if not (math.isfinite(divisor) and divisor > 0):
+            _fail(ValueError, "score_divisor", "finite and > 0", score_divisor)
+    capacity = width * block_size
+    num_columns = capacity if max_columns is None else _check_int("max_columns", max_columns, minimum=0, maximum=capacity)
+    if row_starts is not None:
+        _check_tensor("row_starts", row_starts, ndim=1, dtypes=_INDEX_DTYPES, device=device)
+        if row_starts.numel() != tokens:
+            _fail(ValueError, "row_starts", f"length {tokens} (q's tokens)", row_starts.numel())
+    if out is not None:
+        _check_tensor("out", out, ndim=2, dtypes=(torch.float32,), device=device)
+        if tuple(out.shape) != (tokens, num_columns):
+            _fail(ValueError, "out", f"shape ({tokens}, {num_columns})", tuple(out.shape))
+        if num_columns > 0 and tokens > 0 and out.stride(1) != 1:
+            _fail(ValueError, "out", "contiguous along its last dim", f"strides {out.stride()}")
+        if tokens > 1 and num_columns > 0 and out.stride(0) < num_columns:
+            _fail(ValueError, "out", f"rows that do not overlap (row stride >= {num_columns})", f"strides {out.stride()}")
+    if max_query_len is not None:
+        max_query_len = _check_int("max_query_len", max_query_len, minimum=1)
+    if phase is None:
+        phase_name, why = infer_phase(tokens, requests, max_query_len, stacked_enabled)
+        source = "inferred: " + why
+    else:
+        if phase not in PHASES:
+            _fail(ValueError, "phase", "None or one of " + ", ".join(PHASES), repr(phase))
+        phase_name, source = phase, "hint"
+    problem = ScoreProblem(
+        device_type=device.type,
+        q_dtype=q.dtype,
+        kv_dtype=_KV_DTYPE_NAMES[cache.dtype],
+        cache_dtype=cache.dtype,
+        block_size=block_size,
+        num_tokens=tokens,
+        num_heads=heads,
+        head_dim=head_dim,
+        num_requests=requests,
+        table_width=width,
+        num_pages=num_pages,
+        num_columns=num_columns,
+        compress_ratio=ratio,
+        phase=phase_name,
+        phase_source=source,
+        max_query_len=max_query_len,
+        cache_bytes=cache.numel() * cache.element_size(),
+    )
+    return problem, divisor

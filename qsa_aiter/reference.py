@@ -1,0 +1,86 @@
+"""Torch reference of QSA index scoring: the oracle of every kernel test.
+
+Runs on CPU or GPU tensors, groups rows by request and chunks rows and columns so that memory stays bounded at 262K
+context (about ``row_chunk * heads * col_chunk * 4`` bytes of scores plus ``col_chunk * head_dim`` keys at a time).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def visible_groups(token_to_request, query_positions, context_lens, compress_ratio: int, num_columns: int):
+    """Visible compressed groups per row, int32 ``[tokens]``.
+
+    ``max(0, min((p + 1) // R, context_len // R, num_columns))``; rows whose request id is outside
+    ``[0, requests)`` (the padded ``-1``) see nothing.
+    """
+    req = token_to_request.long()
+    pos = query_positions.long()
+    valid = (req >= 0) & (req < context_lens.numel())
+    ctx = context_lens.long()[req.clamp(0, max(context_lens.numel() - 1, 0))] if context_lens.numel() else req * 0
+    vis = torch.minimum(torch.div(pos + 1, compress_ratio, rounding_mode="floor"),
+                        torch.div(ctx, compress_ratio, rounding_mode="floor"))
+    vis = vis.clamp(min=0, max=num_columns)
+    return torch.where(valid, vis, torch.zeros_like(vis)).to(torch.int32)
+
+
+def reference_paged_mqa_logits(
+    q: torch.Tensor,
+    compressed_k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    token_to_request: torch.Tensor,
+    query_positions: torch.Tensor,
+    context_lens: torch.Tensor,
+    compress_ratio: int = 4,
+    score_divisor: float | None = None,
+    max_columns: int | None = None,
+    *,
+    accum_dtype: torch.dtype = torch.float32,
+    row_chunk: int = 256,
+    col_chunk: int = 16384,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference logits fp32 ``[tokens, num_columns]`` and visible groups int32 ``[tokens]``.
+
+    q: ``[tokens, heads, head_dim]``; compressed_k_cache: ``[pages, page_size, 1, head_dim]`` (any float dtype, read
+    as is, so pass the dequantised cache for quantised formats). Columns in ``[0, visible)`` hold scores or ``-inf``
+    where the page id is outside ``[0, pages)``; every other column is ``-inf``. Accumulates in ``accum_dtype``.
+    """
+    tokens, heads, head_dim = q.shape
+    num_pages, page_size = compressed_k_cache.shape[:2]
+    width = page_table.shape[1]
+    num_columns = width * page_size if max_columns is None else int(max_columns)
+    divisor = math.sqrt(head_dim) if score_divisor is None else float(score_divisor)
+    device = q.device
+    logits = torch.full((tokens, num_columns), float("-inf"), dtype=torch.float32, device=device)
+    vis = visible_groups(token_to_request, query_positions, context_lens, compress_ratio, num_columns)
+    if tokens == 0 or num_columns == 0:
+        return logits, vis
+    keys = compressed_k_cache.reshape(num_pages, page_size, head_dim)
+    req_of_row = token_to_request.long()
+    vis_host = vis.long().cpu()
+    for r in torch.unique(req_of_row).tolist():
+        if r < 0 or r >= page_table.shape[0]:
+            continue
+        rows = torch.nonzero(req_of_row == r).flatten()
+        rows = rows[vis_host[rows.cpu()].to(device) > 0] if rows.numel() else rows
+        if rows.numel() == 0:
+            continue
+        req_cols = int(vis_host[rows.cpu()].max())
+        for c0 in range(0, req_cols, col_chunk):
+            cols = torch.arange(c0, min(c0 + col_chunk, req_cols), device=device)
+            pages = page_table[r].long()[cols // page_size]
+            page_ok = (pages >= 0) & (pages < num_pages)
+            k = keys[pages.clamp(0, num_pages - 1), cols % page_size].to(accum_dtype)  # [C, D]
+            k = torch.where(page_ok[:, None], k, torch.zeros_like(k))
+            for r0 in range(0, rows.numel(), row_chunk):
+                sub = rows[r0 : r0 + row_chunk]
+                qs = q[sub].to(accum_dtype)  # [n, H, D]
+                scores = torch.einsum("nhd,cd->nhc", qs, k).clamp_min(0).sum(dim=1) / divisor
+                scores = torch.where(page_ok[None, :], scores, torch.full_like(scores, float("-inf")))
+                in_view = cols[None, :] < vis[sub].long()[:, None]
+                block = logits[sub, c0 : c0 + cols.numel()]
+                logits[sub, c0 : c0 + cols.numel()] = torch.where(in_view, scores.float(), block)
+    return logits, vis

@@ -1,0 +1,252 @@
+"""Kernel registry: ``(kv_dtype, block_size, phase)`` -> ordered candidates, and the choice among them.
+
+Each candidate answers "do you serve this problem?" with a list of human-readable reasons (empty = serves); the
+ordered table says which is preferred. ``select`` walks the order and takes the first candidate with no reasons,
+returning a ``Decision`` that records why every other candidate was passed over; ``explain`` prints it. A forced
+backend (``QSA_AITER_BACKEND``) goes through the same reasons. A candidate that raises while compiling or launching
+is marked broken for the problem's specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` raises).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .kernels.common import interpreting
+from .log import log_once
+from .problem import ScoreProblem
+from .settings import QsaSettings, get_settings
+
+KV_DTYPES = ("bf16",)
+BLOCK_SIZES = (16, 64)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One kernel that may serve a scoring call."""
+
+    name: str
+    description: str
+    reasons: Callable[..., list[str]]  # reasons(problem, settings=None) -> list of sentences; empty = serves
+    run: Callable  # run(problem, launch_args) -> None
+    kv_dtypes: tuple[str, ...] = KV_DTYPES
+
+
+def _device_reasons(problem: ScoreProblem) -> list[str]:
+    if problem.device_type == "cuda":
+        return []
+    if problem.device_type == "cpu" and interpreting():
+        return []
+    return [f"Triton kernels need a CUDA/HIP tensor or TRITON_INTERPRET=1 (tensors are on {problem.device_type})"]
+
+
+def _common_reasons(problem: ScoreProblem, kv_dtypes: tuple[str, ...]) -> list[str]:
+    reasons = _device_reasons(problem)
+    if problem.kv_dtype not in kv_dtypes:
+        reasons.append(f"kv dtype {problem.kv_dtype} is not served (serves {', '.join(kv_dtypes)})")
+    return reasons
+
+
+def _rowwise_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
+    return _common_reasons(problem, KV_DTYPES)
+
+
+def _stacked_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
+    from .kernels import stacked
+
+    reasons = _common_reasons(problem, KV_DTYPES)
+    if not (settings or get_settings()).stacked_decode_scorer:
+        reasons.append("disabled by ATOM_QSA_STACKED_DECODE_SCORER=0")
+    why = stacked.unsupported_reason(problem)
+    if why:
+        reasons.append(why)
+    return reasons
+
+
+def _tiled_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
+    from .kernels import tiled
+
+    reasons = _common_reasons(problem, KV_DTYPES)
+    why = tiled.unsupported_reason(problem)
+    if why:
+        reasons.append(why)
+    return reasons
+
+
+def _torch_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
+    return []
+
+
+def _run_kernel(module_name: str):
+    def run(problem, args):
+        import importlib
+
+        importlib.import_module(f"qsa_aiter.kernels.{module_name}").launch(problem, args)
+
+    return run
+
+
+def _run_torch(problem, args) -> None:
+    from .reference import reference_paged_mqa_logits
+
+    logits, vis = reference_paged_mqa_logits(
+        args.q, args.k_cache, args.page_table, args.token_to_request, args.query_positions, args.context_lens,
+        args.compress_ratio, 1.0 / args.scale, args.num_columns,
+    )
+    args.logits.copy_(logits)
+    args.visible.copy_(vis)
+
+
+CANDIDATES: dict[str, Candidate] = {
+    c.name: c
+    for c in (
+        Candidate("tiled", "tiled tensor-core prefill scorer (rows x keys tiles)", _tiled_reasons, _run_kernel("tiled")),
+        Candidate("stacked", "stacked verify/draft scorer (rows x heads in one M operand)", _stacked_reasons,
+                  _run_kernel("stacked")),
+        Candidate("rowwise", "row-wise CUDA-core scorer (universal fallback)", _rowwise_reasons,
+                  _run_kernel("rowwise")),
+        Candidate("torch", "torch reference (CPU, or last resort)", _torch_reasons, _run_torch,
+                  kv_dtypes=KV_DTYPES),
+    )
+}
+
+_PHASE_ORDER = {
+    "prefill": ("tiled", "rowwise", "torch"),
+    "verify": ("stacked", "rowwise", "torch"),
+    "draft": ("stacked", "rowwise", "torch"),
+    "decode": ("rowwise", "torch"),
+}
+#: The registry table. Every kv dtype and block size the project ships has a row per phase.
+TABLE: dict[tuple[str, int, str], tuple[str, ...]] = {
+    (kv, bs, phase): order for kv in KV_DTYPES for bs in BLOCK_SIZES for phase, order in _PHASE_ORDER.items()
+}
+#: For page sizes outside the table: the universal scorer first.
+FALLBACK_ORDER = ("rowwise", "torch")
+
+_broken: dict[tuple, str] = {}
+_decisions: dict[tuple, "Decision"] = {}
+_MAX_DECISIONS = 256
+
+
+def _broken_key(name: str, problem: ScoreProblem) -> tuple:
+    return (name, problem.device_type, str(problem.cache_dtype), problem.block_size, problem.num_heads,
+            problem.head_dim, problem.compress_ratio)
+
+
+@dataclass
+class Decision:
+    """Which candidate serves a problem, and why each other one does not."""
+
+    problem: ScoreProblem
+    chosen: str | None
+    order: tuple[str, ...]
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+    forced: bool = False
+    table_note: str = ""
+
+    def report(self) -> str:
+        p = self.problem
+        lines = [f"qsa_paged_mqa_logits: {p.summary()}", f"  phase {p.phase} ({p.phase_source})"]
+        if self.table_note:
+            lines.append("  " + self.table_note)
+        how = "forced by QSA_AITER_BACKEND" if self.forced else "order " + " > ".join(self.order)
+        lines.append(f"  candidates ({how}):")
+        for name in self.order:
+            if name == self.chosen:
+                lines.append(f"    * {name}: serves ({CANDIDATES[name].description})")
+            elif name in self.rejected:
+                lines.append(f"    - {name}: " + "; ".join(self.rejected[name]))
+            else:
+                lines.append(f"    . {name}: not consulted (an earlier candidate serves)")
+        if self.chosen is None:
+            lines.append("  no candidate serves this call")
+        return "\n".join(lines)
+
+
+def candidate_order(problem: ScoreProblem) -> tuple[tuple[str, ...], str]:
+    key = (problem.kv_dtype, problem.block_size, problem.phase)
+    if key in TABLE:
+        return TABLE[key], f"registry row {key}"
+    return FALLBACK_ORDER, f"no registry row for {key}: universal fallback order"
+
+
+def _reasons(name: str, problem: ScoreProblem, settings: QsaSettings) -> list[str]:
+    reasons = list(CANDIDATES[name].reasons(problem, settings))
+    broken = _broken.get(_broken_key(name, problem))
+    if broken:
+        reasons.append(f"marked broken in this process: {broken}")
+    return reasons
+
+
+def select(problem: ScoreProblem, *, skip: tuple[str, ...] = (), settings: QsaSettings | None = None) -> Decision:
+    """Choose the kernel for ``problem`` (no device access). ``skip`` names candidates that failed this call.
+
+    Decisions without ``skip`` are memoised per (problem, settings) until a kernel is marked broken, so a steady
+    stream of calls pays one dictionary lookup here.
+    """
+    settings = settings or get_settings()
+    key = (problem, settings)
+    if not skip and key in _decisions:
+        return _decisions[key]
+    forced = settings.backend != "auto"
+    order, note = ((settings.backend,), "") if forced else candidate_order(problem)
+    decision = Decision(problem, None, order, forced=forced, table_note=note)
+    for name in order:
+        reasons = _reasons(name, problem, settings)
+        if name in skip:
+            reasons.append("failed on this call")
+        if reasons:
+            decision.rejected[name] = reasons
+            continue
+        decision.chosen = name
+        break
+    if not skip:
+        if len(_decisions) >= _MAX_DECISIONS:
+            _decisions.pop(next(iter(_decisions)))  # oldest first: a bounded memo, not a cache of every shape
+        _decisions[key] = decision
+    return decision
+
+
+def explain(problem: ScoreProblem) -> str:
+    """The full report for ``problem``: every candidate in order, with its reasons."""
+    settings = get_settings()
+    decision = select(problem, settings=settings)
+    full = Decision(problem, decision.chosen, decision.order, forced=decision.forced, table_note=decision.table_note)
+    for name in decision.order:
+        if name != decision.chosen:
+            full.rejected[name] = (_reasons(name, problem, settings)
+                                   or ["serves, but an earlier candidate is preferred"])
+    return full.report()
+
+
+def run(problem: ScoreProblem, args, settings: QsaSettings | None = None) -> str:
+    """Run the chosen candidate, falling back past ones that raise. Returns the name of the kernel that ran."""
+    settings = settings or get_settings()
+    failed: tuple[str, ...] = ()
+    while True:
+        decision = select(problem, skip=failed, settings=settings)
+        if decision.chosen is None:
+            raise ValueError(decision.report())
+        name = decision.chosen
+        if not failed:
+            log_once(logging.INFO, ("dispatch", problem, name), decision.report)
+        try:
+            CANDIDATES[name].run(problem, args)
+            return name
+        except Exception as err:  # compile or launch failure: fall back unless strict
+            if settings.strict or decision.forced:
+                raise
+            message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            _broken[_broken_key(name, problem)] = message
+            _decisions.clear()
+            log_once(logging.WARNING, ("broken", _broken_key(name, problem)),
+                     f"kernel {name} failed for {problem.summary()} and is marked broken: {message}")
+            failed = failed + (name,)
+
+
+def clear_broken() -> None:
+    """Forget kernels marked broken (tests)."""
+    _broken.clear()
+    _decisions.clear()
+

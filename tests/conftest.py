@@ -1,0 +1,44 @@
+"""Test setup: the Triton interpreter on CPU-only machines, the ``gpu`` marker and a clean environment per test.
+
+``TRITON_INTERPRET`` must be set before Triton is imported (``triton.jit`` decides at decoration time whether a kernel
+is interpreted), so it is set here before anything imports Triton or ``qsa_aiter``.
+"""
+
+import os
+import zlib
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from qsa_aiter import log, registry  # noqa: E402
+from qsa_aiter.settings import ENV_NAMES  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA/HIP GPU (run with `-m gpu`); skipped without one")
+    # Triton 3.6's interpreter converts 1-element arrays to scalars, which NumPy >= 1.25 deprecates (many lines).
+    config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+@pytest.fixture(autouse=True)
+def _clean_qsa_state(monkeypatch):
+    """Every test starts from the default switches, no kernel marked broken and an empty log-once memory."""
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    registry.clear_broken()
+    log.reset_log_once()
+    # Make the next log call set the logger's level from the settings again (caplog may have changed it).
+    monkeypatch.setattr(log, "_configured_level", None)
+    yield
+    registry.clear_broken()
+    log.reset_log_once()
+
+
+@pytest.fixture
+def rng(request) -> torch.Generator:
+    """A CPU generator seeded from the test's id: fresh inputs per test, reproducible run to run."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,136 @@
+"""Shared checks of the kernel tests: poison the output, run the op, compare ``[0, visible)`` with the reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import qsa_aiter
+from qsa_aiter import registry
+from qsa_aiter.ops import describe_call
+from qsa_aiter.reference import reference_paged_mqa_logits
+
+#: Triton kernels of the registry, by candidate name.
+KERNELS = ("tiled", "stacked", "rowwise")
+#: What a test may force through ``QSA_AITER_BACKEND``: every candidate, plus ``auto`` (the registry decides).
+BACKENDS = KERNELS + ("torch", "auto")
+#: The kernel the registry prefers for each phase when every candidate can serve (SPEC section 4).
+PREFERRED = {"prefill": "tiled", "verify": "stacked", "draft": "stacked", "decode": "rowwise"}
+
+POISON = float("nan")
+
+
+def force_backend(monkeypatch, name: str) -> None:
+    """Force ``name`` for every phase (``auto`` leaves the choice to the registry)."""
+    if name == "auto":
+        monkeypatch.delenv("QSA_AITER_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("QSA_AITER_BACKEND", name)
+
+
+def skip_unless_serves(name: str, args: tuple, **kwargs):
+    """Skip the test when candidate ``name`` does not serve this call (the check the registry itself makes).
+
+    Returns the validated ``ScoreProblem``.
+    """
+    problem = describe_call(*args, **kwargs)
+    if name != "auto":
+        reasons = registry.CANDIDATES[name].reasons(problem)
+        if reasons:
+            pytest.skip(f"{name} does not serve {problem.summary()}: " + "; ".join(reasons))
+    return problem
+
+
+def num_columns_of(args: tuple, max_columns: int | None = None) -> int:
+    page_table, cache = args[2], args[1]
+    return page_table.shape[1] * cache.shape[1] if max_columns is None else max_columns
+
+
+def poisoned_out(args: tuple, max_columns: int | None = None) -> torch.Tensor:
+    q = args[0]
+    return torch.full((q.shape[0], num_columns_of(args, max_columns)), POISON, dtype=torch.float32, device=q.device)
+
+
+def run_poisoned(args: tuple, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the op into a NaN-poisoned ``out`` and check it was written in place and returned."""
+    out = poisoned_out(args, kwargs.get("max_columns"))
+    logits, visible = qsa_aiter.qsa_paged_mqa_logits(*args, out=out, **kwargs)
+    assert logits is out, "the op must return the `out` tensor it was given"
+    assert visible.dtype == torch.int32 and tuple(visible.shape) == (args[0].shape[0],)
+    return logits, visible
+
+
+def reference_of(args: tuple, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference for the same call (fp32 accumulation, same device)."""
+    extra = {k: kwargs[k] for k in ("score_divisor", "max_columns") if k in kwargs}
+    return reference_paged_mqa_logits(*args, **extra)
+
+
+def visible_mask(visible: torch.Tensor, num_columns: int) -> torch.Tensor:
+    cols = torch.arange(num_columns, device=visible.device)
+    return cols[None, :] < visible.long()[:, None]
+
+
+def _fmt_rows(rows: torch.Tensor, limit: int = 8) -> str:
+    shown = rows[:limit].tolist()
+    return str(shown) + (f" ... ({rows.numel()} rows)" if rows.numel() > limit else "")
+
+
+def assert_matches_reference(logits, visible, ref_logits, ref_visible, *, rtol=1e-5, atol=1e-5, rows=None,
+                             label: str = "") -> None:
+    """``visible`` equals the reference exactly; ``logits`` match it on ``[0, visible)`` (``-inf`` exactly).
+
+    ``rows`` (optional index tensor) restricts the comparison to those rows; ``ref_*`` are then the reference of
+    those rows only. Columns at or past ``visible`` are not compared: kernels need not write them.
+    """
+    prefix = f"{label}: " if label else ""
+    if rows is not None:
+        logits, visible = logits[rows], visible[rows]
+    visible = visible.to(ref_visible.device)
+    if not torch.equal(visible, ref_visible.to(visible.dtype)):
+        bad = torch.nonzero(visible != ref_visible.to(visible.dtype)).flatten()
+        raise AssertionError(
+            f"{prefix}visible differs on {bad.numel()} of {visible.numel()} rows {_fmt_rows(bad)}: "
+            f"got {visible[bad[:8]].tolist()}, expected {ref_visible[bad[:8]].tolist()}"
+        )
+    assert tuple(logits.shape) == tuple(ref_logits.shape), f"{prefix}shape {tuple(logits.shape)} != reference"
+    mask = visible_mask(visible, logits.shape[1])
+    got, exp = logits.float()[mask], ref_logits.to(logits.device)[mask]
+    exp_ninf = torch.isneginf(exp)
+    got_ninf = torch.isneginf(got)
+    finite = ~exp_ninf
+    close = torch.zeros_like(exp_ninf)
+    close[exp_ninf] = got_ninf[exp_ninf]
+    g, e = got[finite], exp[finite]
+    close[finite] = torch.isfinite(g) & ((g - e).abs() <= atol + rtol * e.abs())
+    if bool(close.all()):
+        return
+    where = torch.nonzero(mask)  # [n, 2] row/col of every compared entry, in the order of got/exp
+    bad = torch.nonzero(~close).flatten()
+    diff = (g - e).abs()
+    diff = diff[torch.isfinite(diff)]
+    lines = [
+        f"{prefix}{bad.numel()} of {exp.numel()} visible logits differ from the reference "
+        f"(rtol={rtol}, atol={atol}; max |err| over finite entries "
+        f"{(diff.max().item() if diff.numel() else math.nan):.3g})"
+    ]
+    for i in bad[:10].tolist():
+        r, c = where[i].tolist()
+        lines.append(f"  row {r} col {c} (visible {int(visible[r])}): got {got[i].item()!r}, "
+                     f"expected {exp[i].item()!r}")
+    raise AssertionError("\n".join(lines))
+
+
+def check_call(args: tuple, *, rtol=1e-5, atol=1e-5, label: str = "", **kwargs):
+    """Poison, run, and compare with the reference. Returns ``(logits, visible)``."""
+    logits, visible = run_poisoned(args, **kwargs)
+    ref_logits, ref_visible = reference_of(args, **kwargs)
+    assert_matches_reference(logits, visible, ref_logits, ref_visible, rtol=rtol, atol=atol, label=label)
+    return logits, visible
+
+
+def visible_bits(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of the ``[0, visible)`` logits, for bitwise comparisons."""
+    return logits[visible_mask(visible, logits.shape[1])].view(torch.int32)

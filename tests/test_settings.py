@@ -1,0 +1,133 @@
+"""Environment switches: parsing, validation errors that name the variable, and re-parsing when they change."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from qsa_aiter import settings
+from qsa_aiter.settings import BACKEND_NAMES, ENV_NAMES, environment_table, get_settings
+
+BOOL_VARS = {"ATOM_QSA_STACKED_DECODE_SCORER": "stacked_decode_scorer", "QSA_AITER_STRICT": "strict"}
+TRUE_WORDS = ["1", "true", "yes", "on", "TRUE", "Yes", "ON", " 1 "]
+FALSE_WORDS = ["0", "false", "no", "off", "FALSE", "No", "Off", "0 "]
+
+
+def test_defaults():
+    s = get_settings()
+    assert s.stacked_decode_scorer is True
+    assert s.backend == "auto"
+    assert s.strict is False
+    assert s.log_level == "warning"
+
+
+def test_every_variable_is_known():
+    assert set(ENV_NAMES) == {"ATOM_QSA_STACKED_DECODE_SCORER", "QSA_AITER_BACKEND", "QSA_AITER_STRICT",
+                              "QSA_AITER_LOG_LEVEL"}
+
+
+@pytest.mark.parametrize("var", BOOL_VARS)
+@pytest.mark.parametrize("word", TRUE_WORDS + FALSE_WORDS)
+def test_boolean_words(monkeypatch, var, word):
+    monkeypatch.setenv(var, word)
+    assert getattr(get_settings(), BOOL_VARS[var]) is (word in TRUE_WORDS)
+
+
+@pytest.mark.parametrize("var", BOOL_VARS)
+@pytest.mark.parametrize("word", ["maybe", "2", "", "-1", "enabled", "t", "y"])
+def test_bad_boolean_names_variable_value_and_allowed_words(monkeypatch, var, word):
+    monkeypatch.setenv(var, word)
+    with pytest.raises(ValueError) as info:
+        get_settings()
+    message = str(info.value)
+    assert var in message and repr(word) in message
+    allowed = message.split("allowed:", 1)[1]
+    for w in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        assert w in allowed.split(" ")[1].split("/"), message
+
+
+@pytest.mark.parametrize("value,expected", [("auto", "auto"), ("AUTO", "auto")]
+                         + [(n, n) for n in BACKEND_NAMES] + [(" Tiled ", "tiled"), ("ROWWISE", "rowwise")])
+def test_backend_values(monkeypatch, value, expected):
+    monkeypatch.setenv("QSA_AITER_BACKEND", value)
+    assert get_settings().backend == expected
+
+
+@pytest.mark.parametrize("value", ["cutlass", "", "aiter", "rowwise,tiled", "default"])
+def test_bad_backend(monkeypatch, value):
+    monkeypatch.setenv("QSA_AITER_BACKEND", value)
+    with pytest.raises(ValueError) as info:
+        get_settings()
+    message = str(info.value)
+    assert "QSA_AITER_BACKEND" in message and repr(value) in message
+    for name in ("auto",) + BACKEND_NAMES:
+        assert name in message
+
+
+@pytest.mark.parametrize("value,expected", [("debug", "debug"), ("INFO", "info"), ("Warning", "warning"),
+                                            ("error", "error")])
+def test_log_levels(monkeypatch, value, expected):
+    monkeypatch.setenv("QSA_AITER_LOG_LEVEL", value)
+    assert get_settings().log_level == expected
+
+
+@pytest.mark.parametrize("value", ["verbose", "critical", "", "20"])
+def test_bad_log_level(monkeypatch, value):
+    monkeypatch.setenv("QSA_AITER_LOG_LEVEL", value)
+    with pytest.raises(ValueError) as info:
+        get_settings()
+    assert "QSA_AITER_LOG_LEVEL" in str(info.value) and repr(value) in str(info.value)
+
+
+def test_several_bad_values_are_all_reported(monkeypatch):
+    monkeypatch.setenv("QSA_AITER_STRICT", "sometimes")
+    monkeypatch.setenv("QSA_AITER_BACKEND", "fast")
+    with pytest.raises(ValueError) as info:
+        get_settings()
+    assert "QSA_AITER_STRICT" in str(info.value) and "QSA_AITER_BACKEND" in str(info.value)
+
+
+def test_reparsed_when_the_environment_changes(monkeypatch):
+    first = get_settings()
+    assert get_settings() is first, "unchanged environment: the parsed settings are reused"
+    monkeypatch.setenv("QSA_AITER_STRICT", "1")
+    assert get_settings().strict is True
+    monkeypatch.setenv("QSA_AITER_STRICT", "0")
+    assert get_settings().strict is False
+    monkeypatch.setenv("QSA_AITER_STRICT", "bogus")
+    with pytest.raises(ValueError):
+        get_settings()
+    with pytest.raises(ValueError):
+        get_settings()  # a bad value is never cached as a default
+    monkeypatch.delenv("QSA_AITER_STRICT")
+    assert get_settings().strict is False
+
+
+def test_unrelated_variables_are_ignored(monkeypatch):
+    monkeypatch.setenv("QSA_AITER_SOMETHING_ELSE", "x")
+    monkeypatch.setenv("stacked_decode_scorer", "0")  # field names are not variable names
+    assert get_settings().stacked_decode_scorer is True
+
+
+def test_settings_are_frozen():
+    with pytest.raises(ValidationError):
+        get_settings().strict = True
+
+
+def test_environment_table_lists_every_variable():
+    table = environment_table()
+    for name in ENV_NAMES:
+        assert f"`{name}`" in table
+    assert "| `ATOM_QSA_STACKED_DECODE_SCORER` | `1` |" in table
+    assert "| `QSA_AITER_BACKEND` | `auto` |" in table
+    assert table.count("\n") == len(ENV_NAMES) + 1
+
+
+def test_bool_words_constant():
+    assert set(settings.BOOL_WORDS) == {"0", "1", "true", "false", "yes", "no", "on", "off"}
+
+
+def test_lower_case_variable_names_are_not_read(monkeypatch):
+    monkeypatch.setattr(settings, "_cache", None)  # whatever earlier tests parsed
+    monkeypatch.setenv("qsa_aiter_strict", "1")
+    assert get_settings().strict is False
