@@ -110,21 +110,26 @@ def row_visibility(t2r_ptr, pos_ptr, ctx_ptr, rows, num_tokens, num_requests, nu
 
 
 @triton.jit
-def load_key_tile(k_ptr, pt_row_ptr, cols, col_ok, num_pages,
-                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Gather keys ``[BLOCK_N, BLOCK_D]`` of logical columns ``cols`` through one request's page-table row.
+def key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Element offsets of the keys of logical columns ``cols`` through one request's page-table row.
 
-    Returns the tile (zeros where masked) and ``page_ok``: the column is wanted and its physical page id lies in
-    ``[0, num_pages)``. A bad page id is never dereferenced. Offsets are 64-bit so caches beyond 2 GiB work.
+    Returns 64-bit offsets (caches beyond 2 GiB work) and ``page_ok``: the column is wanted and its physical page id
+    lies in ``[0, num_pages)``. A bad page id is never dereferenced: callers mask their loads with ``page_ok``.
     """
     page = tl.load(pt_row_ptr + cols // PAGE_SIZE, mask=col_ok, other=-1)
     page_ok = col_ok & (page >= 0) & (page < num_pages)
-    slot = (page.to(tl.int64) * PAGE_SIZE + (cols % PAGE_SIZE)) * HEAD_DIM
-    d = tl.arange(0, BLOCK_D)
-    mask = page_ok[:, None]
-    if BLOCK_D != HEAD_DIM:
-        mask = mask & (d < HEAD_DIM)[None, :]
-    keys = tl.load(k_ptr + slot[:, None] + d[None, :], mask=mask, other=0.0)
+    return (page.to(tl.int64) * PAGE_SIZE + (cols % PAGE_SIZE)) * HEAD_DIM, page_ok
+
+
+@triton.jit
+def load_key_tile(k_ptr, pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Gather keys ``[BLOCK_N, HEAD_DIM]`` of logical columns ``cols`` (zeros where masked) and their ``page_ok``.
+
+    ``HEAD_DIM`` must be a power of two (the tensor-core kernels require it).
+    """
+    slot, page_ok = key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE, HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM)
+    keys = tl.load(k_ptr + slot[:, None] + d[None, :], mask=page_ok[:, None], other=0.0)
     return keys, page_ok
 
 

@@ -1,7 +1,7 @@
 """Row-wise "CUDA-core" scorer: the universal fallback.
 
-One program scores one query row against a strided share of its visible column tiles (``COL_PROGRAMS`` programs per
-row, so a few long rows still fill the GPU); no ``tl.dot``. It serves every head count, head dim, page size and dtype.
+One program scores one query row against a strided share of its visible column tiles (several programs per row, so
+a few long rows still fill the GPU); no ``tl.dot``: products are fp32 FMAs on the CUDA cores. It serves every head count, head dim, page size and dtype.
 Column tiles at or past the row's visible count are never visited, and nothing past it is written.
 """
 
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    DYNAMIC_SCALARS, ScoreLaunch, common_signature, next_pow2, row_visibility, target_programs,
+    DYNAMIC_SCALARS, ScoreLaunch, common_signature, key_slots, row_visibility, target_programs,
 )
 
 
@@ -22,8 +22,7 @@ def _rowwise_scorer_kernel(
     q_ptr, k_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr,
     num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr,
-    N_CHUNKS: tl.constexpr, HEADS_P2: tl.constexpr, HEADS_TOGETHER: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
+    N_CHUNKS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -38,36 +37,21 @@ def _rowwise_scorer_kernel(
     for tile in tl.range(col_prog, tl.cdiv(vis, BLOCK_N), col_progs, num_stages=NUM_STAGES):
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < vis
-        page = tl.load(pt_row + cols // PAGE_SIZE, mask=col_ok, other=-1)
-        page_ok = col_ok & (page >= 0) & (page < num_pages)
-        slot = (page.to(tl.int64) * PAGE_SIZE + (cols % PAGE_SIZE)) * HEAD_DIM
-        # Per head, elementwise partial products [BLOCK_N, D_CHUNK] summed over the head_dim chunks; the
-        # cross-lane reduction happens once per head and tile, over D_CHUNK, instead of over all of head_dim.
-        if HEADS_TOGETHER:
-            # All heads at once: partial products [BLOCK_N, HEADS_P2, D_CHUNK], keys loaded once per chunk.
-            hh = tl.arange(0, HEADS_P2)
-            part3 = tl.zeros([BLOCK_N, HEADS_P2, D_CHUNK], dtype=tl.float32)
+        slot, page_ok = key_slots(pt_row, cols, col_ok, num_pages, PAGE_SIZE, HEAD_DIM)
+        # Per head: elementwise partial products [BLOCK_N, D_CHUNK] summed over the head_dim chunks, then one
+        # lane reduction over D_CHUNK (not over all of head_dim). Identical key loads across heads are merged by
+        # the compiler, so each key chunk is read once per tile.
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for h in tl.static_range(NUM_HEADS):
+            part = tl.zeros([BLOCK_N, D_CHUNK], dtype=tl.float32)
             for c in tl.static_range(N_CHUNKS):
                 d = c * D_CHUNK + dc
                 d_ok = d < HEAD_DIM
-                keys = tl.load(k_ptr + slot[:, None] + d[None, :], mask=page_ok[:, None] & d_ok[None, :], other=0.0)
-                q_c = tl.load(q_row + hh[:, None] * HEAD_DIM + d[None, :],
-                              mask=(hh < NUM_HEADS)[:, None] & d_ok[None, :], other=0.0)
-                part3 += keys.to(tl.float32)[:, None, :] * q_c.to(tl.float32)[None, :, :]
-            # Padded heads have q = 0: ReLU(0) adds nothing.
-            acc = tl.sum(tl.maximum(tl.sum(part3, axis=2), 0.0), axis=1)
-        else:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for h in tl.static_range(NUM_HEADS):
-                part = tl.zeros([BLOCK_N, D_CHUNK], dtype=tl.float32)
-                for c in tl.static_range(N_CHUNKS):
-                    d = c * D_CHUNK + dc
-                    d_ok = d < HEAD_DIM
-                    keys = tl.load(k_ptr + slot[:, None] + d[None, :], mask=page_ok[:, None] & d_ok[None, :],
-                                   other=0.0)
-                    q_c = tl.load(q_row + h * HEAD_DIM + d, mask=d_ok, other=0.0)
-                    part += keys.to(tl.float32) * q_c.to(tl.float32)[None, :]
-                acc += tl.maximum(tl.sum(part, axis=1), 0.0)
+                keys = tl.load(k_ptr + slot[:, None] + d[None, :], mask=page_ok[:, None] & d_ok[None, :],
+                               other=0.0)
+                q_c = tl.load(q_row + h * HEAD_DIM + d, mask=d_ok, other=0.0)
+                part += keys.to(tl.float32) * q_c.to(tl.float32)[None, :]
+            acc += tl.maximum(tl.sum(part, axis=1), 0.0)
         score = tl.where(page_ok, acc * scale, float("-inf"))
         tl.store(out_row + cols, score, mask=col_ok)
 
@@ -75,8 +59,7 @@ def _rowwise_scorer_kernel(
 @dataclass(frozen=True)
 class RowwiseConfig:
     block_n: int = 64
-    d_chunk: int = 32  # head_dim elements multiplied per step; the lane reduction spans only this many
-    heads_together: int = 0
+    d_chunk: int = 64  # head_dim elements multiplied per step; the lane reduction spans only this many
     num_warps: int = 4
     num_stages: int = 1  # 1: keys go straight to registers (no async-copy staging); faster on H200
     programs_per_sm: int = 8  # total programs aimed at, per multiprocessor
@@ -87,11 +70,11 @@ def default_config(problem) -> RowwiseConfig:
 
 
 def constexprs(problem, cfg: RowwiseConfig, upcast: bool) -> dict:
+    # ``upcast`` is moot here: this kernel multiplies in fp32 on every platform.
     return dict(
         RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
         D_CHUNK=cfg.d_chunk, N_CHUNKS=triton.cdiv(problem.head_dim, cfg.d_chunk),
-        HEADS_P2=next_pow2(problem.num_heads), HEADS_TOGETHER=bool(cfg.heads_together), PAGE_SIZE=problem.block_size,
-        BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, UPCAST=upcast,
+        PAGE_SIZE=problem.block_size, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
     )
 
 

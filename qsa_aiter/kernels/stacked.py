@@ -5,7 +5,7 @@ memory, so the stack is a plain 2-D load), and one ``tl.dot`` per key tile score
 applied per head, then the heads are summed out of M. With ``BLOCK_ROWS`` equal to the rows of one request (MTP
 verify), the request's keys are read once per verify instead of once per row. Rows of different requests in one
 block (draft: one row per request) are walked: each distinct request is scored with its own page-table row and only
-its rows are stored. ``COL_PROGRAMS`` programs per row block stride over the column tiles.
+its rows are stored. Several programs per row block (enough to fill the GPU once) stride over the column tiles.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ def _stacked_scorer_kernel(
             pt_row = pt_ptr + r_i.to(tl.int64) * pt_stride
             for tile in range(col_prog, tl.cdiv(req_vis, BLOCK_N), col_progs):
                 cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                keys, page_ok = load_key_tile(k_ptr, pt_row, cols, cols < req_vis, num_pages, PAGE_SIZE, HEAD_DIM,
-                                              HEAD_DIM)
+                keys, page_ok = load_key_tile(k_ptr, pt_row, cols, cols < req_vis, num_pages, PAGE_SIZE, HEAD_DIM)
                 if UPCAST:
                     keys = keys.to(tl.float32)
                 score = stacked_head_scores(q, keys, page_ok, scale, BLOCK_ROWS, NUM_HEADS, BLOCK_N)

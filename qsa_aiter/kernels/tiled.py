@@ -67,10 +67,13 @@ def _tiled_prefill_kernel(
         mine = (req == cur) & (vis > 0)
         req_vis = tl.max(tl.where(mine, vis, 0), axis=0)
         pt_row = pt_ptr + cur.to(tl.int64) * pt_stride
+        # Column tiles below every row's visible count, in a tile whose rows all belong to this request, are
+        # stored without a per-element mask (most tiles of a prefill chunk).
+        whole_tile = tl.sum(mine.to(tl.int32), axis=0) == BLOCK_M
+        min_vis = tl.min(tl.where(mine, vis, _NO_REQUEST), axis=0)
         for tile in range(col_prog, tl.cdiv(req_vis, BLOCK_N), col_progs):
             cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            keys, page_ok = load_key_tile(k_ptr, pt_row, cols, cols < req_vis, num_pages, PAGE_SIZE, HEAD_DIM,
-                                          HEAD_DIM)
+            keys, page_ok = load_key_tile(k_ptr, pt_row, cols, cols < req_vis, num_pages, PAGE_SIZE, HEAD_DIM)
             if UPCAST:
                 keys = keys.to(tl.float32)
             if PER_HEAD:
@@ -82,8 +85,11 @@ def _tiled_prefill_kernel(
                 score = tl.where(page_ok[None, :], acc * scale, float("-inf"))
             else:
                 score = stacked_head_scores(q, keys, page_ok, scale, BLOCK_M, NUM_HEADS, BLOCK_N)
-            keep = mine[:, None] & (cols[None, :] < vis[:, None])
-            tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
+            if whole_tile & (tile * BLOCK_N + BLOCK_N <= min_vis):
+                tl.store(out_rows[:, None] + cols[None, :], score)
+            else:
+                keep = mine[:, None] & (cols[None, :] < vis[:, None])
+                tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
         cur = tl.min(tl.where((vis > 0) & (req > cur), req, _NO_REQUEST), axis=0)
 
 
