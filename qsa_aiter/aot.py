@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .kernels.common import interpreting
+from .kernels.common import common_signature, interpreting
 from .problem import ScoreProblem
 
 TARGETS = {
@@ -50,7 +50,7 @@ def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None
     module = importlib.import_module(f"qsa_aiter.kernels.{kernel}")
     cfg = module.default_config(problem)
     constexprs = module.constexprs(problem, cfg, upcast=False)
-    signature = module.signature(_TRITON_DTYPES[problem.q_dtype], index_dtype)
+    signature = common_signature(_TRITON_DTYPES[problem.q_dtype], index_dtype)
     signature.update({name: "constexpr" for name in constexprs})
     # The launcher's runtime specialisation marks 16-byte-aligned pointers and strides divisible by 16; state the
     # same here, or the AOT build loses vectorised (and asynchronous, pipelined) loads.

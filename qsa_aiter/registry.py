@@ -13,9 +13,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .kernels import rowwise, stacked, tiled
 from .kernels.common import interpreting
 from .log import log_once
 from .problem import ScoreProblem
+from .reference import reference_paged_mqa_logits
 from .settings import QsaSettings, get_settings
 
 KV_DTYPES = ("bf16",)
@@ -30,7 +32,6 @@ class Candidate:
     description: str
     reasons: Callable[..., list[str]]  # reasons(problem, settings=None) -> list of sentences; empty = serves
     run: Callable  # run(problem, launch_args) -> None
-    kv_dtypes: tuple[str, ...] = KV_DTYPES
 
 
 def _device_reasons(problem: ScoreProblem) -> list[str]:
@@ -53,8 +54,6 @@ def _rowwise_reasons(problem: ScoreProblem, settings: QsaSettings | None = None)
 
 
 def _stacked_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
-    from .kernels import stacked
-
     reasons = _common_reasons(problem, KV_DTYPES)
     if not (settings or get_settings()).stacked_decode_scorer:
         reasons.append("disabled by ATOM_QSA_STACKED_DECODE_SCORER=0")
@@ -65,8 +64,6 @@ def _stacked_reasons(problem: ScoreProblem, settings: QsaSettings | None = None)
 
 
 def _tiled_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
-    from .kernels import tiled
-
     reasons = _common_reasons(problem, KV_DTYPES)
     why = tiled.unsupported_reason(problem)
     if why:
@@ -78,18 +75,7 @@ def _torch_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -
     return []
 
 
-def _run_kernel(module_name: str):
-    def run(problem, args):
-        import importlib
-
-        importlib.import_module(f"qsa_aiter.kernels.{module_name}").launch(problem, args)
-
-    return run
-
-
 def _run_torch(problem, args) -> None:
-    from .reference import reference_paged_mqa_logits
-
     logits, vis = reference_paged_mqa_logits(
         args.q, args.k_cache, args.page_table, args.token_to_request, args.query_positions, args.context_lens,
         args.compress_ratio, 1.0 / args.scale, args.num_columns,
@@ -101,13 +87,12 @@ def _run_torch(problem, args) -> None:
 CANDIDATES: dict[str, Candidate] = {
     c.name: c
     for c in (
-        Candidate("tiled", "tiled tensor-core prefill scorer (rows x keys tiles)", _tiled_reasons, _run_kernel("tiled")),
+        Candidate("tiled", "tiled tensor-core prefill scorer (rows x keys tiles)", _tiled_reasons, tiled.launch),
         Candidate("stacked", "stacked verify/draft scorer (rows x heads in one M operand)", _stacked_reasons,
-                  _run_kernel("stacked")),
+                  stacked.launch),
         Candidate("rowwise", "row-wise CUDA-core scorer (universal fallback)", _rowwise_reasons,
-                  _run_kernel("rowwise")),
-        Candidate("torch", "torch reference (CPU, or last resort)", _torch_reasons, _run_torch,
-                  kv_dtypes=KV_DTYPES),
+                  rowwise.launch),
+        Candidate("torch", "torch reference (CPU, or last resort)", _torch_reasons, _run_torch),
     )
 }
 

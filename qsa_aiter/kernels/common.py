@@ -40,6 +40,15 @@ def target_programs(device: torch.device, per_sm: int) -> int:
     return multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device()) * per_sm
 
 
+def column_programs(row_blocks: int, num_columns: int, block_n: int, target: int) -> int:
+    """Programs per row block: the column tiles split so the whole grid fills ``target`` programs at most once.
+
+    Rounded down (one wave, no straggling partial wave), at least 1, never more than the column tiles.
+    """
+    tiles = triton.cdiv(max(num_columns, 1), block_n)
+    return max(1, min(tiles, target // max(row_blocks, 1)))
+
+
 @dataclass(frozen=True)
 class ScoreLaunch:
     """Tensors and scalars every scoring kernel receives.

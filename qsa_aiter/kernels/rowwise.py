@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    DYNAMIC_SCALARS, ScoreLaunch, common_signature, key_slots, row_visibility, target_programs,
+    DYNAMIC_SCALARS, ScoreLaunch, column_programs, key_slots, row_visibility, target_programs,
 )
 
 
@@ -78,23 +78,15 @@ def constexprs(problem, cfg: RowwiseConfig, upcast: bool) -> dict:
     )
 
 
-def column_programs(problem, cfg: RowwiseConfig, target: int) -> int:
-    """Programs per row: enough to fill the device when rows are few, never more than the column tiles."""
-    tiles = triton.cdiv(max(problem.num_columns, 1), cfg.block_n)
-    return max(1, min(tiles, target // max(problem.num_tokens, 1)))
-
-
 def launch(problem, args: ScoreLaunch, cfg: RowwiseConfig | None = None) -> None:
     cfg = cfg or default_config(problem)
-    cols = column_programs(problem, cfg, target_programs(args.q.device, cfg.programs_per_sm))
+    target = target_programs(args.q.device, cfg.programs_per_sm)
+    cols = column_programs(problem.num_tokens, problem.num_columns, cfg.block_n, target)
     _rowwise_scorer_kernel[(problem.num_tokens, cols)](
         *args.common_args(), **constexprs(problem, cfg, args.upcast),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
+#: The kernel object, for ahead-of-time compilation (``qsa_aiter.aot``).
 KERNEL = _rowwise_scorer_kernel
-
-
-def signature(q_dtype: str, index_dtype: str) -> dict[str, str]:
-    return common_signature(q_dtype, index_dtype)

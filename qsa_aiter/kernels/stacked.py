@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    DYNAMIC_SCALARS, ScoreLaunch, common_signature, is_pow2, load_key_tile, next_pow2, row_visibility,
+    DYNAMIC_SCALARS, ScoreLaunch, column_programs, is_pow2, load_key_tile, next_pow2, row_visibility,
     stacked_head_scores, target_programs,
 )
 
@@ -100,8 +100,7 @@ def constexprs(problem, cfg: StackedConfig, upcast: bool) -> dict:
 
 def grid(problem, cfg: StackedConfig, target: int) -> tuple[int, int]:
     blocks = triton.cdiv(problem.num_tokens, cfg.block_rows)
-    tiles = triton.cdiv(max(problem.num_columns, 1), cfg.block_n)
-    return blocks, max(1, min(tiles, target // blocks))
+    return blocks, column_programs(blocks, problem.num_columns, cfg.block_n, target)
 
 
 def launch(problem, args: ScoreLaunch, cfg: StackedConfig | None = None) -> None:
@@ -112,8 +111,5 @@ def launch(problem, args: ScoreLaunch, cfg: StackedConfig | None = None) -> None
     )
 
 
+#: The kernel object, for ahead-of-time compilation (``qsa_aiter.aot``).
 KERNEL = _stacked_scorer_kernel
-
-
-def signature(q_dtype: str, index_dtype: str) -> dict[str, str]:
-    return common_signature(q_dtype, index_dtype)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    DYNAMIC_SCALARS, ScoreLaunch, common_signature, is_pow2, load_key_tile, row_visibility,
+    DYNAMIC_SCALARS, ScoreLaunch, column_programs, is_pow2, load_key_tile, row_visibility,
     stacked_head_scores, target_programs,
 )
 
@@ -128,8 +128,7 @@ def constexprs(problem, cfg: TiledConfig, upcast: bool) -> dict:
 
 def grid(problem, cfg: TiledConfig, target: int) -> tuple[int, int]:
     row_tiles = triton.cdiv(problem.num_tokens, cfg.block_m)
-    tiles = triton.cdiv(max(problem.num_columns, 1), cfg.block_n)
-    return row_tiles, max(1, min(tiles, target // row_tiles))
+    return row_tiles, column_programs(row_tiles, problem.num_columns, cfg.block_n, target)
 
 
 def launch(problem, args: ScoreLaunch, cfg: TiledConfig | None = None) -> None:
@@ -140,8 +139,5 @@ def launch(problem, args: ScoreLaunch, cfg: TiledConfig | None = None) -> None:
     )
 
 
+#: The kernel object, for ahead-of-time compilation (``qsa_aiter.aot``).
 KERNEL = _tiled_prefill_kernel
-
-
-def signature(q_dtype: str, index_dtype: str) -> dict[str, str]:
-    return common_signature(q_dtype, index_dtype)
