@@ -105,21 +105,6 @@ def _explain(opts: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(rest: list[str]) -> int:
-    try:
-        from . import bench
-    except ModuleNotFoundError as err:
-        if err.name != "qsa_aiter.bench":
-            raise
-        print("error: the benchmark module qsa_aiter.bench is not part of this installation", file=sys.stderr)
-        return 2
-    if not hasattr(bench, "main"):
-        print("error: qsa_aiter.bench has no main(argv) entry point", file=sys.stderr)
-        return 2
-    result = bench.main(rest)
-    return int(result or 0)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
@@ -141,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if command == "bench":
-        return _bench(rest)
+        from .bench import main as bench_main
+
+        return bench_main(rest)
     return _explain(opts)
 
 

@@ -1,0 +1,25 @@
+"""The command line: ``python -m qsa_aiter explain`` and the environment check shared by every subcommand."""
+
+from __future__ import annotations
+
+from qsa_aiter.__main__ import main
+
+
+def test_explain_prints_the_decision(capsys):
+    assert main(["explain", "--requests", "3", "--rows-per-request", "4", "--context", "1K-2K", "--page-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "phase verify" in out
+    assert "* " in out  # exactly one candidate is marked as the one that serves
+    assert out.count("* ") == 1
+
+
+def test_explain_rejects_a_context_shorter_than_the_rows(capsys):
+    assert main(["explain", "--requests", "1", "--rows-per-request", "8", "--context", "4"]) == 2
+    assert "shorter than 8 rows" in capsys.readouterr().err
+
+
+def test_bad_environment_value_exits_2_naming_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("QSA_AITER_STRICT", "maybe")
+    assert main(["explain"]) == 2
+    err = capsys.readouterr().err
+    assert "QSA_AITER_STRICT" in err and "maybe" in err
