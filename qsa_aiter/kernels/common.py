@@ -19,6 +19,11 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a jit function: slow to call from Python per launch)."""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -45,7 +50,7 @@ def column_programs(row_blocks: int, num_columns: int, block_n: int, target: int
 
     Rounded down (one wave, no straggling partial wave), at least 1, never more than the column tiles.
     """
-    tiles = triton.cdiv(max(num_columns, 1), block_n)
+    tiles = cdiv(max(num_columns, 1), block_n)
     return max(1, min(tiles, target // max(row_blocks, 1)))
 
 

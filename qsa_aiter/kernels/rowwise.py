@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    DYNAMIC_SCALARS, ScoreLaunch, column_programs, key_slots, row_visibility, target_programs,
+    DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, key_slots, row_visibility, target_programs,
 )
 
 
@@ -73,7 +73,7 @@ def constexprs(problem, cfg: RowwiseConfig, upcast: bool) -> dict:
     # ``upcast`` is moot here: this kernel multiplies in fp32 on every platform.
     return dict(
         RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
-        D_CHUNK=cfg.d_chunk, N_CHUNKS=triton.cdiv(problem.head_dim, cfg.d_chunk),
+        D_CHUNK=cfg.d_chunk, N_CHUNKS=cdiv(problem.head_dim, cfg.d_chunk),
         PAGE_SIZE=problem.block_size, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
     )
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    DYNAMIC_SCALARS, ScoreLaunch, column_programs, is_pow2, load_key_tile, next_pow2, row_visibility,
+    DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, is_pow2, load_key_tile, next_pow2, row_visibility,
     stacked_head_scores, target_programs,
 )
 
@@ -99,7 +99,7 @@ def constexprs(problem, cfg: StackedConfig, upcast: bool) -> dict:
 
 
 def grid(problem, cfg: StackedConfig, target: int) -> tuple[int, int]:
-    blocks = triton.cdiv(problem.num_tokens, cfg.block_rows)
+    blocks = cdiv(problem.num_tokens, cfg.block_rows)
     return blocks, column_programs(blocks, problem.num_columns, cfg.block_n, target)
 
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import (
-    DYNAMIC_SCALARS, ScoreLaunch, column_programs, is_pow2, load_key_tile, row_visibility,
+    DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, is_pow2, load_key_tile, row_visibility,
     stacked_head_scores, target_programs,
 )
 
@@ -127,7 +127,7 @@ def constexprs(problem, cfg: TiledConfig, upcast: bool) -> dict:
 
 
 def grid(problem, cfg: TiledConfig, target: int) -> tuple[int, int]:
-    row_tiles = triton.cdiv(problem.num_tokens, cfg.block_m)
+    row_tiles = cdiv(problem.num_tokens, cfg.block_m)
     return row_tiles, column_programs(row_tiles, problem.num_columns, cfg.block_n, target)
 
 
