@@ -1,7 +1,12 @@
 """qsa_aiter: GPU kernels for the QSA indexer (sparse-attention key-group scoring) of Qwen3.8-Flash-Next."""
 
+from .cache_formats import allocate_index_cache, dequantize_cache
 from .ops import explain, qsa_paged_mqa_logits, selected_kernel
 from .reference import reference_paged_mqa_logits
+from .writer import qsa_write_index_cache
 
-__all__ = ["qsa_paged_mqa_logits", "explain", "selected_kernel", "reference_paged_mqa_logits"]
+__all__ = [
+    "qsa_paged_mqa_logits", "explain", "selected_kernel", "reference_paged_mqa_logits",
+    "qsa_write_index_cache", "allocate_index_cache", "dequantize_cache",
+]
 __version__ = "0.1.0"

@@ -60,3 +60,27 @@ def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None
     source = ASTSource(module.KERNEL, signature, constexprs, attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return triton.compile(source, target=TARGETS[target], options=options)
+
+
+def compile_cache_writer(kind: str, target: str, head_dim: int = 128):
+    """Compile the index-cache writer for ``kind`` (bf16, fp8_e4m3fn, fp8_e4m3fnuz, fp4) and ``target``."""
+    from .kernels import cache_writer
+    from .kernels.common import next_pow2
+
+    if kind not in cache_writer.KIND_CODES:
+        raise ValueError(f"kind must be one of {', '.join(cache_writer.KIND_CODES)}; got {kind!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}")
+    if interpreting():
+        raise RuntimeError("compile_cache_writer needs a process without TRITON_INTERPRET=1")
+    cache_type = "*bf16" if kind == "bf16" else "*u8"
+    scale_type = "*fp32" if kind.startswith("fp8") else ("*u8" if kind == "fp4" else cache_type)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), KIND=cache_writer.KIND_CODES[kind],
+                      FP8_MAX={"fp8_e4m3fn": 448.0, "fp8_e4m3fnuz": 240.0}.get(kind, 1.0),
+                      N_BLOCKS=next_pow2(max(1, head_dim // 32)))
+    signature = {"keys_ptr": "*bf16", "slot_ptr": "*i32", "cache_ptr": cache_type, "scale_ptr": scale_type,
+                 "num_slots": "i32", "keys_stride": "i32", **{name: "constexpr" for name in constexprs}}
+    names = cache_writer.KERNEL.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("keys_ptr", "slot_ptr", "cache_ptr", "scale_ptr")}
+    source = ASTSource(cache_writer.KERNEL, signature, constexprs, attrs)
+    return triton.compile(source, target=TARGETS[target], options={"num_warps": 4})

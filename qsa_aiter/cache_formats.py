@@ -1,0 +1,145 @@
+"""Index-cache formats (SPEC section 3): allocation, torch quantisers (the reference writer) and the dequantiser.
+
+| kind | cache | scale |
+|---|---|---|
+| ``bf16`` / ``fp16`` | ``[pages, P, 1, D]`` as is | none |
+| ``fp8`` | ``[pages, P, 1, D]`` ``float8_e4m3fn`` (or ``float8_e4m3fnuz``) | ``[pages, P]`` fp32, one per token |
+| ``fp4`` | ``[pages, P, 1, D // 2]`` ``float4_e2m1fn_x2`` | ``[pages, P, 1, D // 32]`` ``float8_e8m0fnu`` |
+
+fp8: ``scale = max(amax(k), 1e-4) / finfo.max``, ``value = round_to_fp8(k / scale)``, key = ``value * scale``.
+fp4 (OCP MX): per block of 32 elements along ``D`` the e8m0 exponent is ``floor(log2(amax)) - 2`` (biased by 127,
+clamped to the representable ``[0, 254]``; an all-zero block stores 0); elements are e2m1 (0, 0.5, 1, 1.5, 2, 3, 4, 6
+and negatives) of ``k / 2**exponent``, rounded to nearest-even and saturated at 6; element ``2i`` is the low nibble of
+byte ``i``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP4_BLOCK = 32
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+#: Representable e2m1 magnitudes, indexed by the 3-bit code.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: Midpoints between consecutive e2m1 magnitudes; a tie goes to the even code (round to nearest-even).
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def cache_kind(cache: torch.Tensor) -> str:
+    """``bf16`` (bf16 and fp16), ``fp8`` or ``fp4`` for an index-cache tensor; ``TypeError`` for anything else."""
+    if cache.dtype in SIXTEEN_BIT:
+        return "bf16"
+    if cache.dtype in FP8_DTYPES:
+        return "fp8"
+    if cache.dtype == torch.float4_e2m1fn_x2:
+        return "fp4"
+    raise TypeError(f"index cache dtype must be bf16, fp16, float8_e4m3fn(uz) or float4_e2m1fn_x2; got {cache.dtype}")
+
+
+def allocate_index_cache(kind: str, num_pages: int, page_size: int, head_dim: int, *, device="cpu",
+                         fp8_dtype: torch.dtype = torch.float8_e4m3fn):
+    """Zeroed ``(cache, scale)`` for ``kind`` in ``bf16``, ``fp16``, ``fp8`` or ``fp4`` (scale is None for 16-bit)."""
+    if num_pages < 1 or page_size < 1 or head_dim < 1:
+        raise ValueError(f"num_pages, page_size and head_dim must be >= 1; got {num_pages}, {page_size}, {head_dim}")
+    if kind in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+        return torch.zeros(num_pages, page_size, 1, head_dim, dtype=dtype, device=device), None
+    if kind == "fp8":
+        if fp8_dtype not in FP8_DTYPES:
+            raise TypeError(f"fp8_dtype must be float8_e4m3fn or float8_e4m3fnuz; got {fp8_dtype}")
+        cache = torch.zeros(num_pages, page_size, 1, head_dim, dtype=torch.uint8, device=device).view(fp8_dtype)
+        return cache, torch.zeros(num_pages, page_size, dtype=torch.float32, device=device)
+    if kind == "fp4":
+        if head_dim % FP4_BLOCK:
+            raise ValueError(f"fp4 caches need head_dim divisible by {FP4_BLOCK}; got {head_dim}")
+        cache = torch.zeros(num_pages, page_size, 1, head_dim // 2, dtype=torch.uint8, device=device)
+        scale = torch.zeros(num_pages, page_size, 1, head_dim // FP4_BLOCK, dtype=torch.uint8, device=device)
+        return cache.view(torch.float4_e2m1fn_x2), scale.view(torch.float8_e8m0fnu)
+    raise ValueError(f"kind must be one of bf16, fp16, fp8, fp4; got {kind!r}")
+
+
+def quantize_fp8(keys: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn):
+    """``keys [n, D]`` (any float) -> ``(values [n, D] fp8, scale [n] fp32)``, round-to-nearest-even."""
+    fmax = torch.finfo(fp8_dtype).max
+    k = keys.float()
+    scale = k.abs().amax(dim=-1).clamp_min(1e-4) / fmax
+    values = (k / scale[:, None]).clamp(-fmax, fmax).to(fp8_dtype)
+    return values, scale
+
+
+def _floor_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ``floor(log2(x))`` for positive finite fp32 ``x`` (``frexp``: ``x = m * 2**e`` with ``m`` in [0.5, 1))."""
+    return torch.frexp(x)[1] - 1
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Signed 4-bit e2m1 codes (uint8, 0..15) of fp32 ``x``: nearest-even, saturated at 6, sign in bit 3."""
+    a = x.abs()
+    code = torch.zeros_like(a, dtype=torch.uint8)
+    for i, mid in enumerate(E2M1_MIDPOINTS):
+        # Between code i and i + 1 a tie goes to the even one: up when i is odd, down when i is even.
+        code += (a >= mid if i % 2 else a > mid).to(torch.uint8)
+    return code | ((x < 0) & (code > 0)).to(torch.uint8) << 3
+
+
+def quantize_fp4(keys: torch.Tensor):
+    """``keys [n, D]`` -> ``(packed [n, D // 2] uint8, exponents [n, D // 32] uint8 e8m0)``."""
+    n, d = keys.shape
+    if d % FP4_BLOCK:
+        raise ValueError(f"fp4 needs head_dim divisible by {FP4_BLOCK}; got {d}")
+    blocks = keys.float().reshape(n, d // FP4_BLOCK, FP4_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    exp = torch.where(amax > 0, _floor_log2(amax.clamp_min(torch.finfo(torch.float32).tiny)) - 2 + 127,
+                      torch.zeros_like(amax, dtype=torch.int32))
+    exp = exp.clamp(0, 254)
+    codes = e2m1_codes(blocks * torch.exp2(127.0 - exp.float())[..., None]).reshape(n, d)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed, exp.to(torch.uint8)
+
+
+def dequantize_fp4(packed: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+    """``packed [..., D // 2]`` uint8 (or ``float4_e2m1fn_x2``) and ``exponents [..., D // 32]`` -> fp32 ``[..., D]``."""
+    packed = packed.view(torch.uint8)
+    exponents = exponents.view(torch.uint8)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    values = lut[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    scale = torch.exp2(exponents.float() - 127.0).repeat_interleave(FP4_BLOCK, dim=-1)
+    return values * scale
+
+
+def dequantize_cache(cache: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The keys a cache holds, fp32 ``[pages, P, 1, D]`` (16-bit caches are upcast as they are)."""
+    kind = cache_kind(cache)
+    if kind == "bf16":
+        return cache.float()
+    if scale is None:
+        raise ValueError(f"scale is required to dequantise a {kind} cache")
+    if kind == "fp8":
+        return cache.float() * scale.float()[:, :, None, None]
+    return dequantize_fp4(cache, scale)
+
+
+def write_reference(keys: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor,
+                    scale: torch.Tensor | None = None) -> None:
+    """Torch reference of the cache writer: quantise ``keys [n, D]`` and scatter them to ``slot_mapping`` (``-1`` skips).
+
+    Slots outside ``[0, pages * P)`` are skipped as well.
+    """
+    pages, page_size = cache.shape[:2]
+    slots = slot_mapping.long()
+    keep = (slots >= 0) & (slots < pages * page_size)
+    slots, keys = slots[keep], keys[keep]
+    page, offset = slots // page_size, slots % page_size
+    kind = cache_kind(cache)
+    if kind == "bf16":
+        cache[page, offset, 0] = keys.to(cache.dtype)
+    elif kind == "fp8":
+        values, s = quantize_fp8(keys, cache.dtype)
+        cache[page, offset, 0] = values
+        scale[page, offset] = s
+    else:
+        packed, exps = quantize_fp4(keys)
+        cache.view(torch.uint8)[page, offset, 0] = packed
+        scale.view(torch.uint8)[page, offset, 0] = exps
