@@ -65,7 +65,6 @@ def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None
 def compile_cache_writer(kind: str, target: str, head_dim: int = 128):
     """Compile the index-cache writer for ``kind`` (bf16, fp8_e4m3fn, fp8_e4m3fnuz, fp4) and ``target``."""
     from .kernels import cache_writer
-    from .kernels.common import next_pow2
 
     if kind not in cache_writer.KIND_CODES:
         raise ValueError(f"kind must be one of {', '.join(cache_writer.KIND_CODES)}; got {kind!r}")
@@ -75,9 +74,7 @@ def compile_cache_writer(kind: str, target: str, head_dim: int = 128):
         raise RuntimeError("compile_cache_writer needs a process without TRITON_INTERPRET=1")
     cache_type = "*bf16" if kind == "bf16" else "*u8"
     scale_type = "*fp32" if kind.startswith("fp8") else ("*u8" if kind == "fp4" else cache_type)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), KIND=cache_writer.KIND_CODES[kind],
-                      FP8_MAX={"fp8_e4m3fn": 448.0, "fp8_e4m3fnuz": 240.0}.get(kind, 1.0),
-                      N_BLOCKS=next_pow2(max(1, head_dim // 32)))
+    constexprs = cache_writer.constexprs(kind, head_dim)
     signature = {"keys_ptr": "*bf16", "slot_ptr": "*i32", "cache_ptr": cache_type, "scale_ptr": scale_type,
                  "num_slots": "i32", "keys_stride": "i32", **{name: "constexpr" for name in constexprs}}
     names = cache_writer.KERNEL.arg_names

@@ -99,7 +99,10 @@ def quantize_fp4(keys: torch.Tensor):
 
 
 def dequantize_fp4(packed: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
-    """``packed [..., D // 2]`` uint8 (or ``float4_e2m1fn_x2``) and ``exponents [..., D // 32]`` -> fp32 ``[..., D]``."""
+    """MXFP4 to fp32: ``packed [..., D // 2]`` (uint8 or ``float4_e2m1fn_x2``), ``exponents [..., D // 32]``.
+
+    Returns fp32 ``[..., D]``.
+    """
     packed = packed.view(torch.uint8)
     exponents = exponents.view(torch.uint8)
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
@@ -123,7 +126,7 @@ def dequantize_cache(cache: torch.Tensor, scale: torch.Tensor | None = None) -> 
 
 def write_reference(keys: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor,
                     scale: torch.Tensor | None = None) -> None:
-    """Torch reference of the cache writer: quantise ``keys [n, D]`` and scatter them to ``slot_mapping`` (``-1`` skips).
+    """Torch reference of the cache writer: quantise ``keys [n, D]``, scatter them to ``slot_mapping`` (-1 skips).
 
     Slots outside ``[0, pages * P)`` are skipped as well.
     """

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from . import explain, qsa_paged_mqa_logits, reference_paged_mqa_logits, selected_kernel
-from .bench import time_graph
+from .bench import floor_bytes, time_graph
 from .kernels.common import interpreting
-from .workloads import ScoringBatch, make_batch
+from .workloads import make_batch
 
 #: Relative tolerance of the check: max abs error <= RTOL * max(1, max |reference|) over the visible region.
 RTOL = 1e-3
@@ -110,12 +110,6 @@ def _cuda_median_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def _floor_bytes(batch: ScoringBatch, visible: torch.Tensor) -> int:
-    """Bytes that must move at least: every request's visible keys read once, every visible logit written once."""
-    key_bytes = batch.visible_groups_total * HEAD_DIM * batch.compressed_k_cache.element_size()
-    return key_bytes + int(visible.long().sum()) * 4
-
-
 def run_phase(phase: Phase, device: torch.device, iters: int, seed: int) -> bool:
     print(f"\n=== {phase.label()} ===")
     gen = torch.Generator().manual_seed(seed)
@@ -147,7 +141,7 @@ def run_phase(phase: Phase, device: torch.device, iters: int, seed: int) -> bool
     if ran == "torch":
         print("  (the torch path is the reference itself: this check exercises dispatch and validation only)")
 
-    floor = _floor_bytes(batch, ref_visible)
+    floor = floor_bytes(batch)[0]
     if device.type == "cuda":
         call = lambda: qsa_paged_mqa_logits(*args, out=out, **hints)  # noqa: E731
         eager_ms = _cuda_median_ms(call, iters)

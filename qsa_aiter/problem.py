@@ -50,8 +50,13 @@ class ScoreProblem:
         )
 
 
-def _fail(kind: type[Exception], name: str, expected: str, got: object) -> None:
-    raise kind(f"qsa_paged_mqa_logits: `{name}` must be {expected}; got {got}")
+def fail_argument(kind: type[Exception], name: str, expected: str, got: object,
+                  op: str = "qsa_paged_mqa_logits") -> None:
+    """Raise ``kind`` naming the op, the argument, what was expected and what came."""
+    raise kind(f"{op}: `{name}` must be {expected}; got {got}")
+
+
+_fail = fail_argument
 
 
 def _check_tensor(name, t, *, ndim, dtypes, device=None, contiguous=False) -> None:

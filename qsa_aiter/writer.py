@@ -6,10 +6,11 @@ import torch
 
 from .cache_formats import FP4_BLOCK, cache_kind, write_reference
 from .kernels.common import interpreting
+from .problem import fail_argument
 
 
 def _fail(kind: type[Exception], name: str, expected: str, got: object) -> None:
-    raise kind(f"qsa_write_index_cache: `{name}` must be {expected}; got {got}")
+    fail_argument(kind, name, expected, got, op="qsa_write_index_cache")
 
 
 def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor,

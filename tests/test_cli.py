@@ -6,7 +6,8 @@ from qsa_aiter.__main__ import main
 
 
 def test_explain_prints_the_decision(capsys):
-    assert main(["explain", "--requests", "3", "--rows-per-request", "4", "--context", "1K-2K", "--page-size", "16"]) == 0
+    argv = ["explain", "--requests", "3", "--rows-per-request", "4", "--context", "1K-2K", "--page-size", "16"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "phase verify" in out
     assert "* " in out  # exactly one candidate is marked as the one that serves

@@ -7,6 +7,7 @@ target and under the interpreter, and equal those of the torch reference in ``qs
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -103,14 +104,22 @@ def _write_index_cache_kernel(
                 tl.store(scale_ptr + slot, scale)
 
 
+_FP8_DTYPES = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3fnuz": torch.float8_e4m3fnuz}
+
+
+def constexprs(kind: str, head_dim: int) -> dict:
+    """The kernel's specialisation for a cache ``kind`` (a ``KIND_CODES`` key) and ``head_dim``."""
+    fp8_max = float(torch.finfo(_FP8_DTYPES[kind]).max) if kind in _FP8_DTYPES else 1.0
+    return dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), KIND=KIND_CODES[kind], FP8_MAX=fp8_max,
+                N_BLOCKS=next_pow2(max(1, head_dim // 32)))
+
+
 def launch(keys, slot_mapping, cache_bytes, scale, kind: str, head_dim: int, num_slots: int) -> None:
     """keys: ``[tokens, D]`` (last dim contiguous); cache_bytes: the cache (uint8 view for fp8/fp4); scale: fp32
     ``[pages, P]`` (fp8), uint8 ``[pages, P, 1, D // 32]`` (fp4) or None."""
-    fp8_max = {"fp8_e4m3fn": 448.0, "fp8_e4m3fnuz": 240.0}.get(kind, 1.0)
     _write_index_cache_kernel[(keys.shape[0],)](
         keys, slot_mapping, cache_bytes, scale if scale is not None else cache_bytes, num_slots, keys.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), KIND=KIND_CODES[kind], FP8_MAX=fp8_max,
-        N_BLOCKS=next_pow2(max(1, head_dim // 32)), num_warps=4,
+        **constexprs(kind, head_dim), num_warps=4,
     )
 
 

@@ -1,8 +1,9 @@
 """Row-wise "CUDA-core" scorer: the universal fallback.
 
 One program scores one query row against a strided share of its visible column tiles (several programs per row, so
-a few long rows still fill the GPU); no ``tl.dot``: products are fp32 FMAs on the CUDA cores. It serves every head count, head dim, page size and dtype.
-Column tiles at or past the row's visible count are never visited, and nothing past it is written.
+a few long rows still fill the GPU); no ``tl.dot``: products are fp32 FMAs on the CUDA cores. It serves every head
+count, head dim, page size and dtype. Column tiles at or past the row's visible count are never visited, and nothing
+past it is written.
 """
 
 from __future__ import annotations
