@@ -1,7 +1,7 @@
 """Sweep tile configurations of one kernel at chosen work points (a development aid; the tuner of record comes
 with the tuned-config tables). Uses the benchmark's rotated inputs and CUDA-graph timing; prints the best configs.
 
-    python benchmarks/sweep_tiles.py --kernel stacked --points 9x4,64x4@98K --page 64 \
+    python benchmarks/sweep_tiles.py --kernel stacked --points 9x4,64x4@98K --page 64 --kv bf16,fp8 \
         --grid block_n=32,64,128 num_warps=2,4 num_stages=2,3,4
 """
 
@@ -22,6 +22,8 @@ def main() -> None:
     ap.add_argument("--kernel", required=True)
     ap.add_argument("--points", required=True, help="comma-separated substrings of work-point names")
     ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--kv", default="bf16", help="index-cache formats, comma-separated: bf16, fp8, fp4")
+    ap.add_argument("--phase", default="", help="override the work points' phase (e.g. draft)")
     ap.add_argument("--grid", nargs="*", default=[], help="field=v1,v2 ...")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--top", type=int, default=6)
@@ -33,7 +35,15 @@ def main() -> None:
     for point in work_points():
         if not any(s in point.name for s in a.points.split(",")):
             continue
-        inputs = point_inputs(point, a.page, device)
+        if a.phase:
+            point = dataclasses.replace(point, phase=a.phase)
+        for kv in a.kv.split(","):
+            sweep(module, point, a, kv, axes, device, copy_bps)
+
+
+def sweep(module, point, a, kv, axes, device, copy_bps) -> None:
+    if True:
+        inputs = point_inputs(point, a.page, device, kv)
         base = module.default_config(inputs.problems[0])
         results = []
         for values in itertools.product(*axes.values()):
@@ -45,7 +55,7 @@ def main() -> None:
                 continue
             results.append((us, cfg))
         results.sort(key=lambda x: x[0])
-        print(f"{point.name} page {a.page}: floor {inputs.nbytes / 1e6:.1f} MB, copy {copy_bps / 1e9:.0f} GB/s, "
+        print(f"{point.name} {kv} page {a.page}: floor {inputs.nbytes / 1e6:.1f} MB, copy {copy_bps / 1e9:.0f} GB/s, "
               f"default {base}")
         for us, cfg in results[: a.top]:
             print(f"  {us:8.2f} us {100 * inputs.nbytes / (us * 1e-6) / copy_bps:6.1f}%  {cfg}")

@@ -72,6 +72,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--head-dim", type=_positive, default=128, help="index head dim (default 128)")
     ex.add_argument("--compress-ratio", type=_positive, default=4, help="tokens per compressed group (default 4)")
     ex.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="q and cache dtype (default bf16)")
+    ex.add_argument("--cache", choices=("16bit", "fp8", "fp8_fnuz", "fp4"), default="16bit",
+                    help="index-cache format (default 16bit: like --dtype)")
     ex.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="where the batch lives (default: cuda if available, else cpu)")
     return parser
@@ -95,10 +97,10 @@ def _explain(opts: argparse.Namespace) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
     batch = make_batch(contexts, opts.rows_per_request, heads=opts.heads, head_dim=opts.head_dim,
-                       page_size=opts.page_size, compress_ratio=opts.compress_ratio, dtype=dtype, device=device,
-                       spare_pages=0)
+                       page_size=opts.page_size, compress_ratio=opts.compress_ratio, dtype=dtype, cache=opts.cache,
+                       device=device, spare_pages=0)
     try:
-        print(explain(*batch.args(), phase=opts.phase, max_query_len=batch.max_query_len))
+        print(explain(*batch.args(), **batch.kwargs(), phase=opts.phase, max_query_len=batch.max_query_len))
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .kernels.common import common_signature, interpreting
+from .kernels.dequant import KV_16BIT, kv_kind
 from .problem import ScoreProblem
 
 TARGETS = {
@@ -28,7 +29,7 @@ _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def example_problem(**overrides) -> ScoreProblem:
-    """A model-shaped problem (4 heads, head_dim 128, R 4, page 64, bf16) to specialise kernels for."""
+    """A model-shaped problem (4 heads, head_dim 128, R 4, page 64, bf16 cache) to specialise kernels for."""
     base = ScoreProblem(
         device_type="cuda", q_dtype=torch.bfloat16, kv_dtype="bf16", cache_dtype=torch.bfloat16, block_size=64,
         num_tokens=36, num_heads=4, head_dim=128, num_requests=9, table_width=512, num_pages=4096,
@@ -38,7 +39,8 @@ def example_problem(**overrides) -> ScoreProblem:
 
 
 def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None, index_dtype: str = "i32"):
-    """Compile ``kernel`` (rowwise/stacked/tiled) for ``target`` (sm_90/gfx942/gfx950) with its default config."""
+    """Compile ``kernel`` (rowwise/stacked/tiled) for ``target`` (sm_90/gfx942/gfx950) with its default config, for
+    ``problem`` (its cache dtype picks the key decoding)."""
     if kernel not in KERNEL_MODULES:
         raise ValueError(f"kernel must be one of {', '.join(KERNEL_MODULES)}; got {kernel!r}")
     if target not in TARGETS:
@@ -49,8 +51,10 @@ def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None
     problem = problem or example_problem()
     module = importlib.import_module(f"qsa_aiter.kernels.{kernel}")
     cfg = module.default_config(problem)
-    constexprs = module.constexprs(problem, cfg, upcast=False)
-    signature = common_signature(_TRITON_DTYPES[problem.q_dtype], index_dtype)
+    # The PTX decoders of quantised caches are built for NVIDIA targets, the portable decoders for AMD ones.
+    fast_decode = TARGETS[target].backend == "cuda" and kv_kind(problem.cache_dtype) != KV_16BIT
+    constexprs = module.constexprs(problem, cfg, upcast=False, fast_decode=fast_decode)
+    signature = common_signature(_TRITON_DTYPES[problem.q_dtype], index_dtype, kv_kind(problem.cache_dtype))
     signature.update({name: "constexpr" for name in constexprs})
     # The launcher's runtime specialisation marks 16-byte-aligned pointers and strides divisible by 16; state the
     # same here, or the AOT build loses vectorised (and asynchronous, pipelined) loads.

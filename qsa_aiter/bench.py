@@ -82,8 +82,20 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 30) 
     return 2 * nbytes / statistics.median(times)
 
 
-def floor_bytes(batch: ScoringBatch, key_bytes_per_group: int = 256) -> tuple[int, int]:
-    """(bytes, flops): visible keys read once per request + fp32 logits written; dot FLOPs of the visible region."""
+def key_bytes_per_group(batch: ScoringBatch) -> int:
+    """Bytes one compressed key group occupies in the cache, scales included: 2 D for 16-bit caches, D + 4 for fp8
+    (one fp32 scale per token), D / 2 + D / 32 for MXFP4 (one e8m0 exponent per 32 elements)."""
+    head_dim = batch.q.shape[2]
+    if batch.k_scale is None:
+        return head_dim * batch.compressed_k_cache.element_size()
+    if batch.k_scale.dtype == torch.float32:
+        return head_dim + 4
+    return head_dim // 2 + head_dim // 32
+
+
+def floor_bytes(batch: ScoringBatch) -> tuple[int, int]:
+    """(bytes, flops): visible keys read once per request (in the cache's own format) + fp32 logits written; dot
+    FLOPs of the visible region."""
     t2r = batch.token_to_request.cpu().tolist()
     pos = batch.query_positions.cpu().tolist()
     ctx = batch.context_lens.cpu().tolist()
@@ -98,7 +110,7 @@ def floor_bytes(batch: ScoringBatch, key_bytes_per_group: int = 256) -> tuple[in
         per_req[r] = max(per_req.get(r, 0), vis)
         logits += 4 * vis
         flops += 2 * heads * head_dim * vis
-    return sum(per_req.values()) * key_bytes_per_group + logits, flops
+    return sum(per_req.values()) * key_bytes_per_group(batch) + logits, flops
 
 
 def time_graph(calls, n_calls: int, replays: int, min_graph_us: float = 300.0) -> float:
@@ -145,6 +157,7 @@ def time_graph(calls, n_calls: int, replays: int, min_graph_us: float = 300.0) -
 @dataclass
 class Row:
     point: str
+    kv: str
     page_size: int
     kernel: str
     rows: int
@@ -154,6 +167,7 @@ class Row:
     flops: int
     copy_gbps: float
     rowwise_us: float | None = None
+    bf16_us: float | None = None  # the same kernel on the 16-bit cache, same run
     target: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -170,9 +184,23 @@ class Row:
         return self.flops / (self.us * 1e-6) / 1e12
 
 
+#: Quantised-cache targets (page 64, the point's preferred kernel): speed-up over bf16 and % of copy bandwidth by
+#: the format's own bytes, at these points.
+QUANTISED_TARGETS = {"fp8": 1.8, "fp4": 3.0}
+QUANTISED_TARGET_POINTS = ("64x4@98K", "128x1@98K")
+QUANTISED_TARGET_PCT = 85
+
+
 def _target_text(point: WorkPoint, page_size: int, row: Row) -> str:
     if page_size != 64 or row.kernel != point.kernels[0]:
         return ""
+    if row.kv != "bf16":
+        if point.name not in QUANTISED_TARGET_POINTS or row.bf16_us is None:
+            return ""
+        want = QUANTISED_TARGETS[row.kv]
+        speedup = row.bf16_us / row.us
+        return (f">= {want}x bf16: {'met' if speedup >= want else 'missed'}; >= {QUANTISED_TARGET_PCT}%: "
+                f"{'met' if row.pct_copy >= QUANTISED_TARGET_PCT else 'missed'}")
     parts = []
     if point.target_us is not None:
         parts.append(f"<= {point.target_us} us: {'met' if row.us <= point.target_us else 'missed'}")
@@ -192,26 +220,33 @@ class PointInputs:
     flops: int
 
 
-def point_inputs(point: WorkPoint, page_size: int, device) -> PointInputs:
-    """Enough input sets of ``point`` that cycling through them exceeds L2 (2 to 8 sets)."""
+#: Benchmark name of each cache format (``make_batch``'s ``cache`` argument).
+KV_CACHES = {"bf16": "16bit", "fp8": "fp8", "fp4": "fp4"}
+
+
+def point_inputs(point: WorkPoint, page_size: int, device, kv: str = "bf16") -> PointInputs:
+    """Enough input sets of ``point`` that cycling through them exceeds L2 (2 to 8 sets), with a ``kv`` cache."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{point.name}/{page_size}".encode()))
-    probe = make_batch(list(point.context_lens), point.rows_per_request, page_size=page_size, device=device,
-                       generator=gen)
+
+    def batch():
+        return make_batch(list(point.context_lens), point.rows_per_request, page_size=page_size, device=device,
+                          cache=KV_CACHES[kv], generator=gen)
+
+    probe = batch()
     nbytes, flops = floor_bytes(probe)
-    set_bytes = probe.compressed_k_cache.numel() * 2 + probe.q.shape[0] * 4 * (
-        probe.page_table.shape[1] * page_size)
+    pages = probe.compressed_k_cache.shape[0] * page_size
+    set_bytes = pages * key_bytes_per_group(probe) + probe.q.shape[0] * 4 * (probe.page_table.shape[1] * page_size)
     n_sets = max(2, min(8, math.ceil(L2_ROTATE_BYTES / max(set_bytes, 1))))
-    sets = [probe] + [make_batch(list(point.context_lens), point.rows_per_request, page_size=page_size,
-                                 device=device, generator=gen) for _ in range(n_sets - 1)]
+    sets = [probe] + [batch() for _ in range(n_sets - 1)]
     problems, launches = [], []
     for b in sets:
-        problem = describe_call(*b.args(), phase=point.phase, max_query_len=b.max_query_len)
+        problem = describe_call(*b.args(), **b.kwargs(), phase=point.phase, max_query_len=b.max_query_len)
         logits = torch.empty(b.q.shape[0], problem.num_columns, dtype=torch.float32, device=device)
         visible = torch.empty(b.q.shape[0], dtype=torch.int32, device=device)
         problems.append(problem)
         launches.append(ScoreLaunch(b.q, b.compressed_k_cache, b.page_table, b.token_to_request, b.query_positions,
                                     b.context_lens, logits, visible, problem.num_columns, b.compress_ratio,
-                                    1.0 / math.sqrt(b.q.shape[2])))
+                                    1.0 / math.sqrt(b.q.shape[2]), b.k_scale))
     return PointInputs(problems, launches, probe.q.shape[0], nbytes, flops)
 
 
@@ -225,20 +260,20 @@ def time_launcher(inputs: PointInputs, launch, replays: int) -> float:
     return time_graph(calls, len(inputs.launches), replays)
 
 
-def bench_point(point: WorkPoint, page_size: int, copy_bps: float, device, replays: int, kernels=None) -> list[Row]:
-    inputs = point_inputs(point, page_size, device)
+def bench_point(point: WorkPoint, page_size: int, copy_bps: float, device, replays: int, kernels=None,
+                kv: str = "bf16") -> list[Row]:
+    inputs = point_inputs(point, page_size, device, kv)
     rows = []
     for name in kernels or point.kernels:
         cand = registry.CANDIDATES[name]
         if cand.reasons(inputs.problems[0]):
             continue
         us = time_launcher(inputs, cand.run, replays)
-        rows.append(Row(point.name, page_size, name, inputs.rows, len(point.context_lens), us, inputs.nbytes,
+        rows.append(Row(point.name, kv, page_size, name, inputs.rows, len(point.context_lens), us, inputs.nbytes,
                         inputs.flops, copy_bps / 1e9))
     rowwise = next((r.us for r in rows if r.kernel == "rowwise"), None)
     for r in rows:
         r.rowwise_us = rowwise
-        r.target = _target_text(point, page_size, r)
     del inputs
     torch.cuda.empty_cache()
     return rows
@@ -247,13 +282,16 @@ def bench_point(point: WorkPoint, page_size: int, copy_bps: float, device, repla
 def write_csv(rows: list[Row], path: str) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["point", "page_size", "kernel", "rows", "requests", "us", "bytes", "gbps", "copy_gbps",
-                    "pct_copy", "tflops", "rowwise_us", "speedup_vs_rowwise", "target"])
+        w.writerow(["point", "kv", "page_size", "kernel", "rows", "requests", "us", "bytes", "gbps", "copy_gbps",
+                    "pct_copy", "tflops", "rowwise_us", "speedup_vs_rowwise",
+                    "speedup_vs_bf16", "target"])
         for r in rows:
-            w.writerow([r.point, r.page_size, r.kernel, r.rows, r.requests, f"{r.us:.2f}", r.bytes, f"{r.gbps:.1f}",
+            w.writerow([r.point, r.kv, r.page_size, r.kernel, r.rows, r.requests, f"{r.us:.2f}", r.bytes,
+                        f"{r.gbps:.1f}",
                         f"{r.copy_gbps:.1f}", f"{r.pct_copy:.1f}", f"{r.tflops:.1f}",
                         f"{r.rowwise_us:.2f}" if r.rowwise_us else "",
-                        f"{r.rowwise_us / r.us:.2f}" if r.rowwise_us else "", r.target])
+                        f"{r.rowwise_us / r.us:.2f}" if r.rowwise_us else "",
+                        f"{r.bf16_us / r.us:.2f}" if r.bf16_us else "", r.target])
 
 
 def plot(rows: list[Row], path: str) -> None:
@@ -262,16 +300,17 @@ def plot(rows: list[Row], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pages = sorted({r.page_size for r in rows})
-    fig, axes = plt.subplots(len(pages), 1, figsize=(13, 4.2 * len(pages)), squeeze=False)
+    panels = list(dict.fromkeys((r.kv, r.page_size) for r in rows))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 4.2 * len(panels)), squeeze=False)
     kernels = ["stacked", "tiled", "rowwise"]
-    for ax, ps in zip(axes[:, 0], pages):
-        points = list(dict.fromkeys(r.point for r in rows if r.page_size == ps))
+    for ax, (kv, ps) in zip(axes[:, 0], panels):
+        mine = [r for r in rows if r.kv == kv and r.page_size == ps]
+        points = list(dict.fromkeys(r.point for r in mine))
         width = 0.8 / len(kernels)
         for k, name in enumerate(kernels):
             xs, ys = [], []
             for i, p in enumerate(points):
-                hit = [r for r in rows if r.page_size == ps and r.point == p and r.kernel == name]
+                hit = [r for r in mine if r.point == p and r.kernel == name]
                 if hit:
                     xs.append(i + (k - 1) * width)
                     ys.append(hit[0].pct_copy)
@@ -279,7 +318,8 @@ def plot(rows: list[Row], path: str) -> None:
         ax.axhline(100, color="k", lw=0.8, ls="--")
         ax.set_xticks(range(len(points)), points, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("% of D2D copy bandwidth")
-        ax.set_title(f"QSA scoring, bf16, page {ps} (bytes = visible keys once per request + logits)")
+        ax.set_title(f"QSA scoring, {kv} cache, page {ps} (bytes = visible keys once per request in the cache's "
+                     "format + logits)")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -292,7 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--points", default="", help="substring filter on work-point names")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="skip the 16K-row prefill")
+    parser.add_argument("--kv", default="bf16", help="index-cache formats, comma-separated: bf16, fp8, fp4")
+    parser.add_argument("--kernels", default="", help="kernels to time, comma-separated (default: each point's)")
     args = parser.parse_args(argv)
+    kvs = args.kv.split(",")
+    for kv in kvs:
+        if kv not in KV_CACHES:
+            parser.error(f"--kv: {kv!r} is not one of {', '.join(KV_CACHES)}")
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA GPU")
         return 2
@@ -301,16 +347,25 @@ def main(argv: list[str] | None = None) -> int:
     copy_bps = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_bps / 1e9:.0f} GB/s (read + write)")
     rows: list[Row] = []
-    header = f"{'point':<18}{'page':>5} {'kernel':<8}{'us':>9}{'GB/s':>8}{'%copy':>7}{'TF/s':>7}{'rowwise':>9}  target"
-    print(header)
+    print(f"{'point':<18}{'kv':>5}{'page':>5} {'kernel':<8}{'us':>9}{'GB/s':>8}{'%copy':>7}{'TF/s':>7}"
+          f"{'rowwise':>9}{'x bf16':>8}  target")
+    kernels = tuple(args.kernels.split(",")) if args.kernels else None
     for ps in [int(p) for p in args.pages.split(",")]:
         for point in work_points(args.quick):
             if args.points and args.points not in point.name:
                 continue
-            for r in bench_point(point, ps, copy_bps, device, args.replays):
-                rows.append(r)
-                print(f"{r.point:<18}{r.page_size:>5} {r.kernel:<8}{r.us:>9.2f}{r.gbps:>8.0f}{r.pct_copy:>7.1f}"
-                      f"{r.tflops:>7.1f}{(r.rowwise_us or 0):>9.2f}  {r.target}", flush=True)
+            bf16_us = {}
+            for kv in kvs:
+                for r in bench_point(point, ps, copy_bps, device, args.replays, kernels, kv):
+                    if kv == "bf16":
+                        bf16_us[r.kernel] = r.us
+                    r.bf16_us = bf16_us.get(r.kernel)
+                    r.target = _target_text(point, ps, r)
+                    rows.append(r)
+                    speedup = f"{r.bf16_us / r.us:8.2f}" if r.bf16_us and kv != "bf16" else " " * 8
+                    print(f"{r.point:<18}{r.kv:>5}{r.page_size:>5} {r.kernel:<8}{r.us:>9.2f}{r.gbps:>8.0f}"
+                          f"{r.pct_copy:>7.1f}{r.tflops:>7.1f}{(r.rowwise_us or 0):>9.2f}{speedup}  {r.target}",
+                          flush=True)
     write_csv(rows, os.path.join(args.out, "bench_scoring.csv"))
     plot(rows, os.path.join(args.out, "bench_scoring.png"))
     print(f"wrote {args.out}/bench_scoring.csv and bench_scoring.png")

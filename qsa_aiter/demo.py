@@ -20,7 +20,7 @@ import torch
 from . import explain, qsa_paged_mqa_logits, reference_paged_mqa_logits, selected_kernel
 from .bench import floor_bytes, time_graph
 from .kernels.common import interpreting
-from .workloads import make_batch
+from .workloads import CACHES, make_batch
 
 #: Relative tolerance of the check: max abs error <= RTOL * max(1, max |reference|) over the visible region.
 RTOL = 1e-3
@@ -110,12 +110,13 @@ def _cuda_median_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def run_phase(phase: Phase, device: torch.device, iters: int, seed: int) -> bool:
+def run_phase(phase: Phase, device: torch.device, iters: int, seed: int, cache: str = "16bit") -> bool:
     print(f"\n=== {phase.label()} ===")
     gen = torch.Generator().manual_seed(seed)
     batch = make_batch(phase.context_lens, phase.rows_per_request, heads=HEADS, head_dim=HEAD_DIM,
-                       page_size=PAGE_SIZE, compress_ratio=RATIO, dtype=DTYPE, device=device, generator=gen)
-    args, hints = batch.args(), {"max_query_len": batch.max_query_len}
+                       page_size=PAGE_SIZE, compress_ratio=RATIO, dtype=DTYPE, cache=cache, device=device,
+                       generator=gen)
+    args, hints = batch.args(), {"max_query_len": batch.max_query_len, **batch.kwargs()}
     print(explain(*args, **hints))
 
     chosen = selected_kernel(*args, **hints)
@@ -128,7 +129,7 @@ def run_phase(phase: Phase, device: torch.device, iters: int, seed: int) -> bool
     wall_ms = (time.perf_counter() - start) * 1e3
     ran = selected_kernel(*args, **hints)  # after the call: reflects a kernel marked broken by a fallback
 
-    ref_logits, ref_visible = reference_paged_mqa_logits(*args)
+    ref_logits, ref_visible = reference_paged_mqa_logits(*args, **batch.kwargs())
     check = check_logits(logits, visible, ref_logits, ref_visible)
     fell_back = ran != chosen
     verdict = "PASS" if check.ok else "FAIL"
@@ -172,12 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--iters", type=int, default=50, help="timed calls per phase on a GPU (default 50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches (default 0)")
+    parser.add_argument("--cache", choices=CACHES, default="16bit",
+                        help="index-cache format: 16bit (bf16, default), fp8, fp8_fnuz or fp4 (MXFP4); quantised "
+                             "caches are written from the same keys with qsa_write_index_cache")
     opts = parser.parse_args(argv)
 
     use_gpu = torch.cuda.is_available() and not interpreting()
     device = torch.device("cuda") if use_gpu else torch.device("cpu")
     print(f"qsa_aiter demo on {describe_mode(device)}")
-    print(f"bf16, {HEADS} index heads, head_dim {HEAD_DIM}, compress ratio {RATIO}, page size {PAGE_SIZE} groups")
+    cache = "bf16" if opts.cache == "16bit" else opts.cache
+    print(f"bf16 queries, {cache} index cache, {HEADS} index heads, head_dim {HEAD_DIM}, compress ratio {RATIO}, "
+          f"page size {PAGE_SIZE} groups")
     if torch.cuda.is_available() and interpreting():
         print("note: TRITON_INTERPRET=1 is set, so the demo runs on the CPU although a GPU is present")
     if interpreting():
@@ -189,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"Triton {triton.__version__}); if the kernels fail below, pip install 'numpy<2.4'")
 
     phases = gpu_phases() if use_gpu else cpu_phases()
-    results = [run_phase(phase, device, max(1, opts.iters), opts.seed + i) for i, phase in enumerate(phases)]
+    results = [run_phase(phase, device, max(1, opts.iters), opts.seed + i, opts.cache)
+               for i, phase in enumerate(phases)]
     failed = [p.name for p, ok in zip(phases, results) if not ok]
     print("\n" + (f"FAILED: {', '.join(failed)}" if failed else f"all {len(phases)} checks passed"))
     return 1 if failed else 0

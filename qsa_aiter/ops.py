@@ -40,7 +40,9 @@ def qsa_paged_mqa_logits(
 
     Args:
         q: ``[tokens, heads, head_dim]`` bf16/fp16, contiguous.
-        compressed_k_cache: ``[pages, page_size, 1, head_dim]``, same dtype as ``q``, contiguous.
+        compressed_k_cache: the paged index cache, contiguous (SPEC section 3): ``[pages, page_size, 1, head_dim]``
+            bf16/fp16 (same dtype as ``q``) or ``float8_e4m3fn``/``float8_e4m3fnuz``; or MXFP4
+            ``[pages, page_size, 1, head_dim // 2]`` ``float4_e2m1fn_x2``.
         page_table: ``[requests, width]`` int32/int64; logical page ``c // page_size`` of request ``r`` is
             physical page ``page_table[r, c // page_size]``.
         token_to_request, query_positions: ``[tokens]`` int32/int64; ``-1`` marks a padded row.
@@ -49,7 +51,8 @@ def qsa_paged_mqa_logits(
         score_divisor: scores are divided by it; default ``sqrt(head_dim)``.
         max_columns: caps ``num_columns`` (default ``width * page_size``).
         row_starts: optional ``[tokens]`` int tensor, filled with zeros (the engine's top-k convention).
-        k_scale: must be None for 16-bit caches.
+        k_scale: the cache's scales: fp32 ``[pages, page_size]`` (one per token) for fp8; ``float8_e8m0fnu``
+            ``[pages, page_size, 1, head_dim // 32]`` (one exponent per 32 elements) for MXFP4; None for 16-bit.
         out: optional fp32 ``[tokens, num_columns]`` (last dim contiguous) to write the logits into.
         phase: optional host-side hint: ``prefill``, ``verify``, ``draft`` or ``decode``.
         max_query_len: optional host int: the most query rows any request has in this call.
@@ -71,7 +74,7 @@ def qsa_paged_mqa_logits(
     if problem.num_tokens == 0:
         return logits, visible
     args = ScoreLaunch(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, logits,
-                       visible, problem.num_columns, problem.compress_ratio, 1.0 / divisor)
+                       visible, problem.num_columns, problem.compress_ratio, 1.0 / divisor, k_scale)
     registry.run(problem, args, settings)
     return logits, visible
 

@@ -17,7 +17,14 @@ PHASES = ("prefill", "verify", "draft", "decode")
 MAX_DECODE_ROWS = 256
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_KV_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "bf16"}  # the registry's "bf16" row covers 16-bit caches
+#: Registry axis of each index-cache dtype: the "bf16" rows cover both 16-bit caches, "fp8" both e4m3 flavours.
+_KV_DTYPE_NAMES = {
+    torch.bfloat16: "bf16", torch.float16: "bf16",
+    torch.float8_e4m3fn: "fp8", torch.float8_e4m3fnuz: "fp8",
+    torch.float4_e2m1fn_x2: "fp4",
+}
+_CACHE_DTYPE_TEXT = "bf16, fp16 (like q), float8_e4m3fn, float8_e4m3fnuz or float4_e2m1fn_x2"
+FP4_BLOCK = 32  # elements per e8m0 exponent
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,7 @@ class ScoreProblem:
 
     device_type: str
     q_dtype: torch.dtype
-    kv_dtype: str  # registry axis: "bf16" (bf16 and fp16 caches)
+    kv_dtype: str  # registry axis: "bf16" (bf16 and fp16 caches), "fp8" (e4m3fn, e4m3fnuz) or "fp4" (MXFP4)
     cache_dtype: torch.dtype
     block_size: int  # compressed groups per page
     num_tokens: int
@@ -40,7 +47,7 @@ class ScoreProblem:
     phase: str
     phase_source: str  # "hint" or "inferred: <why>"
     max_query_len: int | None
-    cache_bytes: int
+    cache_bytes: int  # the cache plus its scale tensor
 
     def summary(self) -> str:
         return (
@@ -82,7 +89,26 @@ def _check_int(name, value, *, minimum, maximum=None) -> int:
     return value
 
 
-def infer_phase(num_tokens: int, num_requests: int, max_query_len: int | None, stacked_enabled: bool) -> tuple[str, str]:
+def _check_k_scale(k_scale, kv: str, num_pages: int, page_size: int, head_dim: int, device) -> int:
+    """The scale tensor must match the cache (SPEC section 3). Returns its size in bytes."""
+    if kv == "bf16":
+        if k_scale is not None:
+            _fail(ValueError, "k_scale", "None for a 16-bit index cache", type(k_scale).__name__)
+        return 0
+    if k_scale is None:
+        _fail(ValueError, "k_scale", f"the scale tensor of the {kv} index cache", None)
+    if kv == "fp8":
+        shape, dtype = (num_pages, page_size), torch.float32
+    else:
+        shape, dtype = (num_pages, page_size, 1, head_dim // FP4_BLOCK), torch.float8_e8m0fnu
+    _check_tensor("k_scale", k_scale, ndim=len(shape), dtypes=(dtype,), device=device, contiguous=True)
+    if tuple(k_scale.shape) != shape:
+        _fail(ValueError, "k_scale", f"shape {shape} to match compressed_k_cache", tuple(k_scale.shape))
+    return k_scale.numel() * k_scale.element_size()
+
+
+def infer_phase(num_tokens: int, num_requests: int, max_query_len: int | None,
+                stacked_enabled: bool) -> tuple[str, str]:
     """Phase from host-side facts (SPEC section 4). Returns ``(phase, why)``."""
     if num_tokens > MAX_DECODE_ROWS:
         return "prefill", f"{num_tokens} rows > {MAX_DECODE_ROWS}"
@@ -124,15 +150,19 @@ def validate_scoring_call(
     if not isinstance(cache, torch.Tensor):
         _fail(TypeError, "compressed_k_cache", "a torch.Tensor", type(cache).__name__)
     if cache.dtype not in _KV_DTYPE_NAMES:
-        _fail(TypeError, "compressed_k_cache", "bf16 or fp16 (16-bit index cache)", cache.dtype)
-    _check_tensor("compressed_k_cache", cache, ndim=4, dtypes=(q.dtype,), device=device, contiguous=True)
+        _fail(TypeError, "compressed_k_cache", _CACHE_DTYPE_TEXT, cache.dtype)
+    kv = _KV_DTYPE_NAMES[cache.dtype]
+    _check_tensor("compressed_k_cache", cache, ndim=4, dtypes=(q.dtype,) if kv == "bf16" else (cache.dtype,),
+                  device=device, contiguous=True)
     num_pages, block_size, kv_heads, cache_dim = cache.shape
-    if kv_heads != 1 or cache_dim != head_dim:
-        _fail(ValueError, "compressed_k_cache", f"[pages, page_size, 1, {head_dim}]", tuple(cache.shape))
+    stored_dim = head_dim // 2 if kv == "fp4" else head_dim  # float4_e2m1fn_x2 packs two elements per byte
+    if kv == "fp4" and head_dim % FP4_BLOCK:
+        _fail(ValueError, "q", f"head_dim divisible by {FP4_BLOCK} for an MXFP4 cache", head_dim)
+    if kv_heads != 1 or cache_dim != stored_dim:
+        _fail(ValueError, "compressed_k_cache", f"[pages, page_size, 1, {stored_dim}]", tuple(cache.shape))
     if num_pages < 1 or block_size < 1:
         _fail(ValueError, "compressed_k_cache", "at least one page of at least one slot", tuple(cache.shape))
-    if k_scale is not None:
-        _fail(ValueError, "k_scale", "None for a 16-bit index cache", type(k_scale).__name__)
+    scale_bytes = _check_k_scale(k_scale, kv, num_pages, block_size, head_dim, device)
     _check_tensor("page_table", page_table, ndim=2, dtypes=_INDEX_DTYPES, device=device)
     if page_table.shape[1] > 0 and page_table.stride(1) != 1:
         _fail(ValueError, "page_table", "contiguous along its last dim", f"strides {page_table.stride()}")
@@ -156,7 +186,8 @@ def validate_scoring_call(
         if not (math.isfinite(divisor) and divisor > 0):
             _fail(ValueError, "score_divisor", "finite and > 0", score_divisor)
     capacity = width * block_size
-    num_columns = capacity if max_columns is None else _check_int("max_columns", max_columns, minimum=0, maximum=capacity)
+    num_columns = (capacity if max_columns is None
+                   else _check_int("max_columns", max_columns, minimum=0, maximum=capacity))
     if row_starts is not None:
         _check_tensor("row_starts", row_starts, ndim=1, dtypes=_INDEX_DTYPES, device=device)
         if row_starts.numel() != tokens:
@@ -168,7 +199,8 @@ def validate_scoring_call(
         if num_columns > 0 and tokens > 0 and out.stride(1) != 1:
             _fail(ValueError, "out", "contiguous along its last dim", f"strides {out.stride()}")
         if tokens > 1 and num_columns > 0 and out.stride(0) < num_columns:
-            _fail(ValueError, "out", f"rows that do not overlap (row stride >= {num_columns})", f"strides {out.stride()}")
+            _fail(ValueError, "out", f"rows that do not overlap (row stride >= {num_columns})",
+                  f"strides {out.stride()}")
     if max_query_len is not None:
         max_query_len = _check_int("max_query_len", max_query_len, minimum=1)
     if phase is None:
@@ -195,6 +227,6 @@ def validate_scoring_call(
         phase=phase_name,
         phase_source=source,
         max_query_len=max_query_len,
-        cache_bytes=cache.numel() * cache.element_size(),
+        cache_bytes=cache.numel() * cache.element_size() + scale_bytes,
     )
     return problem, divisor

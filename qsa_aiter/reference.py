@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from .cache_formats import FP8_DTYPES, dequantize_fp4
+
 
 def visible_groups(token_to_request, query_positions, context_lens, compress_ratio: int, num_columns: int):
     """Visible compressed groups per row, int32 ``[tokens]``.
@@ -38,18 +40,24 @@ def reference_paged_mqa_logits(
     score_divisor: float | None = None,
     max_columns: int | None = None,
     *,
+    k_scale: torch.Tensor | None = None,
     accum_dtype: torch.dtype = torch.float32,
     row_chunk: int = 256,
     col_chunk: int = 16384,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference logits fp32 ``[tokens, num_columns]`` and visible groups int32 ``[tokens]``.
 
-    q: ``[tokens, heads, head_dim]``; compressed_k_cache: ``[pages, page_size, 1, head_dim]`` (any float dtype, read
-    as is, so pass the dequantised cache for quantised formats). Columns in ``[0, visible)`` hold scores or ``-inf``
+    q: ``[tokens, heads, head_dim]``; compressed_k_cache: ``[pages, page_size, 1, head_dim]`` of any float dtype (read
+    as is), or a quantised cache (fp8, MXFP4) with its ``k_scale``, whose gathered keys are dequantised exactly
+    (``qsa_aiter.cache_formats``). Columns in ``[0, visible)`` hold scores or ``-inf``
     where the page id is outside ``[0, pages)``; every other column is ``-inf``. Accumulates in ``accum_dtype``.
     """
     tokens, heads, head_dim = q.shape
     num_pages, page_size = compressed_k_cache.shape[:2]
+    is_fp8 = compressed_k_cache.dtype in FP8_DTYPES
+    is_fp4 = compressed_k_cache.dtype == torch.float4_e2m1fn_x2
+    if (is_fp8 or is_fp4) and k_scale is None:
+        raise ValueError("reference_paged_mqa_logits: a quantised cache needs its k_scale")
     width = page_table.shape[1]
     num_columns = width * page_size if max_columns is None else int(max_columns)
     divisor = math.sqrt(head_dim) if score_divisor is None else float(score_divisor)
@@ -58,7 +66,9 @@ def reference_paged_mqa_logits(
     vis = visible_groups(token_to_request, query_positions, context_lens, compress_ratio, num_columns)
     if tokens == 0 or num_columns == 0:
         return logits, vis
-    keys = compressed_k_cache.reshape(num_pages, page_size, head_dim)
+    # Quantised caches are indexed as raw bytes (torch has no indexing kernels for fp4/e8m0 on every device).
+    keys = (compressed_k_cache.view(torch.uint8) if is_fp4 else compressed_k_cache).reshape(num_pages, page_size, -1)
+    scales = k_scale.view(torch.uint8) if is_fp4 else k_scale
     req_of_row = token_to_request.long()
     vis_host = vis.long().cpu()
     for r in torch.unique(req_of_row).tolist():
@@ -73,7 +83,14 @@ def reference_paged_mqa_logits(
             cols = torch.arange(c0, min(c0 + col_chunk, req_cols), device=device)
             pages = page_table[r].long()[cols // page_size]
             page_ok = (pages >= 0) & (pages < num_pages)
-            k = keys[pages.clamp(0, num_pages - 1), cols % page_size].to(accum_dtype)  # [C, D]
+            slot = (pages.clamp(0, num_pages - 1), cols % page_size)
+            # [C, D]; quantised caches are dequantised here, gathered keys only, so memory stays bounded.
+            if is_fp8:
+                k = (keys[slot].float() * scales[slot].float()[:, None]).to(accum_dtype)
+            elif is_fp4:
+                k = dequantize_fp4(keys[slot], scales[slot].reshape(cols.numel(), -1)).to(accum_dtype)
+            else:
+                k = keys[slot].to(accum_dtype)
             k = torch.where(page_ok[:, None], k, torch.zeros_like(k))
             for r0 in range(0, rows.numel(), row_chunk):
                 sub = rows[r0 : r0 + row_chunk]

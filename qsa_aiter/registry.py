@@ -20,7 +20,7 @@ from .problem import ScoreProblem
 from .reference import reference_paged_mqa_logits
 from .settings import QsaSettings, get_settings
 
-KV_DTYPES = ("bf16",)
+KV_DTYPES = ("bf16", "fp8", "fp4")
 BLOCK_SIZES = (16, 64)
 
 
@@ -78,7 +78,7 @@ def _torch_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -
 def _run_torch(problem, args) -> None:
     logits, vis = reference_paged_mqa_logits(
         args.q, args.k_cache, args.page_table, args.token_to_request, args.query_positions, args.context_lens,
-        args.compress_ratio, 1.0 / args.scale, args.num_columns,
+        args.compress_ratio, 1.0 / args.scale, args.num_columns, k_scale=args.k_scale,
     )
     args.logits.copy_(logits)
     args.visible.copy_(vis)

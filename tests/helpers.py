@@ -11,6 +11,7 @@ import qsa_aiter
 from qsa_aiter import registry
 from qsa_aiter.ops import describe_call
 from qsa_aiter.reference import reference_paged_mqa_logits
+from qsa_aiter.workloads import make_batch
 
 #: Triton kernels of the registry, by candidate name.
 KERNELS = ("tiled", "stacked", "rowwise")
@@ -64,7 +65,7 @@ def run_poisoned(args: tuple, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_of(args: tuple, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference for the same call (fp32 accumulation, same device)."""
-    extra = {k: kwargs[k] for k in ("score_divisor", "max_columns") if k in kwargs}
+    extra = {k: kwargs[k] for k in ("score_divisor", "max_columns", "k_scale") if k in kwargs}
     return reference_paged_mqa_logits(*args, **extra)
 
 
@@ -134,3 +135,36 @@ def check_call(args: tuple, *, rtol=1e-5, atol=1e-5, label: str = "", **kwargs):
 def visible_bits(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """The bit patterns of the ``[0, visible)`` logits, for bitwise comparisons."""
     return logits[visible_mask(visible, logits.shape[1])].view(torch.int32)
+
+
+def phase_batch(phase: str, page_size: int, gen, *, dtype=torch.bfloat16, cache: str = "16bit", heads=4, head_dim=64,
+                device="cpu"):
+    """A small batch of the kind each phase sees, and the host hints the engine would pass (``k_scale`` included)."""
+    common = dict(heads=heads, head_dim=head_dim, page_size=page_size, dtype=dtype, cache=cache, device=device,
+                  generator=gen)
+    if phase == "prefill":
+        # A chunk of four short requests in one row tile; the last starts at position 0 (rows with visible 0).
+        batch = make_batch([300, 522, 801, 9], [3, 4, 3, 9], **common)
+        return batch, dict(phase="prefill", **batch.kwargs())
+    if phase == "verify":
+        # MTP verify, uneven rows per request (row blocks straddle requests) and CUDA-graph padding.
+        batch = make_batch([700, 1201, 403], [4, 3, 4], padded_rows=2, **common)
+        return batch, dict(phase="verify", max_query_len=batch.max_query_len, **batch.kwargs())
+    # draft / decode: one row per request, padded rows at the end.
+    batch = make_batch([900, 301, 1700, 650, 1203], 1, padded_rows=3, **common)
+    return batch, dict(phase=phase, max_query_len=1, **batch.kwargs())
+
+
+def check_forced(monkeypatch, backend: str, batch, hints: dict, *, label: str, tol: float = 1e-5,
+                 auto_is_preferred: bool = True):
+    """Force ``backend`` (skip where it does not serve), check the registry picks it (or, for ``auto``, the phase's
+    preferred kernel when ``auto_is_preferred``), and compare the call with the reference."""
+    args = batch.args()
+    force_backend(monkeypatch, backend)
+    skip_unless_serves(backend, args, **hints)
+    chosen = qsa_aiter.selected_kernel(*args, **hints)
+    if backend != "auto":
+        assert chosen == backend
+    elif auto_is_preferred:
+        assert chosen == PREFERRED[hints["phase"]], qsa_aiter.explain(*args, **hints)
+    return check_call(args, rtol=tol, atol=tol, label=label, **hints)

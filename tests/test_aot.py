@@ -23,7 +23,16 @@ TENSOR_CORE_KERNELS = ("stacked", "tiled")
 VARIANTS = {
     "default": ({}, "i32"),
     "fp16-page16-i64": ({"q_dtype": "float16", "cache_dtype": "float16", "block_size": 16}, "i64"),
+    "fp8": ({"cache_dtype": "float8_e4m3fn", "kv_dtype": "fp8"}, "i32"),
+    "fp8-fnuz-fp16-page16": ({"q_dtype": "float16", "cache_dtype": "float8_e4m3fnuz", "kv_dtype": "fp8",
+                              "block_size": 16}, "i32"),
+    "fp4": ({"cache_dtype": "float4_e2m1fn_x2", "kv_dtype": "fp4"}, "i32"),
 }
+# A constant only each PTX decoder's text holds: its 16-bit multiplier (fp8) or its e2m1 high-byte table (fp4).
+# The tensor-core kernels decode to q's dtype; the row-wise one to bf16, then fp32.
+DECODER_MARKS = {"fp8": "0x7B807B80", "fp8-fnuz-fp16-page16": "0x58005800", "fp4": "0x3F3F3F00"}
+ROWWISE_DECODER_MARKS = dict(DECODER_MARKS, **{"fp8-fnuz-fp16-page16": "0x7B007B00"})
+ALL_MARKS = sorted(set(DECODER_MARKS.values()) | set(ROWWISE_DECODER_MARKS.values()))
 
 _CHILD = r"""
 import json, sys
@@ -31,6 +40,7 @@ import torch
 from qsa_aiter.aot import KERNEL_MODULES, TARGETS, compile_kernel, example_problem
 
 variants = json.loads(sys.argv[1])
+marks = json.loads(sys.argv[2])
 results = {}
 for variant, (overrides, index_dtype) in variants.items():
     for key in ("q_dtype", "cache_dtype"):
@@ -52,6 +62,7 @@ for variant, (overrides, index_dtype) in variants.items():
                 "mma": "mma" in text,
                 "mfma": "mfma" in text,
                 "dot_in_ttir": "tt.dot" in asm.get("ttir", ""),
+                "decoder_marks": [m for m in marks if m in text],
             }
 print("AOT-RESULTS " + json.dumps(results))
 """
@@ -61,8 +72,8 @@ print("AOT-RESULTS " + json.dumps(results))
 def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(VARIANTS)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(VARIANTS), json.dumps(ALL_MARKS)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("AOT-RESULTS ")]
     assert proc.returncode == 0 and lines, f"compile process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(lines[-1].removeprefix("AOT-RESULTS "))
@@ -97,6 +108,18 @@ def test_tensor_core_use(compiled, kernel, target, variant):
         # The row-wise scorer is the CUDA-core fallback: no dot, no mma/mfma.
         assert not result["dot_in_ttir"]
         assert not result["mma"] and not result["mfma"], f"{kernel} must not use tensor cores on {target}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("kernel", KERNEL_MODULES)
+def test_quantised_decoders_per_target(compiled, kernel, target, variant):
+    """NVIDIA builds decode quantised keys with the PTX decoders; AMD builds (and 16-bit caches) do without."""
+    result = compiled[f"{variant}/{kernel}/{target}"]
+    assert "error" not in result, result.get("error")
+    marks = ROWWISE_DECODER_MARKS if kernel == "rowwise" else DECODER_MARKS
+    want = [marks[variant]] if target.startswith("sm_") and variant in marks else []
+    assert result["decoder_marks"] == want
 
 
 def test_unknown_kernel_or_target():

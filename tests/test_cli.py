@@ -24,3 +24,20 @@ def test_bad_environment_value_exits_2_naming_the_variable(monkeypatch, capsys):
     assert main(["explain"]) == 2
     err = capsys.readouterr().err
     assert "QSA_AITER_STRICT" in err and "maybe" in err
+
+
+def test_explain_on_a_quantised_cache(capsys):
+    argv = ["explain", "--requests", "2", "--rows-per-request", "4", "--context", "1K-2K", "--page-size", "16",
+            "--cache", "fp4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "kv=fp4(float4_e2m1fn_x2)" in out and "registry row ('fp4', 16, 'verify')" in out
+
+
+def test_cache_choices_match_the_workload_formats():
+    from qsa_aiter.__main__ import _build_parser
+    from qsa_aiter.workloads import CACHES
+
+    explain = _build_parser()._subparsers._group_actions[0].choices["explain"]
+    choices = next(a.choices for a in explain._actions if a.dest == "cache")
+    assert tuple(choices) == CACHES

@@ -67,7 +67,7 @@ def reference_rows(args: tuple, rows: torch.Tensor, **kwargs):
     """The reference of the given rows only (the op is row-independent)."""
     q, cache, table, t2r, pos, ctx = args[:6]
     rows = rows.to(q.device)
-    extra = {k: kwargs[k] for k in ("score_divisor", "max_columns") if k in kwargs}
+    extra = {k: kwargs[k] for k in ("score_divisor", "max_columns", "k_scale") if k in kwargs}
     ratio = args[6] if len(args) > 6 else 4
     return reference_paged_mqa_logits(q[rows], cache, table, t2r[rows], pos[rows], ctx, ratio, **extra)
 
@@ -167,6 +167,25 @@ def test_fp16(monkeypatch, phase, page_size, backend):
     force_backend(monkeypatch, backend)
     skip_unless_serves(backend, args, **hints)
     check_gpu_call(args, label=f"fp16/{phase}/page{page_size}/{backend}", **hints)
+
+
+QUANTISED_POINTS = ("9x4@64K-128K", "4x4@262K", "128x1@8K-200K", "prefill-4096@96K")
+
+
+@pytest.mark.parametrize("backend", CHOICES)
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("cache", ["fp8", "fp8_fnuz", "fp4"])
+@pytest.mark.parametrize("point", QUANTISED_POINTS)
+def test_quantised_work_point(monkeypatch, point, cache, page_size, backend):
+    """fp8 and MXFP4 caches (written by the project's writer) at work points of each phase, every kernel."""
+    contexts, rows, phase = WORK_POINTS[point]
+    batch = make_batch(contexts, rows, page_size=page_size, cache=cache, device="cuda",
+                       generator=torch.Generator().manual_seed(seed_of(point, cache, page_size)))
+    args, hints = batch.args(), dict(batch.kwargs(), **_hints(point, batch))
+    force_backend(monkeypatch, backend)
+    skip_unless_serves(backend, args, **hints)
+    assert qsa_aiter.selected_kernel(*args, **hints) == (backend if backend != "auto" else PREFERRED[phase])
+    check_gpu_call(args, label=f"{point}/{cache}/page{page_size}/{backend}", repeat=True, **hints)
 
 
 def test_decode_with_the_stacked_switch_off_uses_rowwise(monkeypatch):

@@ -17,8 +17,8 @@ from qsa_aiter.ops import describe_call
 from qsa_aiter.workloads import make_batch
 
 from helpers import (
-    BACKENDS, KERNELS, PREFERRED, assert_matches_reference, check_call, force_backend, poisoned_out, reference_of,
-    run_poisoned, skip_unless_serves, visible_bits,
+    BACKENDS, KERNELS, assert_matches_reference, check_call, check_forced, force_backend, phase_batch,
+    poisoned_out, reference_of, run_poisoned, skip_unless_serves, visible_bits,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -26,43 +26,20 @@ PAGES = (16, 64)
 PHASES = ("prefill", "verify", "draft", "decode")
 
 
-def phase_batch(phase: str, dtype, page_size: int, gen, *, heads=4, head_dim=64):
-    """A small batch of the kind each phase sees, and the host hints the engine would pass."""
-    common = dict(heads=heads, head_dim=head_dim, page_size=page_size, dtype=dtype, generator=gen)
-    if phase == "prefill":
-        # A chunk of four short requests in one row tile; the last starts at position 0 (rows with visible 0).
-        batch = make_batch([300, 522, 801, 9], [3, 4, 3, 9], **common)
-        return batch, dict(phase="prefill")
-    if phase == "verify":
-        # MTP verify, uneven rows per request (row blocks straddle requests) and CUDA-graph padding.
-        batch = make_batch([700, 1201, 403], [4, 3, 4], padded_rows=2, **common)
-        return batch, dict(phase="verify", max_query_len=batch.max_query_len)
-    # draft / decode: one row per request, padded rows at the end.
-    batch = make_batch([900, 301, 1700, 650, 1203], 1, padded_rows=3, **common)
-    return batch, dict(phase=phase, max_query_len=1)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("page_size", PAGES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 def test_kernel_matrix(monkeypatch, rng, dtype, page_size, phase, backend):
-    batch, hints = phase_batch(phase, DTYPES[dtype], page_size, rng)
-    args = batch.args()
-    force_backend(monkeypatch, backend)
-    skip_unless_serves(backend, args, **hints)
-    chosen = qsa_aiter.selected_kernel(*args, **hints)
-    if backend != "auto":
-        assert chosen == backend
-    elif interpreting():
-        assert chosen == PREFERRED[phase], qsa_aiter.explain(*args, **hints)
-    check_call(args, label=f"{backend}/{phase}/{dtype}/page{page_size}", **hints)
+    batch, hints = phase_batch(phase, page_size, rng, dtype=DTYPES[dtype])
+    check_forced(monkeypatch, backend, batch, hints, label=f"{backend}/{phase}/{dtype}/page{page_size}",
+                 auto_is_preferred=interpreting())
 
 
 @pytest.mark.parametrize("backend", KERNELS + ("auto",))
 @pytest.mark.parametrize("phase", PHASES)
 def test_repeated_calls_are_bitwise_identical(monkeypatch, rng, phase, backend):
-    batch, hints = phase_batch(phase, torch.bfloat16, 16, rng)
+    batch, hints = phase_batch(phase, 16, rng)
     args = batch.args()
     force_backend(monkeypatch, backend)
     skip_unless_serves(backend, args, **hints)

@@ -38,7 +38,8 @@ def _noncontig_q(kw):
 
 def _noncontig_cache(kw):
     c = kw["compressed_k_cache"]
-    return torch.cat([c, c], dim=1)[:, ::2]
+    raw = c.view(torch.uint8)  # torch has no cat for every cache dtype
+    return torch.cat([raw, raw], dim=1)[:, ::2].view(c.dtype)
 
 
 # (id, {argument: new value or fn(kwargs) -> value}, exception type, the argument the message must name)
@@ -212,3 +213,63 @@ def test_out_with_overlapping_rows_is_rejected(call):
     out = torch.full((1, columns), float("nan")).expand(tokens, columns)
     with pytest.raises(ValueError, match="`out`"):
         qsa_aiter.qsa_paged_mqa_logits(**dict(call, out=out))
+
+
+@pytest.fixture(params=["fp8", "fp8_fnuz", "fp4"])
+def quantised_call(request, rng):
+    """A valid call on a quantised cache (CPU, 2 requests x 2 rows, 4 heads, head_dim 64, page 16)."""
+    b = make_batch([500, 300], 2, heads=4, head_dim=64, page_size=PAGE, cache=request.param, generator=rng)
+    tokens, columns = b.q.shape[0], b.page_table.shape[1] * PAGE
+    return dict(
+        q=b.q, compressed_k_cache=b.compressed_k_cache, page_table=b.page_table,
+        token_to_request=b.token_to_request, query_positions=b.query_positions, context_lens=b.context_lens,
+        compress_ratio=4, k_scale=b.k_scale, out=torch.full((tokens, columns), float("nan")),
+        row_starts=torch.full((tokens,), 123, dtype=torch.int32),
+    )
+
+
+def _noncontig_scale(kw):
+    s = kw["k_scale"]
+    return torch.stack([s, s], dim=-1)[..., 0]
+
+
+BAD_QUANTISED = [
+    ("k-scale-missing", {"k_scale": None}, ValueError, "k_scale"),
+    ("k-scale-not-tensor", {"k_scale": lambda kw: kw["k_scale"].float().tolist()}, TypeError, "k_scale"),
+    ("k-scale-wrong-dtype", {"k_scale": lambda kw: kw["k_scale"].view(torch.uint8)
+                             if kw["k_scale"].dtype != torch.float32 else kw["k_scale"].double()}, TypeError,
+     "k_scale"),
+    ("k-scale-missing-page", {"k_scale": lambda kw: kw["k_scale"][1:]}, ValueError, "k_scale"),
+    ("k-scale-extra-dim", {"k_scale": lambda kw: kw["k_scale"][None]}, ValueError, "k_scale"),
+    ("k-scale-noncontiguous", {"k_scale": _noncontig_scale}, ValueError, "k_scale"),
+    ("k-scale-on-meta", {"k_scale": lambda kw: kw["k_scale"].to("meta")}, ValueError, "k_scale"),
+    ("cache-head-dim-differs-from-q", {"q": lambda kw: kw["q"][:, :, :32].contiguous()}, ValueError,
+     "compressed_k_cache"),
+    ("cache-noncontiguous", {"compressed_k_cache": _noncontig_cache}, ValueError, "compressed_k_cache"),
+]
+
+
+@pytest.mark.parametrize("changes,exc,name", [c[1:] for c in BAD_QUANTISED], ids=[c[0] for c in BAD_QUANTISED])
+def test_bad_quantised_argument_is_named_and_nothing_is_written(quantised_call, changes, exc, name):
+    kw = _apply(quantised_call, changes)
+    out, row_starts = kw["out"], kw["row_starts"]
+    before = (out.clone(), row_starts.clone())
+    with pytest.raises(exc, match=f"`{name}`"):
+        qsa_aiter.qsa_paged_mqa_logits(**kw)
+    assert torch.equal(out.isnan(), before[0].isnan()) and torch.equal(row_starts, before[1])
+
+
+def test_fp4_cache_needs_head_dim_divisible_by_32(rng):
+    b = make_batch([200], 2, heads=4, head_dim=64, page_size=PAGE, cache="fp4", generator=rng)
+    q = torch.randn(2, 4, 48).to(torch.bfloat16)
+    cache = b.compressed_k_cache.view(torch.uint8)[..., :24].contiguous().view(torch.float4_e2m1fn_x2)
+    with pytest.raises(ValueError, match="`q`.*divisible by 32"):
+        qsa_aiter.qsa_paged_mqa_logits(q, cache, *b.args()[2:], k_scale=b.k_scale[..., :1].contiguous())
+
+
+def test_quantised_problem_records_kind_and_bytes(quantised_call):
+    problem = describe_call(**quantised_call)
+    cache, scale = quantised_call["compressed_k_cache"], quantised_call["k_scale"]
+    assert problem.kv_dtype == ("fp4" if cache.dtype == torch.float4_e2m1fn_x2 else "fp8")
+    assert problem.cache_dtype == cache.dtype and problem.head_dim == quantised_call["q"].shape[2]
+    assert problem.cache_bytes == cache.numel() * cache.element_size() + scale.numel() * scale.element_size()

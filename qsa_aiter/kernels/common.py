@@ -1,7 +1,7 @@
 """Device helpers and launch arguments shared by the scoring kernels.
 
 The helpers are ``@triton.jit`` functions inlined into each kernel: the visibility rule of SPEC section 1 and the
-paged key-tile gather with its bad-page mask live here once.
+stacked head sum live here once (the paged, dequantising key gather lives in ``dequant``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .dequant import KV_16BIT, KV_FP4, fast_decode, kernel_view, kv_kind, load_fp4_key_tile, load_key_tile
 
 
 def interpreting() -> bool:
@@ -58,10 +60,11 @@ def column_programs(row_blocks: int, num_columns: int, block_n: int, target: int
 class ScoreLaunch:
     """Tensors and scalars every scoring kernel receives.
 
-    q: ``[tokens, heads, head_dim]`` bf16/fp16, contiguous; k_cache: ``[pages, page_size, 1, head_dim]``, contiguous;
-    page_table: ``[requests, width]`` int32/int64 (last dim contiguous); token_to_request, query_positions:
-    ``[tokens]``; context_lens: ``[requests]``; logits: fp32 ``[tokens, num_columns]`` (last dim contiguous);
-    visible: int32 ``[tokens]``, written by the kernel.
+    q: ``[tokens, heads, head_dim]`` bf16/fp16, contiguous; k_cache: the index cache (SPEC section 3), contiguous;
+    k_scale: its scale tensor (fp8: fp32 ``[pages, page_size]``; fp4: e8m0 ``[pages, page_size, 1, head_dim // 32]``)
+    or None for 16-bit caches; page_table: ``[requests, width]`` int32/int64 (last dim contiguous);
+    token_to_request, query_positions: ``[tokens]``; context_lens: ``[requests]``; logits: fp32
+    ``[tokens, num_columns]`` (last dim contiguous); visible: int32 ``[tokens]``, written by the kernel.
     """
 
     q: torch.Tensor
@@ -75,6 +78,16 @@ class ScoreLaunch:
     num_columns: int
     compress_ratio: int
     scale: float  # 1 / score_divisor
+    k_scale: torch.Tensor | None = None
+
+    @property
+    def kv_kind(self) -> int:
+        return kv_kind(self.k_cache.dtype)
+
+    @property
+    def fast_decode(self) -> bool:
+        """Quantised keys are decoded with the PTX fast paths (``dequant.fast_decode``)."""
+        return self.kv_kind != KV_16BIT and fast_decode(self.q.device)
 
     @property
     def upcast(self) -> bool:
@@ -84,8 +97,13 @@ class ScoreLaunch:
     def common_args(self) -> tuple:
         """Positional arguments shared by every kernel, in the order of their signatures."""
         num_tokens, num_heads, head_dim = self.q.shape
+        cache = kernel_view(self.k_cache)
+        if self.k_scale is None:
+            k_scale = cache  # 16-bit caches have no scale tensor: the cache stands in for the never-read pointer
+        else:
+            k_scale = self.k_scale.view(torch.uint8) if self.k_scale.dtype == torch.float8_e8m0fnu else self.k_scale
         return (
-            self.q, self.k_cache, self.page_table, self.token_to_request, self.query_positions, self.context_lens,
+            self.q, cache, k_scale, self.page_table, self.token_to_request, self.query_positions, self.context_lens,
             self.logits, self.visible,
             num_tokens, self.page_table.shape[0], self.k_cache.shape[0], self.num_columns,
             self.page_table.stride(0), self.logits.stride(0), self.scale,
@@ -94,7 +112,7 @@ class ScoreLaunch:
 
 #: Signature of the arguments ``ScoreLaunch.common_args`` passes, for ahead-of-time compilation.
 COMMON_SIGNATURE = {
-    "q_ptr": "*{q}", "k_ptr": "*{q}", "pt_ptr": "*{idx}", "t2r_ptr": "*{idx}", "pos_ptr": "*{idx}",
+    "q_ptr": "*{q}", "k_ptr": "*{k}", "ks_ptr": "*{ks}", "pt_ptr": "*{idx}", "t2r_ptr": "*{idx}", "pos_ptr": "*{idx}",
     "ctx_ptr": "*{idx}", "out_ptr": "*fp32", "vis_ptr": "*i32",
     "num_tokens": "i32", "num_requests": "i32", "num_pages": "i32", "num_columns": "i32",
     "pt_stride": "i32", "out_stride": "i32", "scale": "fp32",
@@ -103,8 +121,11 @@ COMMON_SIGNATURE = {
 DYNAMIC_SCALARS = ["num_tokens", "num_requests", "num_pages", "num_columns"]
 
 
-def common_signature(q_dtype: str, index_dtype: str) -> dict[str, str]:
-    return {name: kind.format(q=q_dtype, idx=index_dtype) for name, kind in COMMON_SIGNATURE.items()}
+def common_signature(q_dtype: str, index_dtype: str, kv: int = KV_16BIT) -> dict[str, str]:
+    """Triton signature of the common arguments for ``q_dtype`` (bf16/fp16), ``index_dtype`` and a ``KV_KIND``."""
+    k = q_dtype if kv == KV_16BIT else "u8"
+    ks = {KV_16BIT: k, KV_FP4: "u8"}.get(kv, "fp32")
+    return {name: kind.format(q=q_dtype, idx=index_dtype, k=k, ks=ks) for name, kind in COMMON_SIGNATURE.items()}
 
 
 @triton.jit
@@ -124,37 +145,53 @@ def row_visibility(t2r_ptr, pos_ptr, ctx_ptr, rows, num_tokens, num_requests, nu
 
 
 @triton.jit
-def key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Element offsets of the keys of logical columns ``cols`` through one request's page-table row.
+def stacked_head_scores(dots, page_ok, factor, ROWS: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scores ``[ROWS, BLOCK_N]`` from the dot products ``[ROWS * NUM_HEADS, BLOCK_N]`` of a rows x heads stacked query.
 
-    Returns 64-bit offsets (caches beyond 2 GiB work) and ``page_ok``: the column is wanted and its physical page id
-    lies in ``[0, num_pages)``. A bad page id is never dereferenced: callers mask their loads with ``page_ok``.
+    ReLU is applied per head, then the heads are summed out of M and each column is multiplied by its ``factor``
+    (``load_key_tile``). Columns whose page is bad score ``-inf``.
     """
-    page = tl.load(pt_row_ptr + cols // PAGE_SIZE, mask=col_ok, other=-1)
-    page_ok = col_ok & (page >= 0) & (page < num_pages)
-    return (page.to(tl.int64) * PAGE_SIZE + (cols % PAGE_SIZE)) * HEAD_DIM, page_ok
+    s = tl.sum(tl.reshape(tl.maximum(dots, 0.0), (ROWS, NUM_HEADS, BLOCK_N)), axis=1)
+    return tl.where(page_ok[None, :], s * factor[None, :], float("-inf"))
 
 
 @triton.jit
-def load_key_tile(k_ptr, pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Gather keys ``[BLOCK_N, HEAD_DIM]`` of logical columns ``cols`` (zeros where masked) and their ``page_ok``.
-
-    ``HEAD_DIM`` must be a power of two (the tensor-core kernels require it).
-    """
-    slot, page_ok = key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE, HEAD_DIM)
-    d = tl.arange(0, HEAD_DIM)
-    keys = tl.load(k_ptr + slot[:, None] + d[None, :], mask=page_ok[:, None], other=0.0)
-    return keys, page_ok
+def load_q_tile(q_ptr, q_rows, q_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Query rows ``q_rows`` (of ``q`` viewed as ``[rows, HEAD_DIM]``) as dot operands: ``(q, q)`` of
+    ``[len(q_rows), HEAD_DIM]``, or for an MXFP4 cache its even and odd elements, each ``[len(q_rows), HEAD_DIM // 2]``
+    (to meet ``load_fp4_key_tile``'s even and odd keys)."""
+    row = q_ptr + q_rows.to(tl.int64)[:, None] * HEAD_DIM
+    if KV_KIND == 3:
+        j = 2 * tl.arange(0, HEAD_DIM // 2)
+        first = tl.load(row + j[None, :], mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
+        second = tl.load(row + j[None, :] + 1, mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
+    else:
+        first = tl.load(row + tl.arange(0, HEAD_DIM)[None, :], mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
+        second = first
+    return first, second
 
 
 @triton.jit
-def stacked_head_scores(q_stack, keys, page_ok, scale, ROWS: tl.constexpr, NUM_HEADS: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    """Scores ``[ROWS, BLOCK_N]`` of a rows x heads stacked query ``[ROWS * NUM_HEADS, D]`` against keys ``[BLOCK_N, D]``.
+def load_keys(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages, scale, PAGE_SIZE: tl.constexpr,
+              HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
+    """The keys of ``cols`` as dot operands ``(first, second, page_ok, factor)``: for an MXFP4 cache the even and
+    odd elements (``load_fp4_key_tile``), else the keys twice (``load_key_tile``); pair them with ``load_q_tile``."""
+    if KV_KIND == 3:
+        first, second, page_ok, factor = load_fp4_key_tile(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages,
+                                                           scale, PAGE_SIZE, HEAD_DIM, DOT_DTYPE, FAST_DECODE)
+    else:
+        first, page_ok, factor = load_key_tile(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages, scale, PAGE_SIZE,
+                                               HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+        second = first
+    return first, second, page_ok, factor
 
-    One ``tl.dot`` scores every head of every row; ReLU is applied per head, then the heads are summed out of M.
-    Columns whose page is bad score ``-inf``.
-    """
-    s = tl.maximum(tl.dot(q_stack, tl.trans(keys)), 0.0)
-    s = tl.sum(tl.reshape(s, (ROWS, NUM_HEADS, BLOCK_N)), axis=1)
-    return tl.where(page_ok[None, :], s * scale, float("-inf"))
+
+@triton.jit
+def pair_dot(q_first, q_second, k_first, k_second, KV_KIND: tl.constexpr):
+    """``q . k`` over head_dim for operands from ``load_q_tile`` and ``load_keys``: ``[M, BLOCK_N]`` fp32. MXFP4 is
+    two half-K dots (even, then odd elements) into one accumulator."""
+    if KV_KIND == 3:
+        dots = tl.dot(q_second, tl.trans(k_second), tl.dot(q_first, tl.trans(k_first)))
+    else:
+        dots = tl.dot(q_first, tl.trans(k_first))
+    return dots

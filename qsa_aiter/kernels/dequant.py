@@ -1,0 +1,275 @@
+"""Reading an index cache of any kind inside a scoring kernel: paged gather plus in-register dequantisation.
+
+The scoring kernels specialise on ``KV_KIND`` (a constexpr, one of the codes below). The tensor-core kernels call
+``load_key_tile`` (16-bit and fp8: a ``[BLOCK_N, HEAD_DIM]`` tile) or ``load_fp4_key_tile`` (MXFP4: even and odd
+elements, each ``[BLOCK_N, HEAD_DIM // 2]``); the row-wise kernel decodes head_dim chunks with the same decoders.
+Each returns the keys and a per-column factor that the caller applies once per column after the ReLU'd head sum:
+
+- 16-bit caches: keys as stored; factor = ``1 / score_divisor``.
+- fp8 (e4m3fn / e4m3fnuz, ``[pages, P, 1, D]`` bytes, fp32 scale ``[pages, P]``): keys are the fp8 values; factor =
+  ``scale[column] / score_divisor``. Scales are positive, so ``sum_h relu(q_h . s k) = s * sum_h relu(q_h . k)``.
+- fp4 (MXFP4, ``[pages, P, 1, D // 2]`` bytes, e8m0 ``[pages, P, 1, D // 32]``): keys are fully dequantised
+  (``e2m1 * 2**(e - 127)``, the exponent differs per 32-element block, so it cannot wait for the head sum);
+  factor = ``1 / score_divisor``.
+
+Two exact decoders per format:
+
+- portable (the interpreter, which has no fp4 type and whose fp8 support differs from the GPUs', AMD targets):
+  integer bit placement into fp32 plus power-of-two multiplies. An e4m3 byte ``s eeee mmm`` placed as fp32 bits
+  ``s`` / ``eeee`` (low exponent bits) / ``mmm`` (top mantissa bits) is the fp8 value times ``2**-(127 - bias)``,
+  subnormals included (both formats' subnormals line up); an e2m1 nibble ``s ee m`` placed the same way is the e2m1
+  value times ``2**-126``.
+- PTX (NVIDIA, compute capability 9.0+, ``fast_decode``): four cache bytes per 32-bit register, decoded with byte
+  permutes and one packed 16-bit FMA per pair of elements (the portable decoders cost about 17 instructions per
+  element on the H200, these 2.5 for fp8 and 4 for MXFP4).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+#: ``KV_KIND`` codes: how the scoring kernels read the cache.
+KV_16BIT, KV_FP8_E4M3FN, KV_FP8_E4M3FNUZ, KV_FP4 = 0, 1, 2, 3
+_KV_KIND_OF_DTYPE = {
+    torch.bfloat16: KV_16BIT, torch.float16: KV_16BIT,
+    torch.float8_e4m3fn: KV_FP8_E4M3FN, torch.float8_e4m3fnuz: KV_FP8_E4M3FNUZ,
+    torch.float4_e2m1fn_x2: KV_FP4,
+}
+
+
+def kv_kind(cache_dtype: torch.dtype) -> int:
+    """The ``KV_KIND`` code of an index-cache dtype."""
+    return _KV_KIND_OF_DTYPE[cache_dtype]
+
+
+def kernel_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as the kernels address it: 16-bit caches as they are, quantised ones as raw bytes (uint8)."""
+    return cache if kv_kind(cache.dtype) == KV_16BIT else cache.view(torch.uint8)
+
+
+def dot_dtype(problem, upcast: bool):
+    """Operand dtype of the ``tl.dot`` in the tensor-core kernels (a ``DOT_DTYPE`` constexpr).
+
+    fp32 under the interpreter (it computes bf16 on raw bits); otherwise q's dtype, except fp16 queries on an MXFP4
+    cache: dequantised fp4 keys can leave fp16's range, and fp32 (tf32) operands hold both exactly. Every fp8 value
+    is exact in bf16 and fp16, and so is every dequantised fp4 key in bf16.
+    """
+    if upcast or (problem.q_dtype == torch.float16 and kv_kind(problem.cache_dtype) == KV_FP4):
+        return tl.float32
+    return tl.bfloat16 if problem.q_dtype == torch.bfloat16 else tl.float16
+
+
+def fast_decode(device: torch.device) -> bool:
+    """Whether the PTX decoders serve ``device``: an NVIDIA GPU of compute capability 9.0 or newer (they use
+    ``max.u16x2``), outside the interpreter."""
+    from .common import interpreting  # common imports this module
+
+    if device.type != "cuda" or torch.version.hip is not None or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@triton.jit
+def key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE: tl.constexpr):
+    """Cache slots (``page * PAGE_SIZE + offset``, int64) of logical columns ``cols`` through one page-table row.
+
+    ``page_ok``: the column is wanted and its physical page id lies in ``[0, num_pages)``. A bad page id is never
+    dereferenced: callers mask their loads with ``page_ok``.
+    """
+    page = tl.load(pt_row_ptr + cols // PAGE_SIZE, mask=col_ok, other=-1)
+    page_ok = col_ok & (page >= 0) & (page < num_pages)
+    return page.to(tl.int64) * PAGE_SIZE + (cols % PAGE_SIZE), page_ok
+
+
+@triton.jit
+def fp8_to_f32(raw, FNUZ: tl.constexpr):
+    """Exact fp32 values of e4m3 bytes (uint8): e4m3fn, or e4m3fnuz (exponent bias 8) when ``FNUZ``."""
+    b = raw.to(tl.int32)
+    bits = ((b & 0x7F) << 20) | ((b & 0x80) << 24)
+    # The placed bits are the value times 2**-(127 - bias): 2**-120 for e4m3fn, 2**-119 for e4m3fnuz.
+    return bits.to(tl.float32, bitcast=True) * (6.64613997892457936e35 if FNUZ else 1.329227995784915872e36)
+
+
+@triton.jit
+def e2m1_times_2_126(nibble):
+    """``e2m1(nibble) * 2**-126`` as fp32 for 4-bit codes held in int32 (sign in bit 3)."""
+    return (((nibble & 7) << 22) | ((nibble & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_factor(exps):
+    """``2**(e - 127)`` as fp32 for e8m0 bytes ``e`` (uint8), the block scale of MXFP4.
+
+    ``e2m1_times_2_126`` values are multiplied by ``2**126`` and then by this: one fp32 factor cannot hold
+    ``2**(e - 1)`` for e > 128.
+    """
+    e = exps.to(tl.int32)
+    # 2**(e - 127) from its bits; e = 0 gives the subnormal 2**-127.
+    return tl.where(e > 0, e << 23, 0x00400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp4_pairs_to_f32(packed, factor):
+    """MXFP4 byte pairs to fp32: ``packed`` uint8 ``[..., n]`` with per-byte block factor ``factor`` (``e8m0_factor``,
+    broadcastable). Returns ``(even, odd)`` element values, each ``[..., n]`` (element ``2i`` is the low nibble)."""
+    p = packed.to(tl.int32)
+    even = e2m1_times_2_126(p) * 8.507059173023461586e37 * factor  # x 2**126 then x 2**(e-127): both exact
+    odd = e2m1_times_2_126(p >> 4) * 8.507059173023461586e37 * factor
+    return even, odd
+
+
+# PTX decoders (NVIDIA sm_90+, ``FAST_DECODE``): four cache bytes per 32-bit register, decoded with byte permutes
+# and one packed 16-bit FMA per element pair, instead of one fp32 pipeline per element. Both are exact.
+#
+# fp8 -> bf16 (fp16): the bytes are spread into 16-bit halves (sign to bit 15, the 7 magnitude bits below the
+# exponent's top bits), which is the value times 2**-120 (2**-8) for e4m3fn, subnormals included, then one
+# ``fma.rn`` by 2**120 (2**8) per pair. e4m3fnuz (bias 8) is the same placement with half the multiplier.
+# (Constants go through registers: packed 16-bit operands take no immediates.)
+_FP8_PAIR_ASM = """
+prmt.b32 x, $2, z, SELECT;
+shr.b32 y, x, SHIFT;
+and.b32 y, y, MAGMASK;
+and.b32 x, x, 0x80008000;
+or.b32 x, x, y;
+fma.rn.TYPE OUT, x, m, c;
+"""
+# Bytes 0, 1 to the high bytes of the two halves of $0 (selector 0x1404), bytes 2, 3 to those of $1 (0x3424).
+_FP8_PAIRS_ASM = (
+    "{\n.reg .b32 x, y, z, m, c;\nmov.b32 z, 0;\nmov.b32 m, SCALE;\nmov.b32 c, 0x80008000;\n"
+    + _FP8_PAIR_ASM.replace("SELECT", "0x1404").replace("OUT", "$0")
+    + _FP8_PAIR_ASM.replace("SELECT", "0x3424").replace("OUT", "$1")
+    + "}"
+)
+
+
+def _fp8_asm(to_bf16: bool, fnuz: bool) -> str:
+    if to_bf16:  # 2**120 = 0x7B80 (2**119 = 0x7B00) in bf16
+        fields = dict(SHIFT="4", MAGMASK="0x07F007F0", TYPE="bf16x2", SCALE="0x7B007B00" if fnuz else "0x7B807B80")
+    else:  # fp16: 2**8 = 0x5C00 (2**7 = 0x5800)
+        fields = dict(SHIFT="1", MAGMASK="0x3F803F80", TYPE="f16x2", SCALE="0x58005800" if fnuz else "0x5C005C00")
+    text = _FP8_PAIRS_ASM
+    for key, value in fields.items():
+        text = text.replace(key, value)
+    return text
+
+
+FP8_TO_BF16_ASM = tl.constexpr(_fp8_asm(True, False))
+FNUZ_TO_BF16_ASM = tl.constexpr(_fp8_asm(True, True))
+FP8_TO_F16_ASM = tl.constexpr(_fp8_asm(False, False))
+FNUZ_TO_F16_ASM = tl.constexpr(_fp8_asm(False, True))
+
+# MXFP4 -> bf16: per register of 4 packed bytes (and their 4 block exponents), the 4 low nibbles (even elements)
+# and the 4 high nibbles (odd elements). Magnitudes index an 8-entry table of the e2m1 values' bf16 high and low
+# bytes with ``prmt`` (4 lookups per instruction), bytes are interleaved into bf16 pairs, signs are moved to bit 15
+# of each half, and one ``fma.rn.bf16x2`` by ``2**(e - 127)`` (e8m0 ``e`` placed as a bf16 exponent; ``e = 0`` is the
+# subnormal ``2**-127``) scales each pair.
+_FP4_HALF_ASM = """
+and.b32 s, SRC, 0x07070707;
+shr.b32 t, s, 12;
+or.b32 s, s, t;
+prmt.b32 h, lh0, lh1, s;
+prmt.b32 l, ll0, ll1, s;
+prmt.b32 a, l, h, 0x6240;
+prmt.b32 b, l, h, 0x7351;
+and.b32 u, SIGNSRC, 0x80808080;
+prmt.b32 t, u, z, 0x1404;
+or.b32 a, a, t;
+prmt.b32 t, u, z, 0x3424;
+or.b32 b, b, t;
+fma.rn.bf16x2 OUT0, a, e01, c;
+fma.rn.bf16x2 OUT1, b, e23, c;
+"""
+FP4_TO_BF16_ASM = tl.constexpr(
+    "{\n.reg .b32 s, t, h, l, a, b, u, z, c, e01, e23, hi, sg, lh0, lh1, ll0, ll1, emin;\n"
+    "mov.b32 z, 0;\nmov.b32 c, 0x80008000;\nmov.b32 emin, 0x00400040;\n"
+    # The e2m1 magnitudes' bf16 high bytes (0, 0.5, 1, 1.5 | 2, 3, 4, 6) and low bytes, as prmt tables.
+    "mov.b32 lh0, 0x3F3F3F00;\nmov.b32 lh1, 0x40404040;\nmov.b32 ll0, 0xC0800000;\nmov.b32 ll1, 0xC0804000;\n"
+    # Exponent pairs: bytes e0, e1 (e2, e3) to the low bytes of each half, shifted into the bf16 exponent field.
+    "prmt.b32 e01, $5, z, 0x4140;\nshl.b32 e01, e01, 7;\nmax.u16x2 e01, e01, emin;\n"
+    "prmt.b32 e23, $5, z, 0x4342;\nshl.b32 e23, e23, 7;\nmax.u16x2 e23, e23, emin;\n"
+    # Even elements: the low nibbles; their signs sit at bit 3 of each byte (moved to bit 7 first).
+    "shl.b32 sg, $4, 4;\n"
+    + _FP4_HALF_ASM.replace("SIGNSRC", "sg").replace("SRC", "$4").replace("OUT0", "$0").replace("OUT1", "$1")
+    # Odd elements: the high nibbles, signs already at bit 7.
+    + "shr.b32 hi, $4, 4;\n"
+    + _FP4_HALF_ASM.replace("SIGNSRC", "$4").replace("SRC", "hi").replace("OUT0", "$2").replace("OUT1", "$3")
+    + "}"
+)
+
+
+@triton.jit
+def fp8_keys(raw, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
+    """fp8 bytes (uint8) -> exact keys in ``DOT_DTYPE`` (the fp8 values, scale not applied)."""
+    if FAST_DECODE and (DOT_DTYPE == tl.bfloat16):
+        asm: tl.constexpr = FNUZ_TO_BF16_ASM if KV_KIND == 2 else FP8_TO_BF16_ASM
+        keys = tl.inline_asm_elementwise(asm, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
+    elif FAST_DECODE and (DOT_DTYPE == tl.float16):
+        asm: tl.constexpr = FNUZ_TO_F16_ASM if KV_KIND == 2 else FP8_TO_F16_ASM
+        keys = tl.inline_asm_elementwise(asm, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        keys = fp8_to_f32(raw, KV_KIND == 2).to(DOT_DTYPE)
+    return keys
+
+
+@triton.jit
+def fp4_pairs(packed, exps, OUT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
+    """MXFP4 bytes (uint8 ``packed``) and their blocks' e8m0 exponents (uint8, broadcastable to ``packed``) ->
+    ``(even, odd)`` dequantised elements in ``OUT_DTYPE``, each shaped like ``packed``."""
+    if FAST_DECODE and (OUT_DTYPE == tl.bfloat16):
+        even, odd = tl.inline_asm_elementwise(FP4_TO_BF16_ASM, "=r,=r,=r,=r,r,r",
+                                              [packed, tl.broadcast_to(exps, packed.shape)],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        even, odd = fp4_pairs_to_f32(packed, e8m0_factor(exps))
+        even, odd = even.to(OUT_DTYPE), odd.to(OUT_DTYPE)
+    return even, odd
+
+
+@triton.jit
+def load_key_tile(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages, scale, PAGE_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  FAST_DECODE: tl.constexpr):
+    """Keys ``[BLOCK_N, HEAD_DIM]`` of logical columns ``cols`` in ``DOT_DTYPE`` (zeros where masked), ``page_ok``
+    ``[BLOCK_N]`` and the per-column factor ``[BLOCK_N]`` fp32 to apply after the head sum. 16-bit and fp8 caches
+    (MXFP4: ``load_fp4_key_tile``). ``HEAD_DIM`` must be a power of two (the tensor-core kernels require it).
+    """
+    slot, page_ok = key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE)
+    d = tl.arange(0, HEAD_DIM)
+    raw = tl.load(k_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=page_ok[:, None], other=0)
+    if KV_KIND == 0:
+        keys = raw.to(DOT_DTYPE)
+        factor = tl.full(cols.shape, scale, tl.float32)
+    else:
+        keys = fp8_keys(raw, KV_KIND, DOT_DTYPE, FAST_DECODE)
+        factor = tl.load(ks_ptr + slot, mask=page_ok, other=0.0) * scale
+    return keys, page_ok, factor
+
+
+@triton.jit
+def load_fp4_key_tile(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages, scale, PAGE_SIZE: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
+    """MXFP4 keys of logical columns ``cols`` as even and odd elements, each ``[BLOCK_N, HEAD_DIM // 2]`` in
+    ``DOT_DTYPE`` (element ``2j`` and ``2j + 1`` of head_dim: the low and high nibble of byte ``j``), fully
+    dequantised; plus ``page_ok`` and the per-column factor (``scale``). Callers dot them with the even and odd
+    halves of q, so the nibbles are never interleaved in registers.
+    """
+    slot, page_ok = key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE)
+    NB: tl.constexpr = HEAD_DIM // 32
+    blk = tl.arange(0, NB)
+    pair = tl.arange(0, 16)
+    packed = tl.load(k_ptr + slot[:, None, None] * (HEAD_DIM // 2) + blk[None, :, None] * 16 + pair[None, None, :],
+                     mask=page_ok[:, None, None], other=0)
+    exps = tl.load(ks_ptr + slot[:, None] * NB + blk[None, :], mask=page_ok[:, None], other=127)
+    even, odd = fp4_pairs(packed, exps[:, :, None], DOT_DTYPE, FAST_DECODE)
+    shape: tl.constexpr = (cols.shape[0], HEAD_DIM // 2)
+    return tl.reshape(even, shape), tl.reshape(odd, shape), page_ok, tl.full(cols.shape, scale, tl.float32)
