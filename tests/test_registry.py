@@ -43,6 +43,7 @@ def test_candidates_and_table():
     assert set(registry.CANDIDATES) == {"tiled", "stacked", "rowwise", "torch"}
     for name, cand in registry.CANDIDATES.items():
         assert cand.name == name and cand.description
+    assert registry.KV_DTYPES == ("bf16", "fp8", "fp4")  # SPEC section 4: every cache dtype has its rows
     for kv in registry.KV_DTYPES:
         for block in (16, 64):
             for phase in PHASES:
