@@ -12,19 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache_formats import FP4_BLOCK, cache_kind
+
 PHASES = ("prefill", "verify", "draft", "decode")
 #: Above this many query rows a call without a phase hint is treated as prefill (SPEC section 4).
 MAX_DECODE_ROWS = 256
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-#: Registry axis of each index-cache dtype: the "bf16" rows cover both 16-bit caches, "fp8" both e4m3 flavours.
-_KV_DTYPE_NAMES = {
-    torch.bfloat16: "bf16", torch.float16: "bf16",
-    torch.float8_e4m3fn: "fp8", torch.float8_e4m3fnuz: "fp8",
-    torch.float4_e2m1fn_x2: "fp4",
-}
 _CACHE_DTYPE_TEXT = "bf16, fp16 (like q), float8_e4m3fn, float8_e4m3fnuz or float4_e2m1fn_x2"
-FP4_BLOCK = 32  # elements per e8m0 exponent
 
 
 @dataclass(frozen=True)
@@ -149,9 +144,10 @@ def validate_scoring_call(
     cache = compressed_k_cache
     if not isinstance(cache, torch.Tensor):
         _fail(TypeError, "compressed_k_cache", "a torch.Tensor", type(cache).__name__)
-    if cache.dtype not in _KV_DTYPE_NAMES:
+    try:
+        kv = cache_kind(cache)  # the registry axis: "bf16" covers both 16-bit caches, "fp8" both e4m3 flavours
+    except TypeError:
         _fail(TypeError, "compressed_k_cache", _CACHE_DTYPE_TEXT, cache.dtype)
-    kv = _KV_DTYPE_NAMES[cache.dtype]
     _check_tensor("compressed_k_cache", cache, ndim=4, dtypes=(q.dtype,) if kv == "bf16" else (cache.dtype,),
                   device=device, contiguous=True)
     num_pages, block_size, kv_heads, cache_dim = cache.shape
@@ -213,7 +209,7 @@ def validate_scoring_call(
     problem = ScoreProblem(
         device_type=device.type,
         q_dtype=q.dtype,
-        kv_dtype=_KV_DTYPE_NAMES[cache.dtype],
+        kv_dtype=kv,
         cache_dtype=cache.dtype,
         block_size=block_size,
         num_tokens=tokens,
