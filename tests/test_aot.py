@@ -6,6 +6,7 @@ under the interpreter (CPU-only machines), and an interpreted kernel cannot be c
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -79,12 +80,21 @@ def compiled():
     return json.loads(lines[-1].removeprefix("AOT-RESULTS "))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("kernel", KERNEL_MODULES)
-def test_kernel_compiles_for_target(compiled, kernel, target, variant):
+#: Every kernel x target x specialisation compiled by the ``compiled`` fixture.
+EVERY_BUILD = pytest.mark.parametrize(
+    "kernel,target,variant", list(itertools.product(KERNEL_MODULES, TARGETS, VARIANTS)))
+
+
+def build(compiled: dict, kernel: str, target: str, variant: str) -> dict:
+    """One build's record; it must have compiled."""
     result = compiled[f"{variant}/{kernel}/{target}"]
     assert "error" not in result, result.get("error")
+    return result
+
+
+@EVERY_BUILD
+def test_kernel_compiles_for_target(compiled, kernel, target, variant):
+    result = build(compiled, kernel, target, variant)
     if target.startswith("sm_"):
         assert {"ptx", "cubin"} <= set(result["keys"]), result["keys"]
     else:
@@ -92,12 +102,9 @@ def test_kernel_compiles_for_target(compiled, kernel, target, variant):
     assert result["binary_bytes"] > 0
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("kernel", KERNEL_MODULES)
+@EVERY_BUILD
 def test_tensor_core_use(compiled, kernel, target, variant):
-    result = compiled[f"{variant}/{kernel}/{target}"]
-    assert "error" not in result, result.get("error")
+    result = build(compiled, kernel, target, variant)
     if kernel in TENSOR_CORE_KERNELS:
         assert result["dot_in_ttir"]
         if target.startswith("sm_"):
@@ -110,13 +117,10 @@ def test_tensor_core_use(compiled, kernel, target, variant):
         assert not result["mma"] and not result["mfma"], f"{kernel} must not use tensor cores on {target}"
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("kernel", KERNEL_MODULES)
+@EVERY_BUILD
 def test_quantised_decoders_per_target(compiled, kernel, target, variant):
     """NVIDIA builds decode quantised keys with the PTX decoders; AMD builds (and 16-bit caches) do without."""
-    result = compiled[f"{variant}/{kernel}/{target}"]
-    assert "error" not in result, result.get("error")
+    result = build(compiled, kernel, target, variant)
     marks = ROWWISE_DECODER_MARKS if kernel == "rowwise" else DECODER_MARKS
     want = [marks[variant]] if target.startswith("sm_") and variant in marks else []
     assert result["decoder_marks"] == want
