@@ -85,12 +85,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 30) 
 def key_bytes_per_group(batch: ScoringBatch) -> int:
     """Bytes one compressed key group occupies in the cache, scales included: 2 D for 16-bit caches, D + 4 for fp8
     (one fp32 scale per token), D / 2 + D / 32 for MXFP4 (one e8m0 exponent per 32 elements)."""
-    head_dim = batch.q.shape[2]
-    if batch.k_scale is None:
-        return head_dim * batch.compressed_k_cache.element_size()
-    if batch.k_scale.dtype == torch.float32:
-        return head_dim + 4
-    return head_dim // 2 + head_dim // 32
+    cache, scale = batch.compressed_k_cache, batch.k_scale
+    key_bytes = cache.shape[-1] * cache.element_size()
+    return key_bytes if scale is None else key_bytes + scale[0, 0].numel() * scale.element_size()
 
 
 def floor_bytes(batch: ScoringBatch) -> tuple[int, int]:

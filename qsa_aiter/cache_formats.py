@@ -37,6 +37,20 @@ def cache_kind(cache: torch.Tensor) -> str:
     raise TypeError(f"index cache dtype must be bf16, fp16, float8_e4m3fn(uz) or float4_e2m1fn_x2; got {cache.dtype}")
 
 
+def cache_width(kind: str, head_dim: int) -> int:
+    """Last dim of a ``kind`` (``cache_kind``) cache: MXFP4 packs two elements per byte."""
+    return head_dim // 2 if kind == "fp4" else head_dim
+
+
+def scale_layout(kind: str, num_pages: int, page_size: int, head_dim: int):
+    """``(shape, dtype)`` of the scale tensor a ``kind`` (``cache_kind``) cache needs, or None for 16-bit caches."""
+    if kind == "fp8":
+        return (num_pages, page_size), torch.float32
+    if kind == "fp4":
+        return (num_pages, page_size, 1, head_dim // FP4_BLOCK), torch.float8_e8m0fnu
+    return None
+
+
 def allocate_index_cache(kind: str, num_pages: int, page_size: int, head_dim: int, *, device="cpu",
                          fp8_dtype: torch.dtype = torch.float8_e4m3fn):
     """Zeroed ``(cache, scale)`` for ``kind`` in ``bf16``, ``fp16``, ``fp8`` or ``fp4`` (scale is None for 16-bit)."""
@@ -48,15 +62,23 @@ def allocate_index_cache(kind: str, num_pages: int, page_size: int, head_dim: in
     if kind == "fp8":
         if fp8_dtype not in FP8_DTYPES:
             raise TypeError(f"fp8_dtype must be float8_e4m3fn or float8_e4m3fnuz; got {fp8_dtype}")
-        cache = torch.zeros(num_pages, page_size, 1, head_dim, dtype=torch.uint8, device=device).view(fp8_dtype)
-        return cache, torch.zeros(num_pages, page_size, dtype=torch.float32, device=device)
-    if kind == "fp4":
+        cache_dtype = fp8_dtype
+    elif kind == "fp4":
         if head_dim % FP4_BLOCK:
             raise ValueError(f"fp4 caches need head_dim divisible by {FP4_BLOCK}; got {head_dim}")
-        cache = torch.zeros(num_pages, page_size, 1, head_dim // 2, dtype=torch.uint8, device=device)
-        scale = torch.zeros(num_pages, page_size, 1, head_dim // FP4_BLOCK, dtype=torch.uint8, device=device)
-        return cache.view(torch.float4_e2m1fn_x2), scale.view(torch.float8_e8m0fnu)
-    raise ValueError(f"kind must be one of bf16, fp16, fp8, fp4; got {kind!r}")
+        cache_dtype = torch.float4_e2m1fn_x2
+    else:
+        raise ValueError(f"kind must be one of bf16, fp16, fp8, fp4; got {kind!r}")
+    scale_shape, scale_dtype = scale_layout(kind, num_pages, page_size, head_dim)
+    cache = _zeros((num_pages, page_size, 1, cache_width(kind, head_dim)), cache_dtype, device)
+    return cache, _zeros(scale_shape, scale_dtype, device)
+
+
+def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros of any dtype: one-byte dtypes are allocated as uint8 and viewed (torch cannot fill fp4/e8m0 tensors)."""
+    if dtype.itemsize == 1:
+        return torch.zeros(shape, dtype=torch.uint8, device=device).view(dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def quantize_fp8(keys: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn):
@@ -113,14 +135,18 @@ def dequantize_fp4(packed: torch.Tensor, exponents: torch.Tensor) -> torch.Tenso
 
 
 def dequantize_cache(cache: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The keys a cache holds, fp32 ``[pages, P, 1, D]`` (16-bit caches are upcast as they are)."""
+    """The keys a cache holds, fp32 ``[..., 1, D]`` (16-bit caches are upcast as they are).
+
+    ``cache`` is a whole cache ``[pages, P, 1, width]`` with its ``scale``, or any gather of both over the leading
+    dims (``cache[slots]`` with ``scale[slots]``): fp8 scales are ``[...]``, fp4 exponents ``[..., 1, D // 32]``.
+    """
     kind = cache_kind(cache)
     if kind == "bf16":
         return cache.float()
     if scale is None:
         raise ValueError(f"scale is required to dequantise a {kind} cache")
     if kind == "fp8":
-        return cache.float() * scale.float()[:, :, None, None]
+        return cache.float() * scale.float()[..., None, None]
     return dequantize_fp4(cache, scale)
 
 

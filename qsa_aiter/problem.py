@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_formats import FP4_BLOCK, cache_kind
+from .cache_formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
 
 PHASES = ("prefill", "verify", "draft", "decode")
 #: Above this many query rows a call without a phase hint is treated as prefill (SPEC section 4).
@@ -86,16 +86,14 @@ def _check_int(name, value, *, minimum, maximum=None) -> int:
 
 def _check_k_scale(k_scale, kv: str, num_pages: int, page_size: int, head_dim: int, device) -> int:
     """The scale tensor must match the cache (SPEC section 3). Returns its size in bytes."""
-    if kv == "bf16":
+    layout = scale_layout(kv, num_pages, page_size, head_dim)
+    if layout is None:
         if k_scale is not None:
             _fail(ValueError, "k_scale", "None for a 16-bit index cache", type(k_scale).__name__)
         return 0
     if k_scale is None:
         _fail(ValueError, "k_scale", f"the scale tensor of the {kv} index cache", None)
-    if kv == "fp8":
-        shape, dtype = (num_pages, page_size), torch.float32
-    else:
-        shape, dtype = (num_pages, page_size, 1, head_dim // FP4_BLOCK), torch.float8_e8m0fnu
+    shape, dtype = layout
     _check_tensor("k_scale", k_scale, ndim=len(shape), dtypes=(dtype,), device=device, contiguous=True)
     if tuple(k_scale.shape) != shape:
         _fail(ValueError, "k_scale", f"shape {shape} to match compressed_k_cache", tuple(k_scale.shape))
@@ -151,7 +149,7 @@ def validate_scoring_call(
     _check_tensor("compressed_k_cache", cache, ndim=4, dtypes=(q.dtype,) if kv == "bf16" else (cache.dtype,),
                   device=device, contiguous=True)
     num_pages, block_size, kv_heads, cache_dim = cache.shape
-    stored_dim = head_dim // 2 if kv == "fp4" else head_dim  # float4_e2m1fn_x2 packs two elements per byte
+    stored_dim = cache_width(kv, head_dim)
     if kv == "fp4" and head_dim % FP4_BLOCK:
         _fail(ValueError, "q", f"head_dim divisible by {FP4_BLOCK} for an MXFP4 cache", head_dim)
     if kv_heads != 1 or cache_dim != stored_dim:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .cache_formats import FP8_DTYPES, dequantize_fp4
+from .cache_formats import FP8_DTYPES, dequantize_cache
 
 
 def visible_groups(token_to_request, query_positions, context_lens, compress_ratio: int, num_columns: int):
@@ -54,9 +54,8 @@ def reference_paged_mqa_logits(
     """
     tokens, heads, head_dim = q.shape
     num_pages, page_size = compressed_k_cache.shape[:2]
-    is_fp8 = compressed_k_cache.dtype in FP8_DTYPES
-    is_fp4 = compressed_k_cache.dtype == torch.float4_e2m1fn_x2
-    if (is_fp8 or is_fp4) and k_scale is None:
+    quantised = compressed_k_cache.dtype in FP8_DTYPES + (torch.float4_e2m1fn_x2,)
+    if quantised and k_scale is None:
         raise ValueError("reference_paged_mqa_logits: a quantised cache needs its k_scale")
     width = page_table.shape[1]
     num_columns = width * page_size if max_columns is None else int(max_columns)
@@ -66,9 +65,9 @@ def reference_paged_mqa_logits(
     vis = visible_groups(token_to_request, query_positions, context_lens, compress_ratio, num_columns)
     if tokens == 0 or num_columns == 0:
         return logits, vis
-    # Quantised caches are indexed as raw bytes (torch has no indexing kernels for fp4/e8m0 on every device).
-    keys = (compressed_k_cache.view(torch.uint8) if is_fp4 else compressed_k_cache).reshape(num_pages, page_size, -1)
-    scales = k_scale.view(torch.uint8) if is_fp4 else k_scale
+    # Quantised caches are gathered as raw bytes (torch has no indexing kernels for fp4/e8m0 on every device).
+    keys = compressed_k_cache.view(torch.uint8) if quantised else compressed_k_cache.reshape(num_pages, page_size, -1)
+    scales = k_scale.view(torch.uint8) if quantised and k_scale.dtype.itemsize == 1 else k_scale
     req_of_row = token_to_request.long()
     vis_host = vis.long().cpu()
     for r in torch.unique(req_of_row).tolist():
@@ -85,10 +84,9 @@ def reference_paged_mqa_logits(
             page_ok = (pages >= 0) & (pages < num_pages)
             slot = (pages.clamp(0, num_pages - 1), cols % page_size)
             # [C, D]; quantised caches are dequantised here, gathered keys only, so memory stays bounded.
-            if is_fp8:
-                k = (keys[slot].float() * scales[slot].float()[:, None]).to(accum_dtype)
-            elif is_fp4:
-                k = dequantize_fp4(keys[slot], scales[slot].reshape(cols.numel(), -1)).to(accum_dtype)
+            if quantised:
+                gathered = keys[slot].view(compressed_k_cache.dtype), scales[slot].view(k_scale.dtype)
+                k = dequantize_cache(*gathered).reshape(cols.numel(), head_dim).to(accum_dtype)
             else:
                 k = keys[slot].to(accum_dtype)
             k = torch.where(page_ok[:, None], k, torch.zeros_like(k))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .cache_formats import FP4_BLOCK, cache_kind, write_reference
+from .cache_formats import FP4_BLOCK, cache_kind, cache_width, scale_layout, write_reference
 from .kernels.common import interpreting
+from .kernels.dequant import kernel_view
 from .problem import fail_argument
 
 
@@ -50,7 +51,7 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     if cache.device != keys.device:
         _fail(ValueError, "cache", f"on {keys.device} like `keys`", cache.device)
     head_dim = keys.shape[1]
-    width = head_dim // 2 if kind == "fp4" else head_dim
+    width = cache_width(kind, head_dim)
     if kind == "fp4" and head_dim % FP4_BLOCK:
         _fail(ValueError, "keys", f"a head_dim divisible by {FP4_BLOCK} for an fp4 cache", head_dim)
     if cache.shape[3] != width:
@@ -62,12 +63,11 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     if slot_mapping.device != keys.device:
         _fail(ValueError, "slot_mapping", f"on {keys.device} like `keys`", slot_mapping.device)
     pages, page_size = cache.shape[:2]
-    if kind == "bf16":
+    want = scale_layout(kind, pages, page_size, head_dim)
+    if want is None:
         if k_scale is not None:
             _fail(ValueError, "k_scale", "None for a 16-bit cache", type(k_scale).__name__)
     else:
-        want = ((pages, page_size), torch.float32) if kind == "fp8" else (
-            (pages, page_size, 1, head_dim // FP4_BLOCK), torch.float8_e8m0fnu)
         if not isinstance(k_scale, torch.Tensor):
             _fail(TypeError, "k_scale", f"a {want[1]} tensor of shape {want[0]} for a {kind} cache",
                   type(k_scale).__name__)
@@ -84,6 +84,5 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     from .kernels import cache_writer
 
     name = kind if kind != "fp8" else ("fp8_e4m3fnuz" if cache.dtype == torch.float8_e4m3fnuz else "fp8_e4m3fn")
-    cache_arg = cache if kind == "bf16" else cache.view(torch.uint8)
-    scale_arg = k_scale.view(torch.uint8) if kind == "fp4" else k_scale
-    cache_writer.launch(keys, slot_mapping, cache_arg, scale_arg, name, head_dim, pages * page_size)
+    cache_writer.launch(keys, slot_mapping, kernel_view(cache), kernel_view(k_scale), name, head_dim,
+                        pages * page_size)

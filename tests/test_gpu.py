@@ -9,7 +9,6 @@ checked exactly).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import zlib
 
@@ -38,22 +37,10 @@ CHOICES = KERNELS + ("auto",)
 MAX_REFERENCE_ROWS = 64
 
 
-def gpu_batch(contexts, rows, page_size, *, seed, heads=4, head_dim=128, dtype=torch.bfloat16, padded_rows=0,
-              table_width=None, compress_ratio=4) -> ScoringBatch:
-    """Like ``make_batch``, with q and the cache drawn on the GPU (a CPU draw of gigabytes of keys is slow)."""
-    layout = make_batch(contexts, rows, heads=1, head_dim=1, page_size=page_size, compress_ratio=compress_ratio,
-                        padded_rows=padded_rows, table_width=table_width,
-                        generator=torch.Generator().manual_seed(seed))
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    pages, tokens = layout.compressed_k_cache.shape[0], layout.q.shape[0]
-    cache = torch.randn(pages, page_size, 1, head_dim, device=dev, generator=gen).to(dtype)
-    q = torch.randn(tokens, heads, head_dim, device=dev, generator=gen).to(dtype)
-    return dataclasses.replace(
-        layout, q=q, compressed_k_cache=cache, page_table=layout.page_table.to(dev),
-        token_to_request=layout.token_to_request.to(dev), query_positions=layout.query_positions.to(dev),
-        context_lens=layout.context_lens.to(dev),
-    )
+def gpu_batch(contexts, rows, page_size, *, seed, **kwargs) -> ScoringBatch:
+    """``make_batch`` on the GPU (q and keys are drawn there), seeded; other arguments as ``make_batch``'s."""
+    return make_batch(contexts, rows, page_size=page_size, device="cuda",
+                      generator=torch.Generator().manual_seed(seed), **kwargs)
 
 
 def sample_rows(tokens: int, limit: int = MAX_REFERENCE_ROWS) -> torch.Tensor:
@@ -179,8 +166,7 @@ QUANTISED_POINTS = ("9x4@64K-128K", "4x4@262K", "128x1@8K-200K", "prefill-4096@9
 def test_quantised_work_point(monkeypatch, point, cache, page_size, backend):
     """fp8 and MXFP4 caches (written by the project's writer) at work points of each phase, every kernel."""
     contexts, rows, phase = WORK_POINTS[point]
-    batch = make_batch(contexts, rows, page_size=page_size, cache=cache, device="cuda",
-                       generator=torch.Generator().manual_seed(seed_of(point, cache, page_size)))
+    batch = gpu_batch(contexts, rows, page_size, cache=cache, seed=seed_of(point, cache, page_size))
     args, hints = batch.args(), dict(batch.kwargs(), **_hints(point, batch))
     force_backend(monkeypatch, backend)
     skip_unless_serves(backend, args, **hints)

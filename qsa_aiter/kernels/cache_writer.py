@@ -12,9 +12,10 @@ import triton
 import triton.language as tl
 
 from .common import next_pow2
+from .dequant import KV_16BIT, KV_FP4, KV_FP8_E4M3FN, KV_FP8_E4M3FNUZ
 
-# Kinds: 0 = 16-bit copy, 1 = fp8 e4m3fn, 2 = fp8 e4m3fnuz, 3 = fp4 (MXFP4).
-KIND_CODES = {"bf16": 0, "fp8_e4m3fn": 1, "fp8_e4m3fnuz": 2, "fp4": 3}
+# Kinds: 0 = 16-bit copy, 1 = fp8 e4m3fn, 2 = fp8 e4m3fnuz, 3 = fp4 (MXFP4): the scorers' ``KV_KIND`` codes.
+KIND_CODES = {"bf16": KV_16BIT, "fp8_e4m3fn": KV_FP8_E4M3FN, "fp8_e4m3fnuz": KV_FP8_E4M3FNUZ, "fp4": KV_FP4}
 
 
 @triton.jit

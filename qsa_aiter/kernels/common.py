@@ -81,13 +81,9 @@ class ScoreLaunch:
     k_scale: torch.Tensor | None = None
 
     @property
-    def kv_kind(self) -> int:
-        return kv_kind(self.k_cache.dtype)
-
-    @property
     def fast_decode(self) -> bool:
-        """Quantised keys are decoded with the PTX fast paths (``dequant.fast_decode``)."""
-        return self.kv_kind != KV_16BIT and fast_decode(self.q.device)
+        """Quantised keys are decoded with the PTX decoders (``dequant.fast_decode``), never under the interpreter."""
+        return kv_kind(self.k_cache.dtype) != KV_16BIT and not self.upcast and fast_decode(self.q.device)
 
     @property
     def upcast(self) -> bool:
@@ -98,10 +94,8 @@ class ScoreLaunch:
         """Positional arguments shared by every kernel, in the order of their signatures."""
         num_tokens, num_heads, head_dim = self.q.shape
         cache = kernel_view(self.k_cache)
-        if self.k_scale is None:
-            k_scale = cache  # 16-bit caches have no scale tensor: the cache stands in for the never-read pointer
-        else:
-            k_scale = self.k_scale.view(torch.uint8) if self.k_scale.dtype == torch.float8_e8m0fnu else self.k_scale
+        # 16-bit caches have no scale tensor: the cache stands in for the never-read pointer.
+        k_scale = cache if self.k_scale is None else kernel_view(self.k_scale)
         return (
             self.q, cache, k_scale, self.page_table, self.token_to_request, self.query_positions, self.context_lens,
             self.logits, self.visible,

@@ -46,9 +46,12 @@ def kv_kind(cache_dtype: torch.dtype) -> int:
     return _KV_KIND_OF_DTYPE[cache_dtype]
 
 
-def kernel_view(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as the kernels address it: 16-bit caches as they are, quantised ones as raw bytes (uint8)."""
-    return cache if kv_kind(cache.dtype) == KV_16BIT else cache.view(torch.uint8)
+def kernel_view(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A cache or scale tensor as the kernels address it: one-byte float dtypes (fp8, fp4, e8m0) as raw bytes
+    (uint8: Triton has no fp4 or e8m0 type, and the decoders work on bits), everything else as it is."""
+    if t is None or t.dtype.itemsize != 1 or not t.dtype.is_floating_point:
+        return t
+    return t.view(torch.uint8)
 
 
 def dot_dtype(problem, upcast: bool):
@@ -65,10 +68,8 @@ def dot_dtype(problem, upcast: bool):
 
 def fast_decode(device: torch.device) -> bool:
     """Whether the PTX decoders serve ``device``: an NVIDIA GPU of compute capability 9.0 or newer (they use
-    ``max.u16x2``), outside the interpreter."""
-    from .common import interpreting  # common imports this module
-
-    if device.type != "cuda" or torch.version.hip is not None or interpreting():
+    ``max.u16x2``). Callers also rule out the interpreter."""
+    if device.type != "cuda" or torch.version.hip is not None:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= (9, 0)
