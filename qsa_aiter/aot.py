@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .kernels.common import common_signature, interpreting
-from .kernels.dequant import KV_16BIT, kv_kind
+from .kernels.dequant import KV_16BIT, fp8_dot, kv_kind
 from .problem import ScoreProblem
 
 TARGETS = {
@@ -51,9 +51,12 @@ def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None
     problem = problem or example_problem()
     module = importlib.import_module(f"qsa_aiter.kernels.{kernel}")
     cfg = module.default_config(problem)
-    # The PTX decoders of quantised caches are built for NVIDIA targets, the portable decoders for AMD ones.
-    fast_decode = TARGETS[target].backend == "cuda" and kv_kind(problem.cache_dtype) != KV_16BIT
-    constexprs = module.constexprs(problem, cfg, upcast=False, fast_decode=fast_decode)
+    # The PTX decoders of quantised caches and the e4m3 MMAs are built for NVIDIA targets (sm_90 has both), the
+    # portable decoders for AMD ones.
+    nvidia = TARGETS[target].backend == "cuda"
+    fast_decode = nvidia and kv_kind(problem.cache_dtype) != KV_16BIT
+    e4m3_mma = fp8_dot(problem.q_dtype, problem.cache_dtype, tensor_cores=nvidia)
+    constexprs = module.constexprs(problem, cfg, upcast=False, fast_decode=fast_decode, fp8_dot=e4m3_mma)
     signature = common_signature(_TRITON_DTYPES[problem.q_dtype], index_dtype, kv_kind(problem.cache_dtype))
     signature.update({name: "constexpr" for name in constexprs})
     # The launcher's runtime specialisation marks 16-byte-aligned pointers and strides divisible by 16; state the

@@ -22,6 +22,7 @@ import torch
 from . import registry
 from .kernels.common import ScoreLaunch
 from .ops import describe_call
+from .settings import get_settings
 from .workloads import ScoringBatch, make_batch
 
 K, L2_ROTATE_BYTES = 1024, 256 << 20
@@ -243,7 +244,7 @@ def point_inputs(point: WorkPoint, page_size: int, device, kv: str = "bf16") -> 
         problems.append(problem)
         launches.append(ScoreLaunch(b.q, b.compressed_k_cache, b.page_table, b.token_to_request, b.query_positions,
                                     b.context_lens, logits, visible, problem.num_columns, b.compress_ratio,
-                                    1.0 / math.sqrt(b.q.shape[2]), b.k_scale))
+                                    1.0 / math.sqrt(b.q.shape[2]), b.k_scale, get_settings().fp8_mma))
     return PointInputs(problems, launches, probe.q.shape[0], nbytes, flops)
 
 

@@ -53,13 +53,20 @@ class QsaSettings(BaseSettings):
         alias="QSA_AITER_STRICT",
         description="1 raises a kernel's compile or launch error instead of falling back to the next candidate.",
     )
+    fp8_mma: bool = Field(
+        True,
+        alias="QSA_AITER_FP8_MMA",
+        description="1 lets the stacked scorer read an e4m3fn cache with e4m3 tensor-core MMAs (bf16 q split into two "
+        "exact e4m3 terms; the tensor cores round inside their sums: up to 3.2e-4 of sum(|q||k|)/divisor measured "
+        "on the H200); 0 decodes the keys to bf16 in registers (exact fp32 sums, slower).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "warning",
         alias="QSA_AITER_LOG_LEVEL",
         description="Level of the `qsa_aiter` logger; `info` logs each new dispatch decision once.",
     )
 
-    @field_validator("stacked_decode_scorer", "strict", mode="before")
+    @field_validator("stacked_decode_scorer", "strict", "fp8_mma", mode="before")
     @classmethod
     def _strict_bool(cls, value: object) -> object:
         return _parse_bool(value)

@@ -34,6 +34,8 @@ VARIANTS = {
 DECODER_MARKS = {"fp8": "0x7B807B80", "fp8-fnuz-fp16-page16": "0x58005800", "fp4": "0x3F3F3F00"}
 ROWWISE_DECODER_MARKS = dict(DECODER_MARKS, **{"fp8-fnuz-fp16-page16": "0x7B007B00"})
 ALL_MARKS = sorted(set(DECODER_MARKS.values()) | set(ROWWISE_DECODER_MARKS.values()))
+# The builds that read the stored e4m3 keys with e4m3 tensor cores instead of decoding them (QSA_AITER_FP8_MMA).
+FP8_MMA_BUILDS = {("stacked", "sm_90", "fp8")}
 
 _CHILD = r"""
 import json, sys
@@ -64,6 +66,7 @@ for variant, (overrides, index_dtype) in variants.items():
                 "mfma": "mfma" in text,
                 "dot_in_ttir": "tt.dot" in asm.get("ttir", ""),
                 "decoder_marks": [m for m in marks if m in text],
+                "e4m3_mma": ".e4m3.e4m3" in text,
             }
 print("AOT-RESULTS " + json.dumps(results))
 """
@@ -119,11 +122,14 @@ def test_tensor_core_use(compiled, kernel, target, variant):
 
 @EVERY_BUILD
 def test_quantised_decoders_per_target(compiled, kernel, target, variant):
-    """NVIDIA builds decode quantised keys with the PTX decoders; AMD builds (and 16-bit caches) do without."""
+    """NVIDIA builds decode quantised keys with the PTX decoders, except the stacked scorer on e4m3fn keys with bf16
+    q, which feeds the stored keys to e4m3 tensor cores; AMD builds (and 16-bit caches) use neither."""
     result = build(compiled, kernel, target, variant)
     marks = ROWWISE_DECODER_MARKS if kernel == "rowwise" else DECODER_MARKS
-    want = [marks[variant]] if target.startswith("sm_") and variant in marks else []
+    e4m3_mma = (kernel, target, variant) in FP8_MMA_BUILDS
+    want = [marks[variant]] if target.startswith("sm_") and variant in marks and not e4m3_mma else []
     assert result["decoder_marks"] == want
+    assert result["e4m3_mma"] == e4m3_mma
 
 
 def test_unknown_kernel_or_target():

@@ -2,7 +2,8 @@
 
 Run with ``python3 -m pytest tests -m gpu`` on a machine with a GPU (no ``TRITON_INTERPRET``). Every kernel is forced
 in turn (and the automatic choice), and compared with the torch reference run on the same GPU in fp32. The kernels
-multiply bf16/fp16 operands on tensor cores with fp32 accumulation, so the tolerance is rtol = atol = 1e-4. Where a
+multiply bf16/fp16 operands on tensor cores with fp32 accumulation, so the tolerance is rtol = atol = 1e-4 (plus
+``FP8_MMA_TOL`` of the magnitude bound where e4m3 tensor cores score an fp8 cache, helpers.py). Where a
 call has many rows, the reference is computed for an evenly spaced subset of them (every row's visible count is still
 checked exactly).
 """
@@ -17,13 +18,14 @@ import torch
 
 import qsa_aiter
 from qsa_aiter import registry
+from qsa_aiter.cache_formats import dequantize_cache
 from qsa_aiter.ops import describe_call
 from qsa_aiter.reference import reference_paged_mqa_logits, visible_groups
 from qsa_aiter.workloads import ScoringBatch, make_batch
 
 from helpers import (
-    KERNELS, PREFERRED, assert_matches_reference, force_backend, poisoned_out, run_poisoned, skip_unless_serves,
-    visible_bits,
+    FP8_MMA_TOL, KERNELS, PREFERRED, assert_matches_reference, force_backend, poisoned_out, run_poisoned,
+    skip_unless_serves, uses_fp8_mma, visible_bits,
 )
 
 pytestmark = [
@@ -59,6 +61,15 @@ def reference_rows(args: tuple, rows: torch.Tensor, **kwargs):
     return reference_paged_mqa_logits(q[rows], cache, table, t2r[rows], pos[rows], ctx, ratio, **extra)
 
 
+def gpu_atol(args: tuple, rows: torch.Tensor, **kwargs):
+    """``ATOL``, plus ``FP8_MMA_TOL`` of the sampled rows' magnitude bound where e4m3 tensor cores score the call."""
+    if not uses_fp8_mma(args, **kwargs):
+        return ATOL
+    absolute = (args[0].float().abs(), dequantize_cache(args[1], kwargs.get("k_scale")).abs()) + tuple(args[2:])
+    plain = {k: v for k, v in kwargs.items() if k != "k_scale"}
+    return ATOL + FP8_MMA_TOL * reference_rows(absolute, rows, **plain)[0]
+
+
 def check_gpu_call(args: tuple, *, label: str = "", repeat: bool = False, **kwargs):
     """Poison, run, check every row's visible count and the sampled rows' logits; optionally run again, bitwise."""
     logits, visible = run_poisoned(args, **kwargs)
@@ -68,7 +79,7 @@ def check_gpu_call(args: tuple, *, label: str = "", repeat: bool = False, **kwar
     assert torch.equal(visible, expected_visible), f"{label}: visible differs from the reference"
     rows = sample_rows(args[0].shape[0])
     ref_logits, ref_visible = reference_rows(args, rows, **kwargs)
-    assert_matches_reference(logits, visible, ref_logits, ref_visible, rtol=RTOL, atol=ATOL,
+    assert_matches_reference(logits, visible, ref_logits, ref_visible, rtol=RTOL, atol=gpu_atol(args, rows, **kwargs),
                              rows=rows.to(logits.device), label=label)
     if repeat:
         again, visible2 = run_poisoned(args, **kwargs)

@@ -2,7 +2,9 @@
 
 The reference dequantises the keys it gathers exactly (``qsa_aiter.cache_formats``), so kernel and reference differ
 only in summation order: rtol = atol = 1e-5 under the interpreter (fp32 throughout), 1e-4 on a GPU (16-bit operands
-on tensor cores, fp32 accumulation; every fp8 value and dequantised fp4 key is exact in bf16). Besides caches written
+on tensor cores, fp32 accumulation; every fp8 value and dequantised fp4 key is exact in bf16), plus ``FP8_MMA_TOL`` of
+the magnitude bound where e4m3 tensor cores score an e4m3fn cache (their sums round internally; the interpreter
+emulates them exactly, so the CPU run checks the split of q at 1e-5). Besides caches written
 from realistic keys, one test fills caches with random bytes, so every fp8 code (subnormals included) and every e2m1
 code under exponents from 0 (2**-127) to 200 is decoded; there the tolerance is relative to the sum of the
 magnitudes of the products, since random codes make large terms cancel.
@@ -12,14 +14,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import qsa_aiter
-from qsa_aiter.cache_formats import dequantize_cache
+from qsa_aiter.kernels.dequant import split_query_e4m3
 from qsa_aiter.reference import reference_paged_mqa_logits
 
 from helpers import (
-    BACKENDS, KERNELS, PREFERRED, check_call, check_forced, force_backend, phase_batch, run_poisoned,
-    skip_unless_serves,
+    BACKENDS, FP8_MMA_TOL, KERNELS, PREFERRED, check_call, check_forced, force_backend, magnitude_bound, phase_batch,
+    run_poisoned, skip_unless_serves, uses_fp8_mma,
 )
 
 QUANTISED = ("fp8", "fp8_fnuz", "fp4")
@@ -55,14 +59,6 @@ def fill_random_codes(batch, cache: str, gen) -> None:
         batch.k_scale.copy_(torch.rand(batch.k_scale.shape, generator=gen) * 0.01 + 1e-4)
 
 
-def magnitude_bound(batch, **hints):
-    """Per logit, ``sum_h sum_d |q| |k| / divisor``: the scale of the rounding error of any summation order."""
-    keys = dequantize_cache(batch.compressed_k_cache, batch.k_scale).abs()
-    args = (batch.q.float().abs(), keys) + batch.args()[2:]
-    return reference_paged_mqa_logits(*args, max_columns=hints.get("max_columns"),
-                                      score_divisor=hints.get("score_divisor"))[0]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("page_size", PAGES)
@@ -93,15 +89,17 @@ def test_every_code_decodes_exactly(monkeypatch, rng, cache, page_size, phase, b
     skip_unless_serves(backend, args, **hints)
     logits, visible = run_poisoned(args, **hints)
     ref_logits, ref_visible = reference_paged_mqa_logits(*args, k_scale=batch.k_scale)
-    bound = magnitude_bound(batch)
-    # Scores within 1e-5 of the magnitude sum (fp32 summation in another order), compared on [0, visible).
+    bound = magnitude_bound(args, k_scale=batch.k_scale)
+    # Scores within 1e-5 of the magnitude sum (fp32 summation in another order; e4m3 tensor cores round inside
+    # their sums: FP8_MMA_TOL more), compared on [0, visible).
+    rel = 1e-5 + (FP8_MMA_TOL if uses_fp8_mma(args, **hints) else 0.0)
     mask = torch.arange(logits.shape[1], device=logits.device)[None, :] < visible.long()[:, None]
     assert torch.equal(visible, ref_visible.to(visible.device))
     got, exp, lim = logits[mask], ref_logits[mask], bound[mask]
     finite = torch.isfinite(exp)
     assert torch.equal(torch.isneginf(got), torch.isneginf(exp))
     err = (got[finite] - exp[finite]).abs()
-    assert bool((err <= 1e-5 * lim[finite] + 1e-30).all()), (
+    assert bool((err <= rel * lim[finite] + 1e-30).all()), (
         f"{backend}/{phase}/{cache}: max error {err.max().item():.3g} over bound "
         f"{(err / lim[finite].clamp_min(1e-30)).max().item():.3g} (x magnitude sum)")
 
@@ -125,3 +123,43 @@ def test_bad_page_ids_and_padded_rows_on_a_quantised_cache(monkeypatch, rng):
             force_backend(monkeypatch, backend)
             logits, visible = check_call(batch.args(), rtol=TOL, atol=TOL, label=f"{cache}/{backend}", **hints)
             assert bool(torch.isneginf(logits[0, 16:32]).all())
+
+
+@pytest.mark.parametrize("phase", ("verify", "draft"))
+@pytest.mark.parametrize("page_size", PAGES)
+def test_fp8_keys_decoded_when_the_mma_switch_is_off(monkeypatch, rng, phase, page_size):
+    """QSA_AITER_FP8_MMA=0: the stacked scorer decodes e4m3fn keys to bf16 in registers (exact fp32 sums)."""
+    monkeypatch.setenv("QSA_AITER_FP8_MMA", "0")
+    batch, hints = quantised_batch(phase, "fp8", page_size, rng)
+    assert not uses_fp8_mma(batch.args(), **hints)
+    check_forced(monkeypatch, "stacked", batch, hints, label=f"stacked/{phase}/fp8 decoded/page{page_size}", tol=TOL)
+
+
+@triton.jit
+def _split_kernel(q_ptr, out_ptr, hi_ptr, ROWS: tl.constexpr, D: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * D + tl.arange(0, D)[None, :]
+    hi, lo, row_scale = split_query_e4m3(tl.load(q_ptr + offs).to(tl.float32))
+    tl.store(hi_ptr + offs, hi.to(tl.uint8, bitcast=True))
+    tl.store(out_ptr + offs, (hi.to(tl.float32) + lo.to(tl.float32)) * row_scale[:, None])
+
+
+def test_split_of_bf16_queries_into_two_e4m3_terms(rng):
+    """``hi + lo`` rebuilds every bf16 element of at least 2**-9 of its row's largest exactly, smaller ones within
+    2**-17 of it; ``hi`` is the row scaled into [128, 256) and rounded to nearest e4m3 (ties to even), as torch does.
+    Rows: ordinary, all zero, tiny (1e-30) and huge (1e30) scales, one with a 1e-4 half."""
+    q = torch.randn(8, 128, generator=rng) * torch.tensor([3.0, 1.0, 1e-30, 1e30, 1e-3, 7.0, 1.0, 250.0])[:, None]
+    q[1] = 0.0
+    q[6, :64] *= 1e-4
+    q = q.to(torch.bfloat16).to(DEVICE)
+    out = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    hi = torch.empty(q.shape, dtype=torch.uint8, device=DEVICE)
+    _split_kernel[(1,)](q, out, hi, 8, 128)
+    q32 = q.float()
+    row_max = q32.abs().amax(dim=1, keepdim=True)
+    err = (out - q32).abs()
+    large = q32.abs() >= row_max * 2.0**-9
+    assert bool((err[large] == 0).all())
+    assert bool((err <= row_max * 2.0**-17).all())
+    scale = torch.exp2(torch.floor(torch.log2(row_max.clamp_min(1e-38))) - 7)
+    expected_hi = (q32 / scale).to(torch.float8_e4m3fn).float()
+    assert torch.equal(hi.view(torch.float8_e4m3fn).float(), expected_hi)  # by value: -0 and +0 both round tiny ones

@@ -8,7 +8,8 @@ from pydantic import ValidationError
 from qsa_aiter import settings
 from qsa_aiter.settings import BACKEND_NAMES, ENV_NAMES, environment_table, get_settings
 
-BOOL_VARS = {"ATOM_QSA_STACKED_DECODE_SCORER": "stacked_decode_scorer", "QSA_AITER_STRICT": "strict"}
+BOOL_VARS = {"ATOM_QSA_STACKED_DECODE_SCORER": "stacked_decode_scorer", "QSA_AITER_STRICT": "strict",
+             "QSA_AITER_FP8_MMA": "fp8_mma"}
 TRUE_WORDS = ["1", "true", "yes", "on", "TRUE", "Yes", "ON", " 1 "]
 FALSE_WORDS = ["0", "false", "no", "off", "FALSE", "No", "Off", "0 "]
 
@@ -18,12 +19,13 @@ def test_defaults():
     assert s.stacked_decode_scorer is True
     assert s.backend == "auto"
     assert s.strict is False
+    assert s.fp8_mma is True
     assert s.log_level == "warning"
 
 
 def test_every_variable_is_known():
     assert set(ENV_NAMES) == {"ATOM_QSA_STACKED_DECODE_SCORER", "QSA_AITER_BACKEND", "QSA_AITER_STRICT",
-                              "QSA_AITER_LOG_LEVEL"}
+                              "QSA_AITER_FP8_MMA", "QSA_AITER_LOG_LEVEL"}
 
 
 @pytest.mark.parametrize("var", BOOL_VARS)

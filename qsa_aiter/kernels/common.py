@@ -13,7 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .dequant import KV_16BIT, KV_FP4, fast_decode, kernel_view, kv_kind, load_fp4_key_tile, load_key_tile
+from .dequant import (
+    KV_16BIT, KV_FP4, fast_decode, fp8_dot, fp8_tensor_cores, kernel_view, kv_kind, load_fp4_key_tile, load_key_tile,
+    key_slots, split_query_e4m3, tile_slots,
+)
 
 
 def interpreting() -> bool:
@@ -79,11 +82,18 @@ class ScoreLaunch:
     compress_ratio: int
     scale: float  # 1 / score_divisor
     k_scale: torch.Tensor | None = None
+    fp8_mma: bool = True  # QSA_AITER_FP8_MMA: e4m3 tensor cores may score an e4m3fn cache (``fp8_dot``)
 
     @property
     def fast_decode(self) -> bool:
         """Quantised keys are decoded with the PTX decoders (``dequant.fast_decode``), never under the interpreter."""
         return kv_kind(self.k_cache.dtype) != KV_16BIT and not self.upcast and fast_decode(self.q.device)
+
+    @property
+    def fp8_dot(self) -> bool:
+        """fp8 keys go to e4m3 tensor cores against a split q (``dequant.fp8_dot``); the interpreter emulates it."""
+        hardware = self.upcast or fp8_tensor_cores(self.q.device)
+        return fp8_dot(self.q.dtype, self.k_cache.dtype, self.fp8_mma and hardware)
 
     @property
     def upcast(self) -> bool:
@@ -150,32 +160,48 @@ def stacked_head_scores(dots, page_ok, factor, ROWS: tl.constexpr, NUM_HEADS: tl
 
 
 @triton.jit
-def load_q_tile(q_ptr, q_rows, q_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Query rows ``q_rows`` (of ``q`` viewed as ``[rows, HEAD_DIM]``) as dot operands: ``(q, q)`` of
-    ``[len(q_rows), HEAD_DIM]``, or for an MXFP4 cache its even and odd elements, each ``[len(q_rows), HEAD_DIM // 2]``
-    (to meet ``load_fp4_key_tile``'s even and odd keys)."""
+def load_q_tile(q_ptr, q_rows, q_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                FP8_DOT: tl.constexpr):
+    """Query rows ``q_rows`` (of ``q`` viewed as ``[rows, HEAD_DIM]``) as dot operands ``(first, second, factor)``
+    for ``pair_dot``: ``(q, q, 1)``, each ``[len(q_rows), HEAD_DIM]``; for an MXFP4 cache q's even and odd elements,
+    each ``[len(q_rows), HEAD_DIM // 2]`` (to meet ``load_fp4_key_tile``'s even and odd keys); with ``FP8_DOT`` the
+    two e4m3 terms of q and the fp32 row scale ``[len(q_rows)]`` to multiply their dots by (``split_query_e4m3``)."""
     row = q_ptr + q_rows.to(tl.int64)[:, None] * HEAD_DIM
+    factor = tl.full(q_rows.shape, 1.0, tl.float32)
     if KV_KIND == 3:
         j = 2 * tl.arange(0, HEAD_DIM // 2)
         first = tl.load(row + j[None, :], mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
         second = tl.load(row + j[None, :] + 1, mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
+    elif FP8_DOT:
+        q = tl.load(row + tl.arange(0, HEAD_DIM)[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
+        hi, lo, factor = split_query_e4m3(q)
+        first = hi.to(DOT_DTYPE)
+        second = lo.to(DOT_DTYPE)
     else:
         first = tl.load(row + tl.arange(0, HEAD_DIM)[None, :], mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
         second = first
-    return first, second
+    return first, second, factor
 
 
 @triton.jit
-def load_keys(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages, scale, PAGE_SIZE: tl.constexpr,
-              HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
-    """The keys of ``cols`` as dot operands ``(first, second, page_ok, factor)``: for an MXFP4 cache the even and
-    odd elements (``load_fp4_key_tile``), else the keys twice (``load_key_tile``); pair them with ``load_q_tile``."""
-    if KV_KIND == 3:
-        first, second, page_ok, factor = load_fp4_key_tile(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages,
-                                                           scale, PAGE_SIZE, HEAD_DIM, DOT_DTYPE, FAST_DECODE)
+def load_keys(k_ptr, ks_ptr, pt_row_ptr, tile, valid, num_pages, scale, BLOCK_N: tl.constexpr,
+              PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              FAST_DECODE: tl.constexpr, SCALAR_PAGES: tl.constexpr):
+    """Key tile ``tile`` (columns ``tile * BLOCK_N + [0, BLOCK_N)``, those ``< valid`` wanted) of one request as dot
+    operands ``(first, second, page_ok, factor)``: for an MXFP4 cache the even and odd elements
+    (``load_fp4_key_tile``), else the keys twice (``load_key_tile``); pair them with ``load_q_tile``. The tile's
+    page ids are read as scalars (``tile_slots``) with ``SCALAR_PAGES``, else as one vector (``key_slots``): a tile
+    setting, which is faster depends on the kernel and cache kind."""
+    if SCALAR_PAGES:
+        slot, page_ok = tile_slots(pt_row_ptr, tile, valid, num_pages, BLOCK_N, PAGE_SIZE)
     else:
-        first, page_ok, factor = load_key_tile(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages, scale, PAGE_SIZE,
-                                               HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot, page_ok = key_slots(pt_row_ptr, cols, cols < valid, num_pages, PAGE_SIZE)
+    if KV_KIND == 3:
+        first, second, factor = load_fp4_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM, DOT_DTYPE,
+                                                  FAST_DECODE)
+    else:
+        first, factor = load_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
         second = first
     return first, second, page_ok, factor
 
@@ -189,3 +215,12 @@ def pair_dot(q_first, q_second, k_first, k_second, KV_KIND: tl.constexpr):
     else:
         dots = tl.dot(q_first, tl.trans(k_first))
     return dots
+
+
+@triton.jit
+def fp8_keys_major_dots(keys, q_hi, q_lo, q_factor):
+    """``FP8_DOT`` dots, keys major: e4m3 keys ``[BLOCK_N, D]`` (as stored) against q's two e4m3 terms ``[M, D]``
+    (``load_q_tile``), one fp32 accumulator ``[BLOCK_N, M]`` times q's row scales ``[M]``. With the keys as the M
+    operand the tensor cores read them straight from shared memory: no register pass over the keys at all."""
+    dots = tl.dot(keys, tl.trans(q_lo), tl.dot(keys, tl.trans(q_hi)))
+    return dots * q_factor[None, :]

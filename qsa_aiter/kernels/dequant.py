@@ -12,6 +12,9 @@ Each returns the keys and a per-column factor that the caller applies once per c
   (``e2m1 * 2**(e - 127)``, the exponent differs per 32-element block, so it cannot wait for the head sum);
   factor = ``1 / score_divisor``.
 
+With ``FP8_DOT`` (``fp8_dot``: e4m3fn keys, bf16 q, e4m3 tensor cores) fp8 keys are not decoded at all: the stored
+bytes are the MMA operand and q is split into two exact e4m3 terms (``split_query_e4m3``).
+
 Two exact decoders per format:
 
 - portable (the interpreter, which has no fp4 type and whose fp8 support differs from the GPUs', AMD targets):
@@ -54,13 +57,16 @@ def kernel_view(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.view(torch.uint8)
 
 
-def dot_dtype(problem, upcast: bool):
+def dot_dtype(problem, upcast: bool, fp8_dot: bool = False):
     """Operand dtype of the ``tl.dot`` in the tensor-core kernels (a ``DOT_DTYPE`` constexpr).
 
-    fp32 under the interpreter (it computes bf16 on raw bits); otherwise q's dtype, except fp16 queries on an MXFP4
-    cache: dequantised fp4 keys can leave fp16's range, and fp32 (tf32) operands hold both exactly. Every fp8 value
-    is exact in bf16 and fp16, and so is every dequantised fp4 key in bf16.
+    fp32 under the interpreter (it computes bf16 on raw bits); e4m3 when ``fp8_dot`` (``FP8_DOT``: the fp8 keys go
+    to the tensor cores as stored, against q split into two e4m3 terms, ``split_query_e4m3``); otherwise q's dtype,
+    except fp16 queries on an MXFP4 cache: dequantised fp4 keys can leave fp16's range, and fp32 (tf32) operands hold
+    both exactly. Every fp8 value is exact in bf16 and fp16, and so is every dequantised fp4 key in bf16.
     """
+    if fp8_dot and not upcast:
+        return tl.float8e4nv
     if upcast or (problem.q_dtype == torch.float16 and kv_kind(problem.cache_dtype) == KV_FP4):
         return tl.float32
     return tl.bfloat16 if problem.q_dtype == torch.bfloat16 else tl.float16
@@ -69,10 +75,19 @@ def dot_dtype(problem, upcast: bool):
 def fast_decode(device: torch.device) -> bool:
     """Whether the PTX decoders serve ``device``: an NVIDIA GPU of compute capability 9.0 or newer (they use
     ``max.u16x2``). Callers also rule out the interpreter."""
+    return _nvidia_capability(device) >= (9, 0)
+
+
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` has fp8 (e4m3) tensor-core MMAs: an NVIDIA GPU of compute capability 8.9 or newer."""
+    return _nvidia_capability(device) >= (8, 9)
+
+
+def _nvidia_capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of an NVIDIA GPU; ``(0, 0)`` for any other device (CPU, AMD)."""
     if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (9, 0)
+        return (0, 0)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,6 +105,75 @@ def key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE: tl.constexpr):
     page = tl.load(pt_row_ptr + cols // PAGE_SIZE, mask=col_ok, other=-1)
     page_ok = col_ok & (page >= 0) & (page < num_pages)
     return page.to(tl.int64) * PAGE_SIZE + (cols % PAGE_SIZE), page_ok
+
+
+def fp8_dot(q_dtype: torch.dtype, cache_dtype: torch.dtype, tensor_cores: bool) -> bool:
+    """Whether the tensor-core kernels score an fp8 cache with e4m3 MMAs (``FP8_DOT``): an e4m3fn cache, bf16
+    queries (8 significant bits: two e4m3 terms hold them, ``split_query_e4m3``) and e4m3 tensor cores
+    (``fp8_tensor_cores``; the interpreter emulates them with fp32 dots of the same terms)."""
+    return kv_kind(cache_dtype) == KV_FP8_E4M3FN and q_dtype == torch.bfloat16 and tensor_cores
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """fp32 ``x`` (``|x| < 448``) rounded to the nearest e4m3 value (ties to even), held in fp32: 4 significant
+    bits for normal magnitudes, the subnormal grid ``2**-9`` below ``2**-6``. Converting the result to e4m3 is
+    exact, so no platform's conversion rounding is relied on (the interpreter's truncates subnormals and mishandles
+    a carry into the exponent). Integer rounding of the bits: float tricks such as a Veltkamp split are undone by
+    the compiler's FMA contraction."""
+    b = x.to(tl.int32, bitcast=True)
+    # Round the 23-bit mantissa to 3 bits, to nearest even; a carry rolls into the exponent as it should.
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2**14: rounds to multiples of 2**-9
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def split_query_e4m3(q):
+    """bf16 query rows (held in fp32, ``[M, D]``) as two e4m3 terms and a power-of-two row scale:
+    ``(hi, lo, row_scale)`` with ``q == (hi + lo) * row_scale[:, None]``.
+
+    The scale maps each row's largest magnitude into ``[128, 256)`` (e4m3 tops out at 448). ``hi`` is q rounded to
+    e4m3; the remainder is a multiple of q's last bit no larger than half of ``hi``'s last bit, so it has at most 4
+    significant bits and ``lo`` holds it exactly while that last bit is on e4m3's grid: for every element of at least
+    ``2**-9`` of its row's largest magnitude. Smaller elements are rounded to e4m3's subnormal grid, an error under
+    ``2**-17`` of the row's largest. Products with e4m3 keys are exact; what remains is the rounding of the sums
+    (inside the tensor cores on a GPU).
+    """
+    amax = tl.max(tl.abs(q), axis=1)
+    # Exponent field of the row maximum, at least 8 so that both the scale and its inverse are normal fp32.
+    e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 8)
+    inverse = ((261 - e) << 23).to(tl.float32, bitcast=True)  # 2**(134 - e)
+    row_scale = ((e - 7) << 23).to(tl.float32, bitcast=True)  # 2**(e - 134)
+    x = q * inverse[:, None]
+    hi = round_to_e4m3(x)
+    lo = round_to_e4m3(x - hi)
+    return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv), row_scale
+
+
+@triton.jit
+def tile_slots(pt_row_ptr, tile, valid, num_pages, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """``key_slots`` of key tile ``tile`` (columns ``tile * BLOCK_N + [0, BLOCK_N)``, those ``< valid`` wanted; the
+    tile must start below ``valid``), with the page ids of the tile read as scalars and selected per column.
+
+    Same result as ``key_slots``; no vector of page ids is loaded, so nothing has to be moved between the layouts
+    of the key gather and of the MMA result (each such move costs a shared-memory round trip and a barrier).
+    """
+    local = tl.arange(0, BLOCK_N)
+    if BLOCK_N <= PAGE_SIZE:
+        first_col = tile * BLOCK_N
+        page = tl.load(pt_row_ptr + first_col // PAGE_SIZE)
+        pages = tl.full((BLOCK_N,), 0, tl.int64) + page
+        offset = first_col % PAGE_SIZE + local
+    else:
+        first_page = tile * (BLOCK_N // PAGE_SIZE)
+        pages = tl.full((BLOCK_N,), 0, tl.int64) + tl.load(pt_row_ptr + first_page)
+        for j in tl.static_range(1, BLOCK_N // PAGE_SIZE):
+            page_j = tl.load(pt_row_ptr + first_page + j, mask=(first_page + j) * PAGE_SIZE < valid, other=-1)
+            pages = tl.where(local >= j * PAGE_SIZE, page_j, pages)
+        offset = local % PAGE_SIZE
+    page_ok = (tile * BLOCK_N + local < valid) & (pages >= 0) & (pages < num_pages)
+    return pages * PAGE_SIZE + offset, page_ok
 
 
 @triton.jit
@@ -237,34 +321,36 @@ def fp4_pairs(packed, exps, OUT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
 
 
 @triton.jit
-def load_key_tile(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages, scale, PAGE_SIZE: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  FAST_DECODE: tl.constexpr):
-    """Keys ``[BLOCK_N, HEAD_DIM]`` of logical columns ``cols`` in ``DOT_DTYPE`` (zeros where masked), ``page_ok``
-    ``[BLOCK_N]`` and the per-column factor ``[BLOCK_N]`` fp32 to apply after the head sum. 16-bit and fp8 caches
-    (MXFP4: ``load_fp4_key_tile``). ``HEAD_DIM`` must be a power of two (the tensor-core kernels require it).
+def load_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
+    """Keys ``[BLOCK_N, HEAD_DIM]`` at cache slots ``slot`` (``key_slots`` or ``tile_slots``) in ``DOT_DTYPE``
+    (zeros where not ``page_ok``) and the per-column factor ``[BLOCK_N]`` fp32 to apply after the head sum. 16-bit
+    and fp8 caches (MXFP4: ``load_fp4_key_tile``). ``HEAD_DIM`` must be a power of two (the tensor-core kernels
+    require it).
     """
-    slot, page_ok = key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE)
     d = tl.arange(0, HEAD_DIM)
     raw = tl.load(k_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=page_ok[:, None], other=0)
     if KV_KIND == 0:
         keys = raw.to(DOT_DTYPE)
-        factor = tl.full(cols.shape, scale, tl.float32)
+        factor = tl.full(slot.shape, scale, tl.float32)
+    elif DOT_DTYPE == tl.float8e4nv:
+        # FP8_DOT: the stored bytes are the MMA operand.
+        keys = raw.to(tl.float8e4nv, bitcast=True)
+        factor = tl.load(ks_ptr + slot, mask=page_ok, other=0.0) * scale
     else:
         keys = fp8_keys(raw, KV_KIND, DOT_DTYPE, FAST_DECODE)
         factor = tl.load(ks_ptr + slot, mask=page_ok, other=0.0) * scale
-    return keys, page_ok, factor
+    return keys, factor
 
 
 @triton.jit
-def load_fp4_key_tile(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages, scale, PAGE_SIZE: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
-    """MXFP4 keys of logical columns ``cols`` as even and odd elements, each ``[BLOCK_N, HEAD_DIM // 2]`` in
-    ``DOT_DTYPE`` (element ``2j`` and ``2j + 1`` of head_dim: the low and high nibble of byte ``j``), fully
-    dequantised; plus ``page_ok`` and the per-column factor (``scale``). Callers dot them with the even and odd
-    halves of q, so the nibbles are never interleaved in registers.
+def load_fp4_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                      FAST_DECODE: tl.constexpr):
+    """MXFP4 keys at cache slots ``slot`` (``key_slots`` or ``tile_slots``) as even and odd elements, each
+    ``[BLOCK_N, HEAD_DIM // 2]`` in ``DOT_DTYPE`` (element ``2j`` and ``2j + 1`` of head_dim: the low and high nibble
+    of byte ``j``), fully dequantised (zeros where not ``page_ok``); plus the per-column factor (``scale``). Callers
+    dot them with the even and odd halves of q, so the nibbles are never interleaved in registers.
     """
-    slot, page_ok = key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE)
     NB: tl.constexpr = HEAD_DIM // 32
     blk = tl.arange(0, NB)
     pair = tl.arange(0, 16)
@@ -272,5 +358,5 @@ def load_fp4_key_tile(k_ptr, ks_ptr, pt_row_ptr, cols, col_ok, num_pages, scale,
                      mask=page_ok[:, None, None], other=0)
     exps = tl.load(ks_ptr + slot[:, None] * NB + blk[None, :], mask=page_ok[:, None], other=127)
     even, odd = fp4_pairs(packed, exps[:, :, None], DOT_DTYPE, FAST_DECODE)
-    shape: tl.constexpr = (cols.shape[0], HEAD_DIM // 2)
-    return tl.reshape(even, shape), tl.reshape(odd, shape), page_ok, tl.full(cols.shape, scale, tl.float32)
+    shape: tl.constexpr = (slot.shape[0], HEAD_DIM // 2)
+    return tl.reshape(even, shape), tl.reshape(odd, shape), tl.full(slot.shape, scale, tl.float32)

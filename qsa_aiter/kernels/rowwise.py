@@ -96,8 +96,8 @@ def default_config(problem) -> RowwiseConfig:
     return RowwiseConfig()
 
 
-def constexprs(problem, cfg: RowwiseConfig, upcast: bool, fast_decode: bool = False) -> dict:
-    # ``upcast`` is moot here: this kernel multiplies in fp32 on every platform.
+def constexprs(problem, cfg: RowwiseConfig, upcast: bool, fast_decode: bool = False, fp8_dot: bool = False) -> dict:
+    # ``upcast`` and ``fp8_dot`` are moot here: this kernel multiplies in fp32 on every platform, with no MMA.
     kind = kv_kind(problem.cache_dtype)
     # MXFP4 is read one 32-element block (16 bytes) per chunk.
     d_chunk = 16 if kind == KV_FP4 else cfg.d_chunk

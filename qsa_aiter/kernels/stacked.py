@@ -6,19 +6,23 @@ applied per head, then the heads are summed out of M. With ``BLOCK_ROWS`` equal 
 verify), the request's keys are read once per verify instead of once per row. Rows of different requests in one
 block (draft: one row per request) are walked: each distinct request is scored with its own page-table row and only
 its rows are stored. Several programs per row block (enough to fill the GPU once) stride over the column tiles.
+
+On an e4m3fn cache with bf16 queries (``FP8_DOT``, ``QSA_AITER_FP8_MMA=1``) the operands swap: the stored e4m3 key tile
+is the M operand of e4m3 tensor-core MMAs and q, split into two exact e4m3 terms, is N (``dequant.split_query_e4m3``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
-from .dequant import KV_FP4, dot_dtype, kv_kind
+from .dequant import KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, kv_kind
 from .common import (
-    DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, is_pow2, load_keys, load_q_tile, next_pow2, pair_dot,
-    row_visibility, stacked_head_scores, target_programs,
+    DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, fp8_keys_major_dots, is_pow2, load_keys, load_q_tile,
+    next_pow2, pair_dot, row_visibility, stacked_head_scores, target_programs,
 )
 
 
@@ -28,7 +32,8 @@ def _stacked_scorer_kernel(
     num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KV_KIND: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, FP8_DOT: tl.constexpr,
+    SCALAR_PAGES: tl.constexpr,
 ):
     block = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -41,7 +46,8 @@ def _stacked_scorer_kernel(
 
     M: tl.constexpr = BLOCK_ROWS * NUM_HEADS
     q_rows = first_row.to(tl.int64) * NUM_HEADS + tl.arange(0, M)
-    q_first, q_second = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND, DOT_DTYPE)
+    q_first, q_second, q_factor = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND,
+                                              DOT_DTYPE, FP8_DOT)
     out_rows = out_ptr + rows.to(tl.int64) * out_stride
 
     idx = tl.arange(0, BLOCK_ROWS)
@@ -56,13 +62,22 @@ def _stacked_scorer_kernel(
             pt_row = pt_ptr + r_i.to(tl.int64) * pt_stride
             for tile in range(col_prog, tl.cdiv(req_vis, BLOCK_N), col_progs):
                 cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                k_first, k_second, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, cols, cols < req_vis,
-                                                               num_pages, scale, PAGE_SIZE, HEAD_DIM, KV_KIND,
-                                                               DOT_DTYPE, FAST_DECODE)
-                dots = pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
-                score = stacked_head_scores(dots, page_ok, factor, BLOCK_ROWS, NUM_HEADS, BLOCK_N)
-                keep = mine[:, None] & (cols[None, :] < vis[:, None])
-                tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
+                k_first, k_second, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages, scale,
+                                                               BLOCK_N, PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE,
+                                                               FAST_DECODE, SCALAR_PAGES)
+                if FP8_DOT:
+                    # The stored e4m3 keys are the MMA's M operand (read by the tensor cores as loaded), q's two
+                    # e4m3 terms the N operand: dots and scores come out keys x rows.
+                    dots_t = fp8_keys_major_dots(k_first, q_first, q_second, q_factor)
+                    s_t = tl.sum(tl.reshape(tl.maximum(dots_t, 0.0), (BLOCK_N, BLOCK_ROWS, NUM_HEADS)), axis=2)
+                    score_t = tl.where(page_ok[:, None], s_t * factor[:, None], float("-inf"))
+                    keep_t = mine[None, :] & (cols[:, None] < vis[None, :])
+                    tl.store(out_rows[None, :] + cols[:, None], score_t, mask=keep_t)
+                else:
+                    dots = pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
+                    score = stacked_head_scores(dots, page_ok, factor, BLOCK_ROWS, NUM_HEADS, BLOCK_N)
+                    keep = mine[:, None] & (cols[None, :] < vis[:, None])
+                    tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,7 @@ class StackedConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 4
+    scalar_pages: int = 0  # 1: a key tile's page ids read as scalars (load_keys)
 
 
 def unsupported_reason(problem) -> str | None:
@@ -86,18 +102,28 @@ def default_config(problem) -> StackedConfig:
     # One request's verify rows per block; M = rows x heads must reach the 16-row MMA tile.
     rows = next_pow2(problem.max_query_len or max(1, problem.num_tokens // max(problem.num_requests, 1)))
     rows = max(rows, 16 // problem.num_heads, 1)
-    if kv_kind(problem.cache_dtype) == KV_FP4:
+    kind = kv_kind(problem.cache_dtype)
+    if kind == KV_FP4:
         # MXFP4 decodes more per byte: narrow tiles on 2 warps, many programs, to hide latency (H200, 64x4 @ 98K:
         # 133 us with the default tile, 101 us).
         return StackedConfig(block_rows=min(rows, 16), block_n=64, num_warps=2, programs_per_sm=16)
-    return StackedConfig(block_rows=min(rows, 16))
+    if kind == KV_FP8_E4M3FN and problem.q_dtype == torch.bfloat16:
+        # The e4m3 MMA path (FP8_DOT): with the page ids as scalars the tile needs no layout moves between the key
+        # gather and the MMA result, and at page 64 a third stage hides more of the gather (H200, 64x4 @ 98K: 75.7
+        # -> 71.5 -> 69.5 us; at page 16 a third stage is slower, 79.7 -> 122 us).
+        stages = 3 if problem.block_size >= 64 else 2
+        return StackedConfig(block_rows=min(rows, 16), scalar_pages=1, num_stages=stages)
+    # 16-bit keys: scalar page ids (H200, page 64: 9x4 20.8 -> 20.0 us, 128x1 @ 98K 208.7 -> 206.8 us).
+    return StackedConfig(block_rows=min(rows, 16), scalar_pages=int(kind == KV_16BIT))
 
 
-def constexprs(problem, cfg: StackedConfig, upcast: bool, fast_decode: bool = False) -> dict:
+def constexprs(problem, cfg: StackedConfig, upcast: bool, fast_decode: bool = False, fp8_dot: bool = False) -> dict:
     return dict(
         RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
         PAGE_SIZE=problem.block_size, BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n,
-        KV_KIND=kv_kind(problem.cache_dtype), DOT_DTYPE=dot_dtype(problem, upcast), FAST_DECODE=fast_decode,
+        KV_KIND=kv_kind(problem.cache_dtype), DOT_DTYPE=dot_dtype(problem, upcast, fp8_dot), FAST_DECODE=fast_decode,
+        SCALAR_PAGES=bool(cfg.scalar_pages),
+        FP8_DOT=fp8_dot,
     )
 
 
@@ -109,7 +135,7 @@ def grid(problem, cfg: StackedConfig, target: int) -> tuple[int, int]:
 def launch(problem, args: ScoreLaunch, cfg: StackedConfig | None = None) -> None:
     cfg = cfg or default_config(problem)
     _stacked_scorer_kernel[grid(problem, cfg, target_programs(args.q.device, cfg.programs_per_sm))](
-        *args.common_args(), **constexprs(problem, cfg, args.upcast, args.fast_decode),
+        *args.common_args(), **constexprs(problem, cfg, args.upcast, args.fast_decode, args.fp8_dot),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

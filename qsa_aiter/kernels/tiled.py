@@ -31,6 +31,7 @@ def _tiled_prefill_kernel(
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr,
     KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
+    SCALAR_PAGES: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -45,14 +46,15 @@ def _tiled_prefill_kernel(
         # same accumulator layout, so ReLU and the head sum are plain register arithmetic.
         q_ok = rows < num_tokens
         q_head = rows.to(tl.int64) * 4
-        q0a, q0b = load_q_tile(q_ptr, q_head, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE)
-        q1a, q1b = load_q_tile(q_ptr, q_head + 1, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE)
-        q2a, q2b = load_q_tile(q_ptr, q_head + 2, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE)
-        q3a, q3b = load_q_tile(q_ptr, q_head + 3, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE)
+        q0a, q0b, _ = load_q_tile(q_ptr, q_head, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
+        q1a, q1b, _ = load_q_tile(q_ptr, q_head + 1, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
+        q2a, q2b, _ = load_q_tile(q_ptr, q_head + 2, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
+        q3a, q3b, _ = load_q_tile(q_ptr, q_head + 3, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
     else:
         # Other head counts: the tile's rows x heads stacked into one M operand.
         q_rows = first_row.to(tl.int64) * NUM_HEADS + tl.arange(0, BLOCK_M * NUM_HEADS)
-        qa, qb = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND, DOT_DTYPE)
+        qa, qb, _ = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND, DOT_DTYPE,
+                                False)
     out_rows = out_ptr + rows.to(tl.int64) * out_stride
 
     # Walk the requests present in the tile (one pass for a tile inside one request); a request's column loop
@@ -68,8 +70,8 @@ def _tiled_prefill_kernel(
         min_vis = tl.min(tl.where(mine, vis, _NO_REQUEST), axis=0)
         for tile in range(col_prog, tl.cdiv(req_vis, BLOCK_N), col_progs):
             cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            ka, kb, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, cols, cols < req_vis, num_pages, scale,
-                                                PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+            ka, kb, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages, scale, BLOCK_N,
+                                                PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE, SCALAR_PAGES)
             if PER_HEAD:
                 acc = tl.maximum(pair_dot(q0a, q0b, ka, kb, KV_KIND), 0.0)
                 acc += tl.maximum(pair_dot(q1a, q1b, ka, kb, KV_KIND), 0.0)
@@ -95,6 +97,7 @@ class TiledConfig:
     num_stages: int = 2
     programs_per_sm: int = 2
     stack_heads: int = 0  # 1: one stacked rows x heads dot even with 4 heads
+    scalar_pages: int = 0  # 1: a key tile's page ids read as scalars (load_keys)
 
 
 def unsupported_reason(problem) -> str | None:
@@ -109,17 +112,22 @@ def default_config(problem) -> TiledConfig:
     if problem.num_heads == 4:
         # Quantised keys are decoded once per key tile: wider key tiles halve the decodes per row tile (H200,
         # prefill 4096 @ 32K: fp8 130 -> 103 us, fp4 152 -> 148 us).
-        return TiledConfig(block_n=128) if kv_kind(problem.cache_dtype) != KV_16BIT else TiledConfig()
+        # 16-bit keys: page ids as scalars (H200, prefill 4096 @ 32K, page 64: 95.8 -> 80.5 us; the decoding
+        # quantised tiles were slower that way: fp8 103.9 -> 109.0, fp4 150.4 -> 155.7 us).
+        return TiledConfig(block_n=128) if kv_kind(problem.cache_dtype) != KV_16BIT else TiledConfig(scalar_pages=1)
     # Stacked heads: keep M = block_m * heads at 128.
     return TiledConfig(block_m=max(1, 128 // problem.num_heads), block_n=128, stack_heads=1)
 
 
-def constexprs(problem, cfg: TiledConfig, upcast: bool, fast_decode: bool = False) -> dict:
+def constexprs(problem, cfg: TiledConfig, upcast: bool, fast_decode: bool = False, fp8_dot: bool = False) -> dict:
+    # ``fp8_dot`` is moot here: the prefill tiles decode fp8 keys to q's dtype (H200, prefill 4096 @ 32K: 103 us;
+    # with e4m3 MMAs against a split q, four heads' two terms overflow the registers: 147 us).
     return dict(
         RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
         PAGE_SIZE=problem.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PER_HEAD=problem.num_heads == 4 and not cfg.stack_heads,
         KV_KIND=kv_kind(problem.cache_dtype), DOT_DTYPE=dot_dtype(problem, upcast), FAST_DECODE=fast_decode,
+        SCALAR_PAGES=bool(cfg.scalar_pages),
     )
 
 
@@ -131,7 +139,7 @@ def grid(problem, cfg: TiledConfig, target: int) -> tuple[int, int]:
 def launch(problem, args: ScoreLaunch, cfg: TiledConfig | None = None) -> None:
     cfg = cfg or default_config(problem)
     _tiled_prefill_kernel[grid(problem, cfg, target_programs(args.q.device, cfg.programs_per_sm))](
-        *args.common_args(), **constexprs(problem, cfg, args.upcast, args.fast_decode),
+        *args.common_args(), **constexprs(problem, cfg, args.upcast, args.fast_decode, args.fp8_dot),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
