@@ -2,11 +2,14 @@
 
 from .cache_formats import allocate_index_cache, dequantize_cache
 from .ops import explain, qsa_paged_mqa_logits, selected_kernel
-from .reference import reference_paged_mqa_logits
+from .reference import reference_block_topk, reference_expand_block_indices, reference_paged_mqa_logits
+from .selection import qsa_block_topk, qsa_expand_block_indices, qsa_select_paged_tokens
 from .writer import qsa_write_index_cache
 
 __all__ = [
     "qsa_paged_mqa_logits", "explain", "selected_kernel", "reference_paged_mqa_logits",
     "qsa_write_index_cache", "allocate_index_cache", "dequantize_cache",
+    "qsa_select_paged_tokens", "qsa_block_topk", "qsa_expand_block_indices",
+    "reference_block_topk", "reference_expand_block_indices",
 ]
 __version__ = "0.1.0"

@@ -88,3 +88,39 @@ def compile_cache_writer(kind: str, target: str, head_dim: int = 128):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("keys_ptr", "slot_ptr", "cache_ptr", "scale_ptr")}
     source = ASTSource(cache_writer.KERNEL, signature, constexprs, attrs)
     return triton.compile(source, target=TARGETS[target], options={"num_warps": 4})
+
+
+def compile_selection_kernel(kernel: str, target: str, block_topk: int = 512, compress_ratio: int = 4,
+                             index_dtype: str = "i32"):
+    """Compile a selection kernel (``topk``: block top-k over fp32 logits; ``expand``: groups to tokens) for
+    ``target`` with the model's budget (``block_topk`` groups of ``compress_ratio`` tokens)."""
+    from .kernels import expand, topk
+    from .kernels.common import next_pow2
+
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}")
+    if interpreting():
+        raise RuntimeError("compile_selection_kernel needs a process without TRITON_INTERPRET=1")
+    if kernel == "topk":
+        cfg = topk.TopkConfig()
+        constexprs = dict(K=block_topk, BLOCK_K=next_pow2(block_topk), CHUNK=cfg.chunk, CAPACITY=cfg.capacity,
+                          STRIDE=cfg.stride, SAMPLE_RANK=topk.sample_rank(block_topk, cfg))
+        signature = {"logits_ptr": "*fp32", "vis_ptr": "*i32", "out_ptr": "*i32", "buf_ptr": "*i32",
+                     "logits_stride": "i32", "out_stride": "i32", "buf_stride": "i32"}
+        module, pointers, warps = topk, ("logits_ptr", "vis_ptr", "out_ptr", "buf_ptr"), cfg.num_warps
+    elif kernel == "expand":
+        token_topk = block_topk * compress_ratio
+        width = token_topk + compress_ratio - 1
+        constexprs = dict(RATIO=compress_ratio, GROUPS=block_topk, BLOCK_G=next_pow2(block_topk),
+                          BLOCK_R=next_pow2(compress_ratio), WIDTH=width, BLOCK_W=next_pow2(width))
+        signature = {"blk_ptr": "*i32", "pos_ptr": f"*{index_dtype}", "ctx_ptr": f"*{index_dtype}",
+                     "t2r_ptr": f"*{index_dtype}", "out_ptr": "*i32", "num_requests": "i32", "blk_stride": "i32",
+                     "out_stride": "i32"}
+        module, pointers, warps = expand, ("blk_ptr", "pos_ptr", "ctx_ptr", "t2r_ptr", "out_ptr"), 4
+    else:
+        raise ValueError(f"kernel must be topk or expand; got {kernel!r}")
+    signature.update({name: "constexpr" for name in constexprs})
+    names = module.KERNEL.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+    source = ASTSource(module.KERNEL, signature, constexprs, attrs)
+    return triton.compile(source, target=TARGETS[target], options={"num_warps": warps})

@@ -17,14 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from . import explain, qsa_paged_mqa_logits, reference_paged_mqa_logits, selected_kernel
+from . import explain, qsa_paged_mqa_logits, qsa_select_paged_tokens, reference_paged_mqa_logits, selected_kernel
 from .bench import floor_bytes, time_graph
 from .kernels.common import interpreting
+from .selection import torch_block_topk, torch_expand_block_indices
 from .workloads import CACHES, make_batch
 
 #: Relative tolerance of the check: max abs error <= RTOL * max(1, max |reference|) over the visible region.
 RTOL = 1e-3
 HEADS, HEAD_DIM, RATIO, PAGE_SIZE, DTYPE = 4, 128, 4, 64, torch.bfloat16
+TOKEN_TOPK = 2048  # the model's token budget: 512 groups
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,27 @@ def run_phase(phase: Phase, device: torch.device, iters: int, seed: int, cache: 
         print("  (python -m qsa_aiter bench times every kernel with inputs rotated past L2)")
     else:
         print(f"  time: {wall_ms:.0f} ms (one wall-clock call on the CPU; not a kernel timing)")
-    return check.ok and not fell_back
+    return check.ok and not fell_back and run_selection(batch, hints, logits, visible, device, iters)
+
+
+def run_selection(batch, hints: dict, logits, visible, device: torch.device, iters: int) -> bool:
+    """``qsa_select_paged_tokens`` on the same batch, checked against the torch top-k and expansion of the scores."""
+    select_args = batch.args()[:6] + (TOKEN_TOPK, RATIO)
+    picked = qsa_select_paged_tokens(*select_args, **hints)
+    groups = torch.empty((logits.shape[0], TOKEN_TOPK // RATIO), dtype=torch.int32, device=device)
+    torch_block_topk(logits, visible, TOKEN_TOPK // RATIO, groups)
+    expected = torch.empty_like(picked)
+    torch_expand_block_indices(groups, batch.query_positions, batch.context_lens, batch.token_to_request, RATIO,
+                               TOKEN_TOPK, expected)
+    ok = torch.equal(picked, expected)
+    chosen = (picked >= 0).sum(dim=1)
+    print(f"  selection (top {TOKEN_TOPK} tokens per row): {'PASS' if ok else 'FAIL'} against torch top-k and "
+          f"expansion of the same scores; {int(chosen.min())}-{int(chosen.max())} tokens per row")
+    if device.type == "cuda":
+        out = torch.empty_like(picked)
+        graph_us = time_graph(lambda: qsa_select_paged_tokens(*select_args, out=out, **hints), 1, iters)
+        print(f"  selection time in a CUDA graph: {graph_us:.1f} us per call (scoring, top-k and expansion)")
+    return ok
 
 
 def describe_mode(device: torch.device) -> str:

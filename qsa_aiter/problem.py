@@ -61,27 +61,32 @@ def fail_argument(kind: type[Exception], name: str, expected: str, got: object,
 _fail = fail_argument
 
 
-def _check_tensor(name, t, *, ndim, dtypes, device=None, contiguous=False) -> None:
+def check_tensor(name, t, *, ndim, dtypes, device=None, contiguous=False, op="qsa_paged_mqa_logits",
+                 like="q") -> None:
+    """``t`` must be a tensor of ``ndim`` dims, one of ``dtypes``, on ``device`` (if given, the device of the
+    argument ``like``), contiguous (if asked)."""
     if not isinstance(t, torch.Tensor):
-        _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+        _fail(TypeError, name, "a torch.Tensor", type(t).__name__, op)
     if t.dim() != ndim:
-        _fail(ValueError, name, f"{ndim}-D", f"shape {tuple(t.shape)}")
+        _fail(ValueError, name, f"{ndim}-D", f"shape {tuple(t.shape)}", op)
     if t.dtype not in dtypes:
-        _fail(TypeError, name, "one of " + ", ".join(str(d).removeprefix("torch.") for d in dtypes), t.dtype)
+        _fail(TypeError, name, "one of " + ", ".join(str(d).removeprefix("torch.") for d in dtypes), t.dtype, op)
     if device is not None and t.device != device:
-        _fail(ValueError, name, f"on {device} like `q`", t.device)
+        _fail(ValueError, name, f"on {device} like `{like}`", t.device, op)
     if contiguous and not t.is_contiguous():
-        _fail(ValueError, name, "contiguous", f"strides {t.stride()}")
+        _fail(ValueError, name, "contiguous", f"strides {t.stride()}", op)
 
 
-def _check_int(name, value, *, minimum, maximum=None) -> int:
+def check_int(name, value, *, minimum, maximum=None, op="qsa_paged_mqa_logits") -> int:
+    """``value`` must be an int (not a bool) in ``[minimum, maximum]``; returns it as an int."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _fail(TypeError, name, "an int", type(value).__name__)
+        _fail(TypeError, name, "an int", type(value).__name__, op)
     value = int(value)
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        _fail(ValueError, name, bound, value)
+        _fail(ValueError, name, bound, value, op)
     return value
+
 
 
 def _check_k_scale(k_scale, kv: str, num_pages: int, page_size: int, head_dim: int, device) -> int:
@@ -94,7 +99,7 @@ def _check_k_scale(k_scale, kv: str, num_pages: int, page_size: int, head_dim: i
     if k_scale is None:
         _fail(ValueError, "k_scale", f"the scale tensor of the {kv} index cache", None)
     shape, dtype = layout
-    _check_tensor("k_scale", k_scale, ndim=len(shape), dtypes=(dtype,), device=device, contiguous=True)
+    check_tensor("k_scale", k_scale, ndim=len(shape), dtypes=(dtype,), device=device, contiguous=True)
     if tuple(k_scale.shape) != shape:
         _fail(ValueError, "k_scale", f"shape {shape} to match compressed_k_cache", tuple(k_scale.shape))
     return k_scale.numel() * k_scale.element_size()
@@ -134,7 +139,7 @@ def validate_scoring_call(
     stacked_enabled: bool,
 ) -> tuple[ScoreProblem, float]:
     """Check every argument; return the problem description and the score divisor. Raises before anything is written."""
-    _check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), contiguous=True)
+    check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), contiguous=True)
     device = q.device
     tokens, heads, head_dim = q.shape
     if heads < 1 or head_dim < 1:
@@ -146,7 +151,7 @@ def validate_scoring_call(
         kv = cache_kind(cache)  # the registry axis: "bf16" covers both 16-bit caches, "fp8" both e4m3 flavours
     except TypeError:
         _fail(TypeError, "compressed_k_cache", _CACHE_DTYPE_TEXT, cache.dtype)
-    _check_tensor("compressed_k_cache", cache, ndim=4, dtypes=(q.dtype,) if kv == "bf16" else (cache.dtype,),
+    check_tensor("compressed_k_cache", cache, ndim=4, dtypes=(q.dtype,) if kv == "bf16" else (cache.dtype,),
                   device=device, contiguous=True)
     num_pages, block_size, kv_heads, cache_dim = cache.shape
     stored_dim = cache_width(kv, head_dim)
@@ -157,20 +162,20 @@ def validate_scoring_call(
     if num_pages < 1 or block_size < 1:
         _fail(ValueError, "compressed_k_cache", "at least one page of at least one slot", tuple(cache.shape))
     scale_bytes = _check_k_scale(k_scale, kv, num_pages, block_size, head_dim, device)
-    _check_tensor("page_table", page_table, ndim=2, dtypes=_INDEX_DTYPES, device=device)
+    check_tensor("page_table", page_table, ndim=2, dtypes=_INDEX_DTYPES, device=device)
     if page_table.shape[1] > 0 and page_table.stride(1) != 1:
         _fail(ValueError, "page_table", "contiguous along its last dim", f"strides {page_table.stride()}")
     requests, width = page_table.shape
-    _check_tensor("token_to_request", token_to_request, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
-    _check_tensor("query_positions", query_positions, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
-    _check_tensor("context_lens", context_lens, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
+    check_tensor("token_to_request", token_to_request, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
+    check_tensor("query_positions", query_positions, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
     if token_to_request.numel() != tokens:
         _fail(ValueError, "token_to_request", f"length {tokens} (q's tokens)", token_to_request.numel())
     if query_positions.numel() != tokens:
         _fail(ValueError, "query_positions", f"length {tokens} (q's tokens)", query_positions.numel())
     if context_lens.numel() != requests:
         _fail(ValueError, "context_lens", f"length {requests} (page_table rows)", context_lens.numel())
-    ratio = _check_int("compress_ratio", compress_ratio, minimum=1)
+    ratio = check_int("compress_ratio", compress_ratio, minimum=1)
     if score_divisor is None:
         divisor = math.sqrt(head_dim)
     else:
@@ -181,13 +186,13 @@ def validate_scoring_call(
             _fail(ValueError, "score_divisor", "finite and > 0", score_divisor)
     capacity = width * block_size
     num_columns = (capacity if max_columns is None
-                   else _check_int("max_columns", max_columns, minimum=0, maximum=capacity))
+                   else check_int("max_columns", max_columns, minimum=0, maximum=capacity))
     if row_starts is not None:
-        _check_tensor("row_starts", row_starts, ndim=1, dtypes=_INDEX_DTYPES, device=device)
+        check_tensor("row_starts", row_starts, ndim=1, dtypes=_INDEX_DTYPES, device=device)
         if row_starts.numel() != tokens:
             _fail(ValueError, "row_starts", f"length {tokens} (q's tokens)", row_starts.numel())
     if out is not None:
-        _check_tensor("out", out, ndim=2, dtypes=(torch.float32,), device=device)
+        check_tensor("out", out, ndim=2, dtypes=(torch.float32,), device=device)
         if tuple(out.shape) != (tokens, num_columns):
             _fail(ValueError, "out", f"shape ({tokens}, {num_columns})", tuple(out.shape))
         if num_columns > 0 and tokens > 0 and out.stride(1) != 1:
@@ -196,7 +201,7 @@ def validate_scoring_call(
             _fail(ValueError, "out", f"rows that do not overlap (row stride >= {num_columns})",
                   f"strides {out.stride()}")
     if max_query_len is not None:
-        max_query_len = _check_int("max_query_len", max_query_len, minimum=1)
+        max_query_len = check_int("max_query_len", max_query_len, minimum=1)
     if phase is None:
         phase_name, why = infer_phase(tokens, requests, max_query_len, stacked_enabled)
         source = "inferred: " + why

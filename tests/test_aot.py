@@ -40,7 +40,7 @@ FP8_MMA_BUILDS = {("stacked", "sm_90", "fp8")}
 _CHILD = r"""
 import json, sys
 import torch
-from qsa_aiter.aot import KERNEL_MODULES, TARGETS, compile_kernel, example_problem
+from qsa_aiter.aot import KERNEL_MODULES, TARGETS, compile_kernel, compile_selection_kernel, example_problem
 
 variants = json.loads(sys.argv[1])
 marks = json.loads(sys.argv[2])
@@ -68,6 +68,14 @@ for variant, (overrides, index_dtype) in variants.items():
                 "decoder_marks": [m for m in marks if m in text],
                 "e4m3_mma": ".e4m3.e4m3" in text,
             }
+for kernel in ("topk", "expand"):
+    for target in TARGETS:
+        try:
+            asm = compile_selection_kernel(kernel, target).asm
+            results[f"selection/{kernel}/{target}"] = {"keys": sorted(asm),
+                                                      "binary_bytes": len(asm.get("cubin") or asm.get("hsaco") or b"")}
+        except Exception as err:
+            results[f"selection/{kernel}/{target}"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
 print("AOT-RESULTS " + json.dumps(results))
 """
 
@@ -130,6 +138,14 @@ def test_quantised_decoders_per_target(compiled, kernel, target, variant):
     want = [marks[variant]] if target.startswith("sm_") and variant in marks and not e4m3_mma else []
     assert result["decoder_marks"] == want
     assert result["e4m3_mma"] == e4m3_mma
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("kernel", ["topk", "expand"])
+def test_selection_kernels_compile_for_target(compiled, kernel, target):
+    result = compiled[f"selection/{kernel}/{target}"]
+    assert "error" not in result, result.get("error")
+    assert result["binary_bytes"] > 0
 
 
 def test_unknown_kernel_or_target():

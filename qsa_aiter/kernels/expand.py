@@ -1,0 +1,69 @@
+"""Expansion of selected key groups back to token indices (``qsa_expand_block_indices``).
+
+One program per row. Each selected group ``g >= 0`` contributes the tokens ``g*R .. g*R+R-1`` that are below the
+request's context length (a prefix of the group: the tokens ascend); an exclusive prefix sum over the groups gives
+each its first output slot, so skipped groups (``-1``) and cut tokens leave no holes. The causal tail
+``((p+1)//R)*R .. p`` (capped by the context length) follows, then ``-1``. The three regions are disjoint, so the
+stores need no ordering between them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import next_pow2
+
+
+@triton.jit
+def _expand_kernel(
+    blk_ptr, pos_ptr, ctx_ptr, t2r_ptr, out_ptr, num_requests, blk_stride, out_stride,
+    RATIO: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    t = tl.program_id(0)
+    req = tl.load(t2r_ptr + t).to(tl.int32)
+    ok = (req >= 0) & (req < num_requests)
+    limit = tl.load(ctx_ptr + tl.where(ok, req, 0), mask=ok, other=0).to(tl.int64)
+    limit = tl.where(ok, limit, 0)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    out_row = out_ptr + t.to(tl.int64) * out_stride
+
+    i = tl.arange(0, BLOCK_G)
+    g = tl.load(blk_ptr + t.to(tl.int64) * blk_stride + i, mask=i < GROUPS, other=-1).to(tl.int64)
+    j = tl.arange(0, BLOCK_R)
+    tokens = g[:, None] * RATIO + j[None, :]
+    keep = (g[:, None] >= 0) & (j[None, :] < RATIO) & (tokens < limit)
+    kept = tl.sum(keep.to(tl.int32), axis=1)
+    first = tl.cumsum(kept, axis=0) - kept
+    total = tl.sum(kept, axis=0)
+    tl.store(out_row + first[:, None] + j[None, :], tokens.to(tl.int32), mask=keep)
+
+    # The causal tail (the incomplete group the row's position sits in), then -1.
+    w = tl.arange(0, BLOCK_W)
+    tail_start = tl.where(pos >= 0, (pos + 1) // RATIO * RATIO, 0)
+    tail_len = tl.maximum(tl.minimum(pos + 1, limit) - tail_start, 0)
+    rel = w - total
+    value = tl.where((rel >= 0) & (rel < tail_len), tail_start + rel, -1)
+    tl.store(out_row + w, value.to(tl.int32), mask=(w >= total) & (w < WIDTH))
+
+
+def launch(block_indices: torch.Tensor, query_positions: torch.Tensor, context_lens: torch.Tensor,
+           token_to_request: torch.Tensor, out: torch.Tensor, compress_ratio: int, token_topk: int) -> None:
+    """Fill ``out`` (int32 ``[tokens, token_topk + R - 1]``, last dim contiguous) from ``block_indices``
+    (``[tokens, groups]`` int32/int64, last dim contiguous, ``groups * R <= token_topk``)."""
+    tokens, groups = block_indices.shape
+    if tokens == 0:
+        return
+    width = token_topk + compress_ratio - 1
+    _expand_kernel[(tokens,)](
+        block_indices, query_positions, context_lens, token_to_request, out, context_lens.shape[0],
+        block_indices.stride(0), out.stride(0),
+        RATIO=compress_ratio, GROUPS=groups, BLOCK_G=next_pow2(max(groups, 1)), BLOCK_R=next_pow2(compress_ratio),
+        WIDTH=width, BLOCK_W=next_pow2(width), num_warps=4,
+    )
+
+
+#: The kernel object, for ahead-of-time compilation.
+KERNEL = _expand_kernel
