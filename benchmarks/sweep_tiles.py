@@ -1,8 +1,9 @@
-"""Sweep tile configurations of one kernel at chosen work points (a development aid; the tuner of record comes
-with the tuned-config tables). Uses the benchmark's rotated inputs and CUDA-graph timing; prints the best configs.
+"""Sweep tile configurations of one kernel at chosen work points: the tuner. Uses the benchmark's rotated inputs and
+CUDA-graph timing (median of ``--replays``), prints the best configs, and with ``--csv`` appends the best one per work
+point as a tuned-config row (``qsa_aiter.tuned``: arch of this GPU, the point's key and buckets, measured time).
 
     python benchmarks/sweep_tiles.py --kernel stacked --points 9x4,64x4@98K --page 64 --kv bf16,fp8 \
-        --grid block_n=32,64,128 num_warps=2,4 num_stages=2,3,4
+        --grid block_n=32,64,128 num_warps=2,4 num_stages=2,3,4 --csv configs/scoring.csv
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ import dataclasses
 import importlib
 import itertools
 
-import torch
+import csv
+from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+from qsa_aiter import tuned
 from qsa_aiter.bench import copy_bandwidth, point_inputs, time_launcher, work_points
 
 
@@ -27,6 +33,7 @@ def main() -> None:
     ap.add_argument("--grid", nargs="*", default=[], help="field=v1,v2 ...")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--csv", default="", help="append the best config of each point to this tuned-config CSV")
     a = ap.parse_args()
     module = importlib.import_module(f"qsa_aiter.kernels.{a.kernel}")
     device = torch.device("cuda")
@@ -46,7 +53,8 @@ def sweep(module, point, a, kv, axes, device, copy_bps) -> None:
         inputs = point_inputs(point, a.page, device, kv)
         base = module.default_config(inputs.problems[0])
         results = []
-        for values in itertools.product(*axes.values()):
+        combos = list(itertools.product(*axes.values()))
+        for values in tqdm(combos, desc=f"{point.name} {kv}", leave=False):
             cfg = dataclasses.replace(base, **dict(zip(axes, values)))
             try:
                 us = time_launcher(inputs, lambda p, args, cfg=cfg: module.launch(p, args, cfg), a.replays)
@@ -59,8 +67,27 @@ def sweep(module, point, a, kv, axes, device, copy_bps) -> None:
               f"default {base}")
         for us, cfg in results[: a.top]:
             print(f"  {us:8.2f} us {100 * inputs.nbytes / (us * 1e-6) / copy_bps:6.1f}%  {cfg}")
+        if a.csv and results:
+            append_row(Path(a.csv), a.kernel, inputs.problems[0], results[0], device, point.name)
         del inputs
         torch.cuda.empty_cache()
+
+
+def append_row(path: Path, kernel: str, problem, best, device, point_name: str) -> None:
+    """Append the best config as a tuned row (a header first if the file is new); the row is validated on load."""
+    us, cfg = best
+    fields = list(tuned.TunedRow.model_fields)
+    row = dict(arch=tuned.device_arch(device), kernel=kernel, kv_dtype=problem.kv_dtype, page_size=problem.block_size,
+               heads=problem.num_heads, head_dim=problem.head_dim, rows=problem.num_tokens,
+               context=problem.num_columns * problem.compress_ratio, us=f"{us:.2f}", measured=1,
+               source=f"benchmarks/sweep_tiles.py at {point_name}", **dataclasses.asdict(cfg))
+    row = {k: v for k, v in row.items() if k in fields}
+    new = not path.exists()
+    with open(path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ behaviour on the next call. A bad value raises ``ValueError`` naming the variabl
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -60,6 +60,12 @@ class QsaSettings(BaseSettings):
         "exact e4m3 terms; the tensor cores round inside their sums: up to 3.2e-4 of sum(|q||k|)/divisor measured "
         "on the H200); 0 decodes the keys to bf16 in registers (exact fp32 sums, slower).",
     )
+    tuned_config: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        alias="QSA_AITER_TUNED_CONFIG",
+        description="`:`-separated CSV files of tuned tile configs, read after the shipped `configs/` tables; their "
+        "rows replace shipped rows with the same key and buckets (docs/jit_and_configs.md).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "warning",
         alias="QSA_AITER_LOG_LEVEL",
@@ -78,6 +84,13 @@ class QsaSettings(BaseSettings):
         if text != "auto" and text not in BACKEND_NAMES:
             raise ValueError("allowed: auto, " + ", ".join(BACKEND_NAMES))
         return text
+
+    @field_validator("tuned_config", mode="before")
+    @classmethod
+    def _split_paths(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part for part in value.split(":") if part.strip())
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -123,5 +136,7 @@ def environment_table() -> str:
         default = field.default
         if isinstance(default, bool):
             default = int(default)
+        elif isinstance(default, tuple):
+            default = ":".join(default)
         rows.append(f"| `{field.alias}` | `{default}` | {field.description} |")
     return "\n".join(rows)

@@ -20,12 +20,13 @@ def test_defaults():
     assert s.backend == "auto"
     assert s.strict is False
     assert s.fp8_mma is True
+    assert s.tuned_config == ()
     assert s.log_level == "warning"
 
 
 def test_every_variable_is_known():
     assert set(ENV_NAMES) == {"ATOM_QSA_STACKED_DECODE_SCORER", "QSA_AITER_BACKEND", "QSA_AITER_STRICT",
-                              "QSA_AITER_FP8_MMA", "QSA_AITER_LOG_LEVEL"}
+                              "QSA_AITER_FP8_MMA", "QSA_AITER_TUNED_CONFIG", "QSA_AITER_LOG_LEVEL"}
 
 
 @pytest.mark.parametrize("var", BOOL_VARS)
@@ -133,3 +134,8 @@ def test_lower_case_variable_names_are_not_read(monkeypatch):
     monkeypatch.setattr(settings, "_cache", None)  # whatever earlier tests parsed
     monkeypatch.setenv("qsa_aiter_strict", "1")
     assert get_settings().strict is False
+
+
+def test_tuned_config_paths_split_on_colons(monkeypatch):
+    monkeypatch.setenv("QSA_AITER_TUNED_CONFIG", "/a/x.csv:/b/y.csv:")
+    assert get_settings().tuned_config == ("/a/x.csv", "/b/y.csv")

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import tuned
 from .dequant import KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, kv_kind
 from .common import (
     DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, fp8_keys_major_dots, is_pow2, load_keys, load_q_tile,
@@ -88,6 +89,7 @@ class StackedConfig:
     num_stages: int = 2
     programs_per_sm: int = 4
     scalar_pages: int = 0  # 1: a key tile's page ids read as scalars (load_keys)
+    column_programs: int = 0  # > 0: programs per row block, fixed (else from programs_per_sm)
 
 
 def unsupported_reason(problem) -> str | None:
@@ -129,11 +131,13 @@ def constexprs(problem, cfg: StackedConfig, upcast: bool, fast_decode: bool = Fa
 
 def grid(problem, cfg: StackedConfig, target: int) -> tuple[int, int]:
     blocks = cdiv(problem.num_tokens, cfg.block_rows)
+    if cfg.column_programs:
+        return blocks, max(1, min(cfg.column_programs, cdiv(max(problem.num_columns, 1), cfg.block_n)))
     return blocks, column_programs(blocks, problem.num_columns, cfg.block_n, target)
 
 
 def launch(problem, args: ScoreLaunch, cfg: StackedConfig | None = None) -> None:
-    cfg = cfg or default_config(problem)
+    cfg = cfg or tuned.config_for("stacked", problem, args.q.device, default_config(problem))
     _stacked_scorer_kernel[grid(problem, cfg, target_programs(args.q.device, cfg.programs_per_sm))](
         *args.common_args(), **constexprs(problem, cfg, args.upcast, args.fast_decode, args.fp8_dot),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -1,0 +1,182 @@
+"""Tuned tile configurations: CSV tables in ``configs/`` (plus ``QSA_AITER_TUNED_CONFIG`` files), validated rows, and
+the lookup a kernel launch makes.
+
+A row is keyed by GPU arch (``sm_90``, ``gfx942``, ``gfx950``, ... ; ``cpu`` for the interpreter), kernel, kv dtype,
+page size, heads, head_dim, and two buckets: query rows per call and context capacity in tokens (page-table width x
+page size x R). Its values are fields of the kernel's config dataclass (``StackedConfig`` ...); an empty cell keeps
+the kernel's default. A lookup takes the rows of the call's exact key and picks the nearest bucket (distance in
+powers of two over rows and context); a key with no row keeps ``default_config`` and logs once which shape had none.
+Files given in ``QSA_AITER_TUNED_CONFIG`` are read after the shipped ones, and their rows replace shipped rows with
+the same key and buckets.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import logging
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .log import log_once
+from .settings import get_settings
+
+#: The shipped tables.
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+SHIPPED = ("scoring.csv",)
+
+
+class TunedRow(BaseModel):
+    """One CSV row. Tile values left empty keep the kernel's default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    arch: str = Field(min_length=2)
+    kernel: str
+    kv_dtype: str
+    page_size: int = Field(gt=0)
+    heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    rows: int = Field(gt=0, description="bucket: query rows per call")
+    context: int = Field(gt=0, description="bucket: context capacity in tokens")
+    block_rows: Optional[int] = Field(None, gt=0)
+    block_m: Optional[int] = Field(None, gt=0)
+    block_n: Optional[int] = Field(None, gt=0)
+    d_chunk: Optional[int] = Field(None, gt=0)
+    num_warps: Optional[int] = Field(None, gt=0)
+    num_stages: Optional[int] = Field(None, gt=0)
+    programs_per_sm: Optional[int] = Field(None, gt=0)
+    column_programs: Optional[int] = Field(None, ge=0)  # 0: from programs_per_sm
+    scalar_pages: Optional[int] = Field(None, ge=0, le=1)
+    us: Optional[float] = Field(None, gt=0, description="measured time of the config, microseconds")
+    measured: bool = Field(description="1: measured by the tuner on this arch; 0: a starting point from elsewhere")
+    source: str = ""
+
+    @field_validator("kernel")
+    @classmethod
+    def _known_kernel(cls, value: str) -> str:
+        if value not in _config_classes():
+            raise ValueError(f"unknown kernel {value!r} (known: {', '.join(_config_classes())})")
+        return value
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _known_kv(cls, value: str) -> str:
+        if value not in ("bf16", "fp8", "fp4"):
+            raise ValueError(f"unknown kv_dtype {value!r} (known: bf16, fp8, fp4)")
+        return value
+
+    def key(self) -> tuple:
+        return (self.arch, self.kernel, self.kv_dtype, self.page_size, self.heads, self.head_dim)
+
+    def tile(self) -> dict[str, int]:
+        """The config fields this row sets."""
+        names = {f.name for f in dataclasses.fields(_config_classes()[self.kernel])}
+        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
+
+
+@functools.lru_cache(maxsize=None)
+def _config_classes() -> dict[str, type]:
+    from .kernels import rowwise, stacked, tiled
+
+    return {"rowwise": rowwise.RowwiseConfig, "stacked": stacked.StackedConfig, "tiled": tiled.TiledConfig}
+
+
+_TILE_FIELDS = ("block_rows", "block_m", "block_n", "d_chunk", "num_warps", "num_stages", "programs_per_sm",
+                "column_programs", "scalar_pages")
+
+
+def read_table(path: Path) -> list[TunedRow]:
+    """The rows of one CSV file. A malformed row raises ``ValueError`` naming the file and line."""
+    rows = []
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(line for line in handle)
+        for record in reader:
+            line = reader.line_num
+            values = {k.strip(): (v.strip() if isinstance(v, str) else v) for k, v in record.items() if k is not None}
+            if None in record:
+                raise ValueError(f"{path}:{line}: more cells than the header has columns")
+            values = {k: v for k, v in values.items() if v not in ("", None)}
+            try:
+                row = TunedRow(**values)
+            except ValidationError as err:
+                problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'row'}: {e['msg']}"
+                                     for e in err.errors())
+                raise ValueError(f"{path}:{line}: {problems}") from None
+            misplaced = [name for name in _TILE_FIELDS if getattr(row, name) is not None and name not in row.tile()]
+            if misplaced:
+                raise ValueError(f"{path}:{line}: {', '.join(misplaced)} is not a setting of the {row.kernel} kernel")
+            rows.append(row)
+    return rows
+
+
+@functools.lru_cache(maxsize=8)
+def load_tables(extra: tuple[str, ...]) -> dict[tuple, list[TunedRow]]:
+    """Shipped rows, then the rows of ``extra`` files (same key and buckets: the later row wins), by key."""
+    merged: dict[tuple, TunedRow] = {}
+    for path in [CONFIG_DIR / name for name in SHIPPED] + [Path(p) for p in extra]:
+        if not path.is_file():
+            if path.parent == CONFIG_DIR:
+                continue  # a source checkout without configs/: nothing shipped
+            raise ValueError(f"QSA_AITER_TUNED_CONFIG: {path} is not a file")
+        for row in read_table(path):
+            merged[row.key() + (row.rows, row.context)] = row
+    table: dict[tuple, list[TunedRow]] = {}
+    for row in merged.values():
+        table.setdefault(row.key(), []).append(row)
+    return table
+
+
+def device_arch(device: torch.device) -> str:
+    """``sm_XY`` for NVIDIA GPUs, the gfx name for AMD ones, ``cpu`` otherwise (the interpreter)."""
+    if device.type != "cuda":
+        return "cpu"
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip is not None:
+        return props.gcnArchName.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+def lookup(arch: str, kernel: str, problem) -> TunedRow | None:
+    """The row for ``problem`` on ``arch``: exact key, nearest (rows, context) bucket; None when the key has none."""
+    return _lookup(arch, kernel, problem, tuple(get_settings().tuned_config))
+
+
+@functools.lru_cache(maxsize=1024)
+def _lookup(arch: str, kernel: str, problem, extra: tuple[str, ...]) -> TunedRow | None:
+    # Memoised per (arch, kernel, problem, files): a steady stream of calls pays one dictionary lookup.
+    rows = load_tables(extra).get(
+        (arch, kernel, problem.kv_dtype, problem.block_size, problem.num_heads, problem.head_dim))
+    if not rows:
+        return None
+    want_rows = max(problem.num_tokens, 1)
+    want_context = max(problem.num_columns * problem.compress_ratio, 1)
+
+    def distance(row: TunedRow) -> tuple[float, int, int]:
+        d = abs(math.log2(row.rows / want_rows)) + abs(math.log2(row.context / want_context))
+        return d, row.rows, row.context  # equal distances: the smaller bucket, deterministically
+
+    return min(rows, key=distance)
+
+
+def config_for(kernel: str, problem, device: torch.device, default):
+    """``default`` (the kernel's ``default_config``) with the tuned row's settings applied, if a row exists."""
+    arch = device_arch(device)
+    row = lookup(arch, kernel, problem)
+    if row is None:
+        log_once(logging.INFO, ("untuned", arch, kernel, problem.kv_dtype, problem.block_size, problem.num_heads,
+                                problem.head_dim),
+                 f"no tuned {kernel} config for arch={arch} kv={problem.kv_dtype} page={problem.block_size} "
+                 f"heads={problem.num_heads} head_dim={problem.head_dim}: using the kernel's defaults")
+        return default
+    return dataclasses.replace(default, **row.tile())

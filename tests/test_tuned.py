@@ -1,0 +1,126 @@
+"""Tuned tile configurations: CSV validation, nearest-bucket lookup, merging of QSA_AITER_TUNED_CONFIG files, and
+a launch that uses a tuned row (arch ``cpu``: the interpreter)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from qsa_aiter import tuned
+from qsa_aiter.kernels import stacked
+from qsa_aiter.log import reset_log_once
+from qsa_aiter.ops import describe_call
+
+from helpers import check_forced, phase_batch
+
+HEADER = ("arch,kernel,kv_dtype,page_size,heads,head_dim,rows,context,block_rows,block_m,block_n,d_chunk,num_warps,"
+          "num_stages,programs_per_sm,column_programs,scalar_pages,us,measured,source\n")
+
+
+def write_table(tmp_path, name: str, *rows: str):
+    path = tmp_path / name
+    path.write_text(HEADER + "".join(row + "\n" for row in rows))
+    return path
+
+
+def use_tables(monkeypatch, *paths) -> None:
+    monkeypatch.setenv("QSA_AITER_TUNED_CONFIG", ":".join(str(p) for p in paths))
+
+
+def test_shipped_tables_load():
+    table = tuned.load_tables(())
+    rows = table[("gfx950", "stacked", "bf16", 64, 4, 128)]
+    assert rows[0].tile() == {"block_rows": 4, "block_n": 32, "num_warps": 2, "column_programs": 256}
+    assert rows[0].measured is False
+
+
+@pytest.mark.parametrize("row,message", [
+    ("sm_90,stacked,bf16,64,4,128,36,131072,4,,x,,2,,,,,,1,", r"bad\.csv:3: block_n"),
+    ("sm_90,flash,bf16,64,4,128,36,131072,4,,32,,2,,,,,,1,", r"bad\.csv:3: kernel: .*unknown kernel 'flash'"),
+    ("sm_90,stacked,bf8,64,4,128,36,131072,4,,32,,2,,,,,,1,", r"bad\.csv:3: kv_dtype"),
+    ("sm_90,stacked,bf16,64,4,128,0,131072,4,,32,,2,,,,,,1,", r"bad\.csv:3: rows"),
+    ("sm_90,stacked,bf16,64,4,128,36,131072,,64,32,,2,,,,,,1,", r"bad\.csv:3: block_m is not a setting of the stacked"),
+    ("sm_90,tiled,bf16,64,4,128,36,131072,,64,32,,2,,,,,,,", r"bad\.csv:3: measured"),
+    ("sm_90,stacked,bf16,64,4,128,36,131072,4,,32,,2,,,,,,1,,extra", r"bad\.csv:3: more cells"),
+])
+def test_a_malformed_row_is_an_error_naming_file_and_line(tmp_path, row, message):
+    good = "sm_90,stacked,bf16,64,4,128,36,131072,4,,32,,2,,,,,,1,"
+    path = write_table(tmp_path, "bad.csv", good, row)
+    with pytest.raises(ValueError, match=message):
+        tuned.read_table(path)
+
+
+def test_nearest_bucket_and_merging(tmp_path, monkeypatch):
+    base = write_table(tmp_path, "base.csv",
+                       "cpu,stacked,bf16,16,4,64,4,4096,,,32,,,,,,,10.0,1,small",
+                       "cpu,stacked,bf16,16,4,64,64,262144,,,64,,,,,,,20.0,1,large")
+    override = write_table(tmp_path, "override.csv", "cpu,stacked,bf16,16,4,64,64,262144,,,128,,,,,,,15.0,1,better")
+    use_tables(monkeypatch, base)
+
+    def problem(rows: int, columns: int):
+        return dataclasses.replace(_problem(), num_tokens=rows, num_columns=columns)
+
+    assert tuned.lookup("cpu", "stacked", problem(4, 1024)).source == "small"
+    assert tuned.lookup("cpu", "stacked", problem(48, 60000)).source == "large"
+    assert tuned.lookup("cpu", "stacked", problem(8, 2048)).source == "small"
+    assert tuned.lookup("sm_90", "stacked", problem(4, 1024)) is None
+    use_tables(monkeypatch, base, override)
+    row = tuned.lookup("cpu", "stacked", problem(48, 60000))
+    assert row.source == "better" and row.block_n == 128
+
+
+def test_a_missing_file_is_named(monkeypatch, tmp_path):
+    use_tables(monkeypatch, tmp_path / "nowhere.csv")
+    with pytest.raises(ValueError, match="QSA_AITER_TUNED_CONFIG: .*nowhere.csv"):
+        tuned.lookup("cpu", "stacked", _problem())
+
+
+def test_no_row_keeps_the_default_and_logs_once(monkeypatch, caplog):
+    monkeypatch.delenv("QSA_AITER_TUNED_CONFIG", raising=False)
+    monkeypatch.setenv("QSA_AITER_LOG_LEVEL", "info")
+    reset_log_once()
+    default = stacked.StackedConfig()
+    with caplog.at_level(logging.INFO, logger="qsa_aiter"):
+        for _ in range(3):
+            assert tuned.config_for("stacked", _problem(), torch.device("cpu"), default) is default
+    messages = [r.getMessage() for r in caplog.records if "no tuned stacked config" in r.getMessage()]
+    assert len(messages) == 1 and "arch=cpu kv=bf16 page=16 heads=4 head_dim=64" in messages[0]
+
+
+def test_a_launch_uses_the_tuned_row(tmp_path, monkeypatch, rng):
+    """A tuned row for this shape changes the tile the stacked kernel runs with, and the scores stay right."""
+    batch, hints = phase_batch("verify", 16, rng)
+    path = write_table(tmp_path, "tuned.csv", "cpu,stacked,bf16,16,4,64,11,4096,4,,16,,2,,,3,1,,1,test")
+    use_tables(monkeypatch, path)
+    problem = describe_call(*batch.args(), **hints)
+    cfg = tuned.config_for("stacked", problem, torch.device("cpu"), stacked.default_config(problem))
+    assert (cfg.block_n, cfg.num_warps, cfg.column_programs, cfg.scalar_pages) == (16, 2, 3, 1)
+    assert stacked.grid(problem, cfg, 64)[1] == 3
+    check_forced(monkeypatch, "stacked", batch, hints, label="tuned stacked")
+
+
+def _problem():
+    gen = torch.Generator().manual_seed(0)
+    batch, hints = phase_batch("verify", 16, gen)
+    return describe_call(*batch.args(), **hints)
+
+
+def test_the_tuner_writes_rows_that_load(tmp_path):
+    """``benchmarks/sweep_tiles.py --csv`` appends rows in the table format (header once), which load back."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sweep_tiles
+
+    problem = _problem()
+    path = tmp_path / "tuned.csv"
+    for us in (12.5, 11.0):
+        sweep_tiles.append_row(path, "stacked", problem, (us, stacked.default_config(problem)), torch.device("cpu"),
+                               "verify")
+    rows = tuned.read_table(path)
+    assert [r.us for r in rows] == [12.5, 11.0] and all(r.measured for r in rows)
+    assert rows[0].tile() == dataclasses.asdict(stacked.default_config(problem))
