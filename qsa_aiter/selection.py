@@ -235,16 +235,15 @@ def qsa_select_paged_tokens(
     if token_topk % ratio:
         fail_argument(ValueError, "token_topk", f"a multiple of compress_ratio ({ratio})", token_topk, op)
     workspace = check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
-    max_columns = None
+    scoring_args = (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, ratio)
+    scoring = dict(k_scale=k_scale, phase=phase, max_query_len=max_query_len)
+    problem = describe_call(*scoring_args, **scoring)  # validates the scoring arguments; columns = the capacity
     if max_seq_len is not None:
         max_columns = check_int("max_seq_len", max_seq_len, minimum=1, op=op) // ratio
-        capacity = page_table.shape[1] * compressed_k_cache.shape[1] if page_table.dim() == 2 else 0
-        if max_columns > capacity:
-            fail_argument(ValueError, "max_seq_len", f"at most the page table's {capacity * ratio} tokens",
+        if max_columns > problem.num_columns:
+            fail_argument(ValueError, "max_seq_len", f"at most the page table's {problem.num_columns * ratio} tokens",
                           max_seq_len, op)
-    scoring = dict(k_scale=k_scale, phase=phase, max_query_len=max_query_len)
-    problem = describe_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                            ratio, None, max_columns, None, **scoring)
+        problem = describe_call(*scoring_args, max_columns=max_columns, **scoring)
     tokens, columns = problem.num_tokens, problem.num_columns
     out = _check_out(op, out, (tokens, token_topk + ratio - 1), q.device, "q")
     if tokens == 0:

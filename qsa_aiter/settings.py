@@ -138,5 +138,6 @@ def environment_table() -> str:
             default = int(default)
         elif isinstance(default, tuple):
             default = ":".join(default)
-        rows.append(f"| `{field.alias}` | `{default}` | {field.description} |")
+        shown = f"`{default}`" if default != "" else "(none)"
+        rows.append(f"| `{field.alias}` | {shown} | {field.description} |")
     return "\n".join(rows)
