@@ -9,10 +9,14 @@ is marked broken for the problem's specialisation and the next candidate runs (`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
+from . import tuned
 from .kernels import rowwise, stacked, tiled
 from .kernels.common import interpreting
 from .log import log_once
@@ -106,6 +110,7 @@ _PHASE_ORDER = {
 TABLE: dict[tuple[str, int, str], tuple[str, ...]] = {
     (kv, bs, phase): order for kv in KV_DTYPES for bs in BLOCK_SIZES for phase, order in _PHASE_ORDER.items()
 }
+_TILE_MODULES = {"tiled": tiled, "stacked": stacked, "rowwise": rowwise}
 #: For page sizes outside the table: the universal scorer first.
 FALLBACK_ORDER = ("rowwise", "torch")
 
@@ -202,7 +207,21 @@ def explain(problem: ScoreProblem) -> str:
         if name != decision.chosen:
             full.rejected[name] = (_reasons(name, problem, settings)
                                    or ["serves, but an earlier candidate is preferred"])
-    return full.report()
+    return full.report() + _tile_note(problem, decision.chosen)
+
+
+def _tile_note(problem: ScoreProblem, chosen: str | None) -> str:
+    """Where the chosen Triton kernel's tile settings come from: a tuned row, or its defaults."""
+    if chosen not in _TILE_MODULES:
+        return ""
+    device = torch.device("cuda") if problem.device_type == "cuda" else torch.device("cpu")
+    arch = tuned.device_arch(device)
+    row = tuned.lookup(arch, chosen, problem)
+    default = _TILE_MODULES[chosen].default_config(problem)
+    if row is None:
+        return f"\n  tile (arch {arch}): {chosen} defaults {default}"
+    cfg = dataclasses.replace(default, **row.tile())
+    return f"\n  tile (arch {arch}): tuned row rows={row.rows} context={row.context} ({row.source}): {cfg}"
 
 
 def run(problem: ScoreProblem, args, settings: QsaSettings | None = None) -> str:

@@ -139,3 +139,10 @@ def test_lower_case_variable_names_are_not_read(monkeypatch):
 def test_tuned_config_paths_split_on_colons(monkeypatch):
     monkeypatch.setenv("QSA_AITER_TUNED_CONFIG", "/a/x.csv:/b/y.csv:")
     assert get_settings().tuned_config == ("/a/x.csv", "/b/y.csv")
+
+
+def test_the_documented_table_is_current():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "environment_variables.md").read_text()
+    assert environment_table() in doc, "regenerate the table in docs/environment_variables.md"

@@ -124,3 +124,15 @@ def test_the_tuner_writes_rows_that_load(tmp_path):
     rows = tuned.read_table(path)
     assert [r.us for r in rows] == [12.5, 11.0] and all(r.measured for r in rows)
     assert rows[0].tile() == dataclasses.asdict(stacked.default_config(problem))
+
+
+def test_explain_names_the_tile_source(tmp_path, monkeypatch, rng):
+    import qsa_aiter
+
+    batch, hints = phase_batch("verify", 16, rng)
+    monkeypatch.delenv("QSA_AITER_TUNED_CONFIG", raising=False)
+    assert "tile (arch cpu): stacked defaults StackedConfig(" in qsa_aiter.explain(*batch.args(), **hints)
+    path = write_table(tmp_path, "tuned.csv", "cpu,stacked,bf16,16,4,64,11,4096,,,16,,2,,,,,,1,my sweep")
+    use_tables(monkeypatch, path)
+    text = qsa_aiter.explain(*batch.args(), **hints)
+    assert "tile (arch cpu): tuned row rows=11 context=4096 (my sweep): StackedConfig(" in text and "block_n=16" in text
