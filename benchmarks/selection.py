@@ -2,45 +2,24 @@
 
     python benchmarks/selection.py [--points 9x4,64x4@98K,128x1@98K] [--page 64] [--kv bf16] [--replays 30]
 
-Each call is captured in a CUDA graph (compilation happens before) and replayed; the median replay time over
-``--replays`` is reported. Scoring reads the keys from HBM (the caches are larger than L2); the top-k steps read
-logits that scoring has just written, as they do inside ``qsa_select_paged_tokens``. Ratios: selection / scoring,
-and (torch.topk + sort) / Triton top-k.
+Each call is timed with the benchmark's CUDA-graph replay (``qsa_aiter.bench.time_graph``: compilation before the
+capture, median over ``--replays``). Scoring reads the keys from HBM (the caches are larger than L2); the top-k
+steps read logits that scoring has just written, as they do inside ``qsa_select_paged_tokens``. Ratios: selection /
+scoring, and (torch.topk + sort) / Triton top-k.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import qsa_aiter
-from qsa_aiter.bench import work_points
+from qsa_aiter.bench import time_graph, work_points
 from qsa_aiter.workloads import make_batch
 
 R, TOKEN_TOPK = 4, 2048
 CACHES = {"bf16": "16bit", "fp8": "fp8", "fp4": "fp4"}
-
-
-def graph_us(fn, replays: int) -> float:
-    """Median µs of one ``fn()`` replayed from a CUDA graph (5 calls per replay)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(5):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / 5)
-    return statistics.median(times)
 
 
 def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -72,12 +51,12 @@ def main() -> None:
         picked = torch.empty((batch.q.shape[0], TOKEN_TOPK + R - 1), dtype=torch.int32, device="cuda")
         groups = torch.empty((batch.q.shape[0], TOKEN_TOPK // R), dtype=torch.int32, device="cuda")
         _, visible = qsa_aiter.qsa_paged_mqa_logits(*args, out=logits, **hints)
-        scoring = graph_us(lambda: qsa_aiter.qsa_paged_mqa_logits(*args, out=logits, **hints), a.replays)
-        selection = graph_us(lambda: qsa_aiter.qsa_select_paged_tokens(*args, TOKEN_TOPK, R, out=picked, **hints),
-                             a.replays)
-        triton_topk = graph_us(lambda: qsa_aiter.qsa_block_topk(logits, visible, TOKEN_TOPK // R, out=groups),
-                               a.replays)
-        torch_topk = graph_us(lambda: torch_topk_then_sort(logits, visible, TOKEN_TOPK // R), a.replays)
+        scoring = time_graph(lambda: qsa_aiter.qsa_paged_mqa_logits(*args, out=logits, **hints), 1, a.replays)
+        selection = time_graph(lambda: qsa_aiter.qsa_select_paged_tokens(*args, TOKEN_TOPK, R, out=picked, **hints),
+                               1, a.replays)
+        triton_topk = time_graph(lambda: qsa_aiter.qsa_block_topk(logits, visible, TOKEN_TOPK // R, out=groups),
+                                 1, a.replays)
+        torch_topk = time_graph(lambda: torch_topk_then_sort(logits, visible, TOKEN_TOPK // R), 1, a.replays)
         print(f"{point.name},{a.kv},{a.page},{scoring:.2f},{selection:.2f},{selection / scoring:.2f},"
               f"{triton_topk:.2f},{torch_topk:.2f},{torch_topk / triton_topk:.2f}")
 

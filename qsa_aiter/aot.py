@@ -38,16 +38,34 @@ def example_problem(**overrides) -> ScoreProblem:
     return replace(base, **overrides)
 
 
+def _check_target(target: str, what: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}")
+    if interpreting():
+        raise RuntimeError(f"{what} needs a process without TRITON_INTERPRET=1: under the interpreter the kernels "
+                           "are interpreted functions that Triton cannot compile")
+
+
+def _compile(kernel, signature: dict, constexprs: dict, aligned, target: str, options: dict):
+    """``triton.compile`` of ``kernel`` for ``target``. The launcher's runtime specialisation marks 16-byte-aligned
+    pointers (and strides divisible by 16); ``aligned`` names the arguments to mark the same way, or the AOT build
+    loses vectorised (and asynchronous, pipelined) loads."""
+    signature = dict(signature, **{name: "constexpr" for name in constexprs})
+    names = kernel.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGETS[target], options=options)
+
+
+def _pointers(signature: dict) -> list[str]:
+    return [n for n, kind in signature.items() if kind.startswith("*")]
+
+
 def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None, index_dtype: str = "i32"):
     """Compile ``kernel`` (rowwise/stacked/tiled) for ``target`` (sm_90/gfx942/gfx950) with its default config, for
     ``problem`` (its cache dtype picks the key decoding)."""
     if kernel not in KERNEL_MODULES:
         raise ValueError(f"kernel must be one of {', '.join(KERNEL_MODULES)}; got {kernel!r}")
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}")
-    if interpreting():
-        raise RuntimeError("compile_kernel needs a process without TRITON_INTERPRET=1: under the interpreter the "
-                           "kernels are interpreted functions that Triton cannot compile")
+    _check_target(target, "compile_kernel")
     problem = problem or example_problem()
     module = importlib.import_module(f"qsa_aiter.kernels.{kernel}")
     cfg = module.default_config(problem)
@@ -58,15 +76,9 @@ def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None
     e4m3_mma = fp8_dot(problem.q_dtype, problem.cache_dtype, tensor_cores=nvidia)
     constexprs = module.constexprs(problem, cfg, upcast=False, fast_decode=fast_decode, fp8_dot=e4m3_mma)
     signature = common_signature(_TRITON_DTYPES[problem.q_dtype], index_dtype, kv_kind(problem.cache_dtype))
-    signature.update({name: "constexpr" for name in constexprs})
-    # The launcher's runtime specialisation marks 16-byte-aligned pointers and strides divisible by 16; state the
-    # same here, or the AOT build loses vectorised (and asynchronous, pipelined) loads.
-    names = module.KERNEL.arg_names
-    aligned = [n for n, kind in signature.items() if kind.startswith("*") or n in ("pt_stride", "out_stride")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    source = ASTSource(module.KERNEL, signature, constexprs, attrs)
+    aligned = _pointers(signature) + ["pt_stride", "out_stride"]
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    return triton.compile(source, target=TARGETS[target], options=options)
+    return _compile(module.KERNEL, signature, constexprs, aligned, target, options)
 
 
 def compile_cache_writer(kind: str, target: str, head_dim: int = 128):
@@ -75,19 +87,13 @@ def compile_cache_writer(kind: str, target: str, head_dim: int = 128):
 
     if kind not in cache_writer.KIND_CODES:
         raise ValueError(f"kind must be one of {', '.join(cache_writer.KIND_CODES)}; got {kind!r}")
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}")
-    if interpreting():
-        raise RuntimeError("compile_cache_writer needs a process without TRITON_INTERPRET=1")
+    _check_target(target, "compile_cache_writer")
     cache_type = "*bf16" if kind == "bf16" else "*u8"
     scale_type = "*fp32" if kind.startswith("fp8") else ("*u8" if kind == "fp4" else cache_type)
-    constexprs = cache_writer.constexprs(kind, head_dim)
     signature = {"keys_ptr": "*bf16", "slot_ptr": "*i32", "cache_ptr": cache_type, "scale_ptr": scale_type,
-                 "num_slots": "i32", "keys_stride": "i32", **{name: "constexpr" for name in constexprs}}
-    names = cache_writer.KERNEL.arg_names
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("keys_ptr", "slot_ptr", "cache_ptr", "scale_ptr")}
-    source = ASTSource(cache_writer.KERNEL, signature, constexprs, attrs)
-    return triton.compile(source, target=TARGETS[target], options={"num_warps": 4})
+                 "num_slots": "i32", "keys_stride": "i32"}
+    return _compile(cache_writer.KERNEL, signature, cache_writer.constexprs(kind, head_dim), _pointers(signature),
+                    target, {"num_warps": 4})
 
 
 def compile_selection_kernel(kernel: str, target: str, block_topk: int = 512, compress_ratio: int = 4,
@@ -95,32 +101,19 @@ def compile_selection_kernel(kernel: str, target: str, block_topk: int = 512, co
     """Compile a selection kernel (``topk``: block top-k over fp32 logits; ``expand``: groups to tokens) for
     ``target`` with the model's budget (``block_topk`` groups of ``compress_ratio`` tokens)."""
     from .kernels import expand, topk
-    from .kernels.common import next_pow2
 
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}")
-    if interpreting():
-        raise RuntimeError("compile_selection_kernel needs a process without TRITON_INTERPRET=1")
+    if kernel not in ("topk", "expand"):
+        raise ValueError(f"kernel must be topk or expand; got {kernel!r}")
+    _check_target(target, "compile_selection_kernel")
     if kernel == "topk":
         cfg = topk.TopkConfig()
-        constexprs = dict(K=block_topk, BLOCK_K=next_pow2(block_topk), CHUNK=cfg.chunk, CAPACITY=cfg.capacity,
-                          STRIDE=cfg.stride, SAMPLE_RANK=topk.sample_rank(block_topk, cfg))
         signature = {"logits_ptr": "*fp32", "vis_ptr": "*i32", "out_ptr": "*i32", "buf_ptr": "*i32",
                      "logits_stride": "i32", "out_stride": "i32", "buf_stride": "i32"}
-        module, pointers, warps = topk, ("logits_ptr", "vis_ptr", "out_ptr", "buf_ptr"), cfg.num_warps
-    elif kernel == "expand":
-        token_topk = block_topk * compress_ratio
-        width = token_topk + compress_ratio - 1
-        constexprs = dict(RATIO=compress_ratio, GROUPS=block_topk, BLOCK_G=next_pow2(block_topk),
-                          BLOCK_R=next_pow2(compress_ratio), WIDTH=width, BLOCK_W=next_pow2(width))
-        signature = {"blk_ptr": "*i32", "pos_ptr": f"*{index_dtype}", "ctx_ptr": f"*{index_dtype}",
-                     "t2r_ptr": f"*{index_dtype}", "out_ptr": "*i32", "num_requests": "i32", "blk_stride": "i32",
-                     "out_stride": "i32"}
-        module, pointers, warps = expand, ("blk_ptr", "pos_ptr", "ctx_ptr", "t2r_ptr", "out_ptr"), 4
-    else:
-        raise ValueError(f"kernel must be topk or expand; got {kernel!r}")
-    signature.update({name: "constexpr" for name in constexprs})
-    names = module.KERNEL.arg_names
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in pointers}
-    source = ASTSource(module.KERNEL, signature, constexprs, attrs)
-    return triton.compile(source, target=TARGETS[target], options={"num_warps": warps})
+        return _compile(topk.KERNEL, signature, topk.constexprs(block_topk, cfg), _pointers(signature), target,
+                        {"num_warps": cfg.num_warps})
+    signature = {"blk_ptr": "*i32", "pos_ptr": f"*{index_dtype}", "ctx_ptr": f"*{index_dtype}",
+                 "t2r_ptr": f"*{index_dtype}", "out_ptr": "*i32", "num_requests": "i32", "blk_stride": "i32",
+                 "out_stride": "i32"}
+    constexprs = expand.constexprs(compress_ratio, block_topk, block_topk * compress_ratio)
+    return _compile(expand.KERNEL, signature, constexprs, _pointers(signature), target,
+                    {"num_warps": expand.NUM_WARPS})

@@ -18,7 +18,7 @@ import torch
 
 from . import tuned
 from .kernels import rowwise, stacked, tiled
-from .kernels.common import interpreting
+from .kernels.common import triton_runs_on
 from .log import log_once
 from .problem import ScoreProblem
 from .reference import reference_paged_mqa_logits
@@ -39,9 +39,7 @@ class Candidate:
 
 
 def _device_reasons(problem: ScoreProblem) -> list[str]:
-    if problem.device_type == "cuda":
-        return []
-    if problem.device_type == "cpu" and interpreting():
+    if triton_runs_on(problem.device_type):
         return []
     return [f"Triton kernels need a CUDA/HIP tensor or TRITON_INTERPRET=1 (tensors are on {problem.device_type})"]
 

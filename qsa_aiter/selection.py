@@ -18,7 +18,7 @@ import logging
 import torch
 
 from .kernels import expand, topk
-from .kernels.common import interpreting
+from .kernels.common import triton_runs_on
 from .log import log_once
 from .ops import describe_call, qsa_paged_mqa_logits
 from .problem import check_int, check_tensor, fail_argument
@@ -39,14 +39,9 @@ def _check_out(op: str, out, shape: tuple[int, ...], device, like: str) -> torch
     return out
 
 
-def _triton_serves(device: torch.device) -> bool:
-    """Triton kernels run on GPU tensors, and on CPU tensors under the interpreter."""
-    return device.type == "cuda" or (device.type == "cpu" and interpreting())
-
-
 def _run_triton_or(fallback, triton_call, what: str, device: torch.device) -> None:
     """Run ``triton_call``; if it fails to compile or launch, log once and run ``fallback`` (unless strict)."""
-    if not _triton_serves(device):
+    if not triton_runs_on(device.type):
         fallback()
         return
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .cache_formats import FP4_BLOCK, cache_kind, cache_width, scale_layout, write_reference
-from .kernels.common import interpreting
+from .kernels.common import triton_runs_on
 from .kernels.dequant import kernel_view
 from .problem import fail_argument
 
@@ -78,7 +78,7 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
             _fail(ValueError, "k_scale", f"on {keys.device} like `keys`", k_scale.device)
     if keys.shape[0] == 0:
         return
-    if keys.device.type != "cuda" and not interpreting():
+    if not triton_runs_on(keys.device.type):
         write_reference(keys, slot_mapping, cache, k_scale)
         return
     from .kernels import cache_writer

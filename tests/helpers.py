@@ -86,12 +86,17 @@ def uses_fp8_mma(args: tuple, **kwargs) -> bool:
     return registry.select(describe_call(*args, **kwargs)).chosen == "stacked"
 
 
+def magnitude_args(args: tuple, k_scale=None) -> tuple:
+    """The call's arguments with ``|q|`` and the absolute dequantised keys (fp32): the reference of them is the
+    magnitude bound."""
+    return (args[0].float().abs(), dequantize_cache(args[1], k_scale).abs()) + tuple(args[2:])
+
+
 def magnitude_bound(args: tuple, **kwargs) -> torch.Tensor:
     """Per logit, ``sum_h sum_d |q| |k| / divisor`` (the reference on absolute values): the scale of the rounding
     error of any summation order."""
-    keys = dequantize_cache(args[1], kwargs.get("k_scale")).abs()
     extra = {k: kwargs[k] for k in ("score_divisor", "max_columns") if k in kwargs}
-    return reference_paged_mqa_logits(args[0].float().abs(), keys, *args[2:], **extra)[0]
+    return reference_paged_mqa_logits(*magnitude_args(args, kwargs.get("k_scale")), **extra)[0]
 
 
 def mma_atol(args: tuple, atol: float, **kwargs):

@@ -18,14 +18,13 @@ import torch
 
 import qsa_aiter
 from qsa_aiter import registry
-from qsa_aiter.cache_formats import dequantize_cache
 from qsa_aiter.ops import describe_call
 from qsa_aiter.reference import reference_paged_mqa_logits, visible_groups
 from qsa_aiter.workloads import ScoringBatch, make_batch
 
 from helpers import (
-    FP8_MMA_TOL, KERNELS, PREFERRED, assert_matches_reference, force_backend, poisoned_out, run_poisoned,
-    skip_unless_serves, uses_fp8_mma, visible_bits,
+    FP8_MMA_TOL, KERNELS, PREFERRED, assert_matches_reference, force_backend, magnitude_args, poisoned_out,
+    run_poisoned, skip_unless_serves, uses_fp8_mma, visible_bits,
 )
 
 pytestmark = [
@@ -65,9 +64,8 @@ def gpu_atol(args: tuple, rows: torch.Tensor, **kwargs):
     """``ATOL``, plus ``FP8_MMA_TOL`` of the sampled rows' magnitude bound where e4m3 tensor cores score the call."""
     if not uses_fp8_mma(args, **kwargs):
         return ATOL
-    absolute = (args[0].float().abs(), dequantize_cache(args[1], kwargs.get("k_scale")).abs()) + tuple(args[2:])
     plain = {k: v for k, v in kwargs.items() if k != "k_scale"}
-    return ATOL + FP8_MMA_TOL * reference_rows(absolute, rows, **plain)[0]
+    return ATOL + FP8_MMA_TOL * reference_rows(magnitude_args(args, kwargs.get("k_scale")), rows, **plain)[0]
 
 
 def check_gpu_call(args: tuple, *, label: str = "", repeat: bool = False, **kwargs):

@@ -11,6 +11,7 @@ import torch
 import qsa_aiter
 from qsa_aiter import registry
 from qsa_aiter.aot import example_problem
+from qsa_aiter.kernels import common as kernels_common
 from qsa_aiter.kernels.common import interpreting
 from qsa_aiter.log import reset_log_once
 from qsa_aiter.ops import describe_call
@@ -353,7 +354,7 @@ def test_explain_names_the_choice_and_the_others_reasons(rng):
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_cpu_without_interpreter_uses_torch(monkeypatch, phase):
-    monkeypatch.setattr(registry, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels_common, "interpreting", lambda: False)  # as triton_runs_on sees it
     problem = dataclasses.replace(example_problem(), device_type="cpu", phase=phase)
     for name in KERNELS:
         reasons = registry.CANDIDATES[name].reasons(problem)
@@ -365,7 +366,7 @@ def test_cpu_without_interpreter_uses_torch(monkeypatch, phase):
 
 
 def test_cpu_without_interpreter_runs_the_reference(monkeypatch, rng):
-    monkeypatch.setattr(registry, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels_common, "interpreting", lambda: False)  # as triton_runs_on sees it
     batch, hints = batch_for("verify", rng)
     assert qsa_aiter.selected_kernel(*batch.args(), **hints) == "torch"
     out = poisoned_out(batch.args())

@@ -24,6 +24,12 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def triton_runs_on(device_type: str) -> bool:
+    """Whether the Triton kernels can run on tensors of ``device_type``: GPU tensors, or CPU tensors under the
+    interpreter."""
+    return device_type == "cuda" or (device_type == "cpu" and interpreting())
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division on the host (``triton.cdiv`` is a jit function: slow to call from Python per launch)."""
     return -(-a // b)

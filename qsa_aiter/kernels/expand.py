@@ -49,6 +49,17 @@ def _expand_kernel(
     tl.store(out_row + w, value.to(tl.int32), mask=(w >= total) & (w < WIDTH))
 
 
+def constexprs(compress_ratio: int, groups: int, token_topk: int) -> dict:
+    """The kernel's specialisation for ``groups`` selected groups per row of ``compress_ratio`` tokens."""
+    width = token_topk + compress_ratio - 1
+    return dict(RATIO=compress_ratio, GROUPS=groups, BLOCK_G=next_pow2(max(groups, 1)),
+                BLOCK_R=next_pow2(compress_ratio), WIDTH=width, BLOCK_W=next_pow2(width))
+
+
+#: Warps per program.
+NUM_WARPS = 4
+
+
 def launch(block_indices: torch.Tensor, query_positions: torch.Tensor, context_lens: torch.Tensor,
            token_to_request: torch.Tensor, out: torch.Tensor, compress_ratio: int, token_topk: int) -> None:
     """Fill ``out`` (int32 ``[tokens, token_topk + R - 1]``, last dim contiguous) from ``block_indices``
@@ -56,12 +67,9 @@ def launch(block_indices: torch.Tensor, query_positions: torch.Tensor, context_l
     tokens, groups = block_indices.shape
     if tokens == 0:
         return
-    width = token_topk + compress_ratio - 1
     _expand_kernel[(tokens,)](
         block_indices, query_positions, context_lens, token_to_request, out, context_lens.shape[0],
-        block_indices.stride(0), out.stride(0),
-        RATIO=compress_ratio, GROUPS=groups, BLOCK_G=next_pow2(max(groups, 1)), BLOCK_R=next_pow2(compress_ratio),
-        WIDTH=width, BLOCK_W=next_pow2(width), num_warps=4,
+        block_indices.stride(0), out.stride(0), **constexprs(compress_ratio, groups, token_topk), num_warps=NUM_WARPS,
     )
 
 

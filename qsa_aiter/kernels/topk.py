@@ -158,9 +158,14 @@ def launch(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block
     candidates = torch.empty((tokens, cfg.capacity), dtype=torch.int32, device=logits.device)
     _block_topk_kernel[(tokens,)](
         logits, visible, out, candidates, logits.stride(0), out.stride(0), candidates.stride(0),
-        K=block_topk, BLOCK_K=next_pow2(block_topk), CHUNK=cfg.chunk, CAPACITY=cfg.capacity, STRIDE=cfg.stride,
-        SAMPLE_RANK=sample_rank(block_topk, cfg), num_warps=cfg.num_warps,
+        **constexprs(block_topk, cfg), num_warps=cfg.num_warps,
     )
+
+
+def constexprs(block_topk: int, cfg: TopkConfig) -> dict:
+    """The kernel's specialisation for ``block_topk`` groups per row under ``cfg``."""
+    return dict(K=block_topk, BLOCK_K=next_pow2(block_topk), CHUNK=cfg.chunk, CAPACITY=cfg.capacity,
+                STRIDE=cfg.stride, SAMPLE_RANK=sample_rank(block_topk, cfg))
 
 
 def sample_rank(block_topk: int, cfg: TopkConfig) -> int:
