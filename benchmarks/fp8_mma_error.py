@@ -1,13 +1,15 @@
 """How far the e4m3 tensor-core path (``QSA_AITER_FP8_MMA=1``) lands from the exact scores, on a GPU.
 
-Scores verify batches on e4m3fn caches (written from realistic keys, and filled with random codes) with the stacked
-scorer and reports, per batch, the largest error as a fraction of the magnitude bound ``sum_h sum_d |q| |k| /
-divisor`` (the scale of any summation's rounding; the GPU tests allow ``FP8_MMA_TOL`` of it) and the median error
-relative to the score. Run from the repository root: ``python benchmarks/fp8_mma_error.py``.
+Scores verify batches on e4m3fn (``--kv fp8``, the default) or MXFP4 (``--kv fp4``) caches (written from realistic
+keys, and filled with random codes) with the stacked scorer and reports, per batch, the largest error as a fraction of
+the magnitude bound ``sum_h sum_d |q| |k| / divisor`` (the scale of any summation's rounding; the GPU tests allow
+``FP8_MMA_TOL`` of it) and the median error relative to the score. Run from the repository root:
+``python benchmarks/fp8_mma_error.py [--kv fp4]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -24,13 +26,16 @@ from qsa_aiter.workloads import make_batch  # noqa: E402
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kv", default="fp8", choices=("fp8", "fp4"), help="index-cache format")
+    kv = ap.parse_args().kv
     worst = 0.0
     for seed in range(6):
         gen = torch.Generator().manual_seed(seed)
-        batch = make_batch([8192, 5000, 777, 12000, 30000], 4, cache="fp8", device="cuda", generator=gen)
+        batch = make_batch([8192, 5000, 777, 12000, 30000], 4, cache=kv, device="cuda", generator=gen)
         random_codes = seed % 2 == 1
         if random_codes:
-            fill_random_codes(batch, "fp8", gen)
+            fill_random_codes(batch, kv, gen)
         args, hints = batch.args(), dict(batch.kwargs(), max_query_len=4)
         if not uses_fp8_mma(args, **hints):
             raise SystemExit("this GPU or setting does not use the e4m3 MMA path")

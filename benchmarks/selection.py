@@ -16,6 +16,7 @@ import torch
 
 import qsa_aiter
 from qsa_aiter.bench import time_graph, work_points
+from qsa_aiter.selection import torch_block_topk
 from qsa_aiter.workloads import make_batch
 
 R, TOKEN_TOPK = 4, 2048
@@ -57,6 +58,11 @@ def main() -> None:
         triton_topk = time_graph(lambda: qsa_aiter.qsa_block_topk(logits, visible, TOKEN_TOPK // R, out=groups),
                                  1, a.replays)
         torch_topk = time_graph(lambda: torch_topk_then_sort(logits, visible, TOKEN_TOPK // R), 1, a.replays)
+        # The timed kernels' results on these inputs: the Triton top-k equals the torch path exactly.
+        expected = torch.empty_like(groups)
+        torch_block_topk(logits, visible, TOKEN_TOPK // R, expected)
+        if not torch.equal(groups, expected):
+            raise SystemExit(f"{point.name}: the Triton top-k differs from torch_block_topk")
         print(f"{point.name},{a.kv},{a.page},{scoring:.2f},{selection:.2f},{selection / scoring:.2f},"
               f"{triton_topk:.2f},{torch_topk:.2f},{torch_topk / triton_topk:.2f}")
 

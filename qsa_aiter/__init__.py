@@ -5,6 +5,7 @@ from .ops import explain, qsa_paged_mqa_logits, selected_kernel
 from .reference import reference_block_topk, reference_expand_block_indices, reference_paged_mqa_logits
 from .selection import qsa_block_topk, qsa_expand_block_indices, qsa_select_paged_tokens
 from .writer import qsa_write_index_cache
+from . import custom_ops  # noqa: F401  (registers the torch.ops.qsa_aiter custom ops)
 
 __all__ = [
     "qsa_paged_mqa_logits", "explain", "selected_kernel", "reference_paged_mqa_logits",

@@ -1,4 +1,4 @@
-"""Command line: ``python -m qsa_aiter {demo,bench,explain}`` (also installed as ``qsa-aiter``)."""
+"""Command line: ``python -m qsa_aiter {demo,bench,explain,warmup,jit}`` (also installed as ``qsa-aiter``)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="qsa_aiter: Triton kernels for QSA index scoring.",
     )
     parser.add_argument("--version", action="version", version=f"qsa_aiter {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,explain}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,explain,warmup,jit}")
 
     sub.add_parser("demo", add_help=False,
                    help="score an MTP-verify batch and a prefill chunk on this machine, check and time them")
@@ -76,7 +76,101 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="index-cache format (default 16bit: like --dtype)")
     ex.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="where the batch lives (default: cuda if available, else cpu)")
+
+    from .aot import TARGETS
+    from .warmup import CACHES, INDEX_DTYPES, KERNELS
+
+    wu = sub.add_parser("warmup", help="compile every kernel variant into the JIT cache (with a progress bar)",
+                        description="Compile the variant matrix (the model's shapes x kernels x index-cache dtypes x "
+                                    "page sizes x tile configs) into the JIT cache: for the present GPU by launching "
+                                    "each variant once, or for a named arch without a GPU. See "
+                                    "docs/jit_and_configs.md.")
+    wu.add_argument("--arch", choices=tuple(TARGETS), default=None,
+                    help="compile for this arch without a GPU (default: the present GPU's)")
+    wu.add_argument("--kernels", type=_choices(KERNELS), default=KERNELS,
+                    help=f"comma-separated subset of {','.join(KERNELS)} (default: all)")
+    wu.add_argument("--caches", type=_choices(tuple(CACHES)), default=tuple(CACHES),
+                    help=f"index-cache dtypes, comma-separated subset of {','.join(CACHES)} (default: all)")
+    wu.add_argument("--page-sizes", type=_positive_list, default=None,
+                    help="comma-separated page sizes (default: 16,64)")
+    wu.add_argument("--index-dtypes", type=_choices(tuple(INDEX_DTYPES)), default=tuple(INDEX_DTYPES),
+                    help="dtypes of the index tensors (page table, positions, slot mapping ...), one per call, "
+                         "comma-separated (default: int32,int64)")
+    wu.add_argument("--jit-dir", default=None, help="cache directory (default: QSA_AITER_JIT_DIR, else jit/ of a "
+                                                   "source checkout, else ~/.cache/qsa_aiter/jit)")
+    wu.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    jit = sub.add_parser("jit", help="list or clear the JIT cache")
+    jit_sub = jit.add_subparsers(dest="jit_command", required=True, metavar="{list,clear}")
+    ls = jit_sub.add_parser("list", help="every cached variant: kernel, specialisation, compile time, date, status")
+    ls.add_argument("--jit-dir", default=None, help="cache directory (default as for warmup)")
+    ls.add_argument("--no-verify", action="store_true", help="do not check the files' hashes")
+    cl = jit_sub.add_parser("clear", help="remove the cached kernels (all, or one arch's)")
+    cl.add_argument("--jit-dir", default=None, help="cache directory (default as for warmup)")
+    cl.add_argument("--arch", default=None, help="only this arch's directory (e.g. sm_90)")
     return parser
+
+
+def _choices(allowed: tuple[str, ...]):
+    """argparse type: a comma-separated, non-empty subset of ``allowed``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}; got {text!r}")
+        return values
+
+    return parse
+
+
+def _positive_list(text: str) -> tuple[int, ...]:
+    values = tuple(_positive(v) for v in text.split(",") if v.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers; got {text!r}")
+    return values
+
+
+def _jit_root(opts: argparse.Namespace):
+    from pathlib import Path
+
+    from .jit_cache import jit_root
+
+    return Path(opts.jit_dir).expanduser() if opts.jit_dir else jit_root()
+
+
+def _warmup(opts: argparse.Namespace) -> int:
+    from .registry import BLOCK_SIZES
+    from .warmup import Matrix, warmup
+
+    matrix = Matrix(kernels=opts.kernels, caches=opts.caches, page_sizes=opts.page_sizes or BLOCK_SIZES,
+                    index_dtypes=opts.index_dtypes)
+    try:
+        report = warmup(opts.arch, root=_jit_root(opts), matrix=matrix, progress=not opts.no_progress)
+    except (ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 1 if report.failed else 0
+
+
+def _jit(opts: argparse.Namespace) -> int:
+    from .jit_cache import clear, describe
+
+    try:
+        root = _jit_root(opts)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if opts.jit_command == "list":
+        print(describe(root, verify=not opts.no_verify))
+        return 0
+    removed = clear(root, opts.arch)
+    for path in removed:
+        print(f"removed {path}")
+    if not removed:
+        print(f"nothing to remove under {root}" + (f" for {opts.arch}" if opts.arch else ""))
+    return 0
 
 
 def _explain(opts: argparse.Namespace) -> int:
@@ -131,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(rest)
+    if command == "warmup":
+        return _warmup(opts)
+    if command == "jit":
+        return _jit(opts)
     return _explain(opts)
 
 

@@ -60,20 +60,22 @@ def _pointers(signature: dict) -> list[str]:
     return [n for n, kind in signature.items() if kind.startswith("*")]
 
 
-def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None, index_dtype: str = "i32"):
+def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None, index_dtype: str = "i32",
+                   e4m3_mma: bool | None = None):
     """Compile ``kernel`` (rowwise/stacked/tiled) for ``target`` (sm_90/gfx942/gfx950) with its default config, for
-    ``problem`` (its cache dtype picks the key decoding)."""
+    ``problem`` (its cache dtype picks the key decoding). ``e4m3_mma=False`` builds the decoding path where e4m3
+    MMAs would serve (``QSA_AITER_FP8_MMA=0``); None: as the target allows."""
     if kernel not in KERNEL_MODULES:
         raise ValueError(f"kernel must be one of {', '.join(KERNEL_MODULES)}; got {kernel!r}")
     _check_target(target, "compile_kernel")
     problem = problem or example_problem()
     module = importlib.import_module(f"qsa_aiter.kernels.{kernel}")
-    cfg = module.default_config(problem)
     # The PTX decoders of quantised caches and the e4m3 MMAs are built for NVIDIA targets (sm_90 has both), the
     # portable decoders for AMD ones.
     nvidia = TARGETS[target].backend == "cuda"
     fast_decode = nvidia and kv_kind(problem.cache_dtype) != KV_16BIT
-    e4m3_mma = fp8_dot(problem.q_dtype, problem.cache_dtype, tensor_cores=nvidia)
+    e4m3_mma = fp8_dot(problem.q_dtype, problem.cache_dtype, tensor_cores=nvidia and e4m3_mma is not False)
+    cfg = module.default_config(problem, e4m3_mma)
     constexprs = module.constexprs(problem, cfg, upcast=False, fast_decode=fast_decode, fp8_dot=e4m3_mma)
     signature = common_signature(_TRITON_DTYPES[problem.q_dtype], index_dtype, kv_kind(problem.cache_dtype))
     aligned = _pointers(signature) + ["pt_stride", "out_stride"]
@@ -105,12 +107,16 @@ def compile_selection_kernel(kernel: str, target: str, block_topk: int = 512, co
     if kernel not in ("topk", "expand"):
         raise ValueError(f"kernel must be topk or expand; got {kernel!r}")
     _check_target(target, "compile_selection_kernel")
-    if kernel == "topk":
+    if kernel == "topk":  # as the selection op launches it: the expansion fused
         cfg = topk.TopkConfig()
         signature = {"logits_ptr": "*fp32", "vis_ptr": "*i32", "out_ptr": "*i32", "buf_ptr": "*i32",
-                     "logits_stride": "i32", "out_stride": "i32", "buf_stride": "i32"}
-        return _compile(topk.KERNEL, signature, topk.constexprs(block_topk, cfg), _pointers(signature), target,
-                        {"num_warps": cfg.num_warps})
+                     "pos_ptr": f"*{index_dtype}", "ctx_ptr": f"*{index_dtype}", "t2r_ptr": f"*{index_dtype}",
+                     "tok_ptr": "*i32", "logits_stride": "i32", "out_stride": "i32", "buf_stride": "i32",
+                     "num_requests": "i32", "tok_stride": "i32"}
+        fused = expand.constexprs(compress_ratio, block_topk, block_topk * compress_ratio)
+        constexprs = topk.constexprs(block_topk, cfg, fused, columns=32768)
+        aligned = _pointers(signature) + ["logits_stride", "out_stride", "tok_stride"]
+        return _compile(topk.KERNEL, signature, constexprs, aligned, target, {"num_warps": cfg.num_warps})
     signature = {"blk_ptr": "*i32", "pos_ptr": f"*{index_dtype}", "ctx_ptr": f"*{index_dtype}",
                  "t2r_ptr": f"*{index_dtype}", "out_ptr": "*i32", "num_requests": "i32", "blk_stride": "i32",
                  "out_stride": "i32"}

@@ -229,3 +229,15 @@ def validate_scoring_call(
         cache_bytes=cache.numel() * cache.element_size() + scale_bytes,
     )
     return problem, divisor
+
+
+def check_topk_args(op: str, logits, visible, block_topk) -> int:
+    """Validate a block top-k call's inputs (fp32 ``logits [tokens, columns]``, last dim contiguous; int32
+    ``visible [tokens]`` on its device; ``block_topk >= 1``) and return ``block_topk``."""
+    check_tensor("logits", logits, ndim=2, dtypes=(torch.float32,), op=op)
+    if logits.stride(-1) != 1:
+        fail_argument(ValueError, "logits", "contiguous in its last dimension", f"strides {logits.stride()}", op)
+    check_tensor("visible", visible, ndim=1, dtypes=(torch.int32,), device=logits.device, op=op, like="logits")
+    if visible.shape[0] != logits.shape[0]:
+        fail_argument(ValueError, "visible", f"length {logits.shape[0]} like logits' rows", visible.shape[0], op)
+    return check_int("block_topk", block_topk, minimum=1, op=op)

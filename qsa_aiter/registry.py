@@ -9,6 +9,7 @@ is marked broken for the problem's specialisation and the next candidate runs (`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -16,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from . import tuned
+from . import jit_cache, rocm, tuned
 from .kernels import rowwise, stacked, tiled
-from .kernels.common import triton_runs_on
+from .kernels.common import describe_key_reading, e4m3_mma_serves, triton_runs_on
 from .log import log_once
 from .problem import ScoreProblem
 from .reference import reference_paged_mqa_logits
@@ -95,14 +96,22 @@ CANDIDATES: dict[str, Candidate] = {
         Candidate("rowwise", "row-wise CUDA-core scorer (universal fallback)", _rowwise_reasons,
                   rowwise.launch),
         Candidate("torch", "torch reference (CPU, or last resort)", _torch_reasons, _run_torch),
+        # ROCm libraries (qsa_aiter/rocm.py): each imports its library only where everything else says it serves.
+        Candidate("aiter", rocm.AITER_DESCRIPTION, rocm.aiter_reasons, rocm.run_aiter),
+        Candidate("flydsl", rocm.FLYDSL_DESCRIPTION, rocm.flydsl_reasons, rocm.run_flydsl),
     )
 }
+#: The candidates that wrap ROCm libraries rather than this project's kernels.
+ROCM_CANDIDATES = ("aiter", "flydsl")
 
+# FlyDSL leads prefill because it is opt-in (ROCM_QSA_FLYDSL): asking for it means preferring it. AITER's op scores
+# every column of the page table, so it follows the row-wise scorer: it runs when forced, or on a ROCm stack where
+# this project's kernels failed and were marked broken.
 _PHASE_ORDER = {
-    "prefill": ("tiled", "rowwise", "torch"),
-    "verify": ("stacked", "rowwise", "torch"),
-    "draft": ("stacked", "rowwise", "torch"),
-    "decode": ("rowwise", "torch"),
+    "prefill": ("flydsl", "tiled", "rowwise", "aiter", "torch"),
+    "verify": ("stacked", "rowwise", "aiter", "torch"),
+    "draft": ("stacked", "rowwise", "aiter", "torch"),
+    "decode": ("rowwise", "aiter", "torch"),
 }
 #: The registry table. Every kv dtype and block size the project ships has a row per phase.
 TABLE: dict[tuple[str, int, str], tuple[str, ...]] = {
@@ -110,7 +119,7 @@ TABLE: dict[tuple[str, int, str], tuple[str, ...]] = {
 }
 _TILE_MODULES = {"tiled": tiled, "stacked": stacked, "rowwise": rowwise}
 #: For page sizes outside the table: the universal scorer first.
-FALLBACK_ORDER = ("rowwise", "torch")
+FALLBACK_ORDER = ("rowwise", "aiter", "torch")
 
 _broken: dict[tuple, str] = {}
 _decisions: dict[tuple, "Decision"] = {}
@@ -205,26 +214,32 @@ def explain(problem: ScoreProblem) -> str:
         if name != decision.chosen:
             full.rejected[name] = (_reasons(name, problem, settings)
                                    or ["serves, but an earlier candidate is preferred"])
-    return full.report() + _tile_note(problem, decision.chosen)
+    return full.report() + _tile_note(problem, decision.chosen, settings)
 
 
-def _tile_note(problem: ScoreProblem, chosen: str | None) -> str:
-    """Where the chosen Triton kernel's tile settings come from: a tuned row, or its defaults."""
+def _tile_note(problem: ScoreProblem, chosen: str | None, settings: QsaSettings) -> str:
+    """Where the chosen Triton kernel's tile settings come from (a tuned row, or its defaults), and how it reads the
+    keys (for quantised caches: e4m3 tensor cores or decoding, ``QSA_AITER_FP8_MMA``)."""
     if chosen not in _TILE_MODULES:
         return ""
     device = torch.device("cuda") if problem.device_type == "cuda" else torch.device("cpu")
     arch = tuned.device_arch(device)
     row = tuned.lookup(arch, chosen, problem)
-    default = _TILE_MODULES[chosen].default_config(problem)
+    e4m3 = chosen == "stacked" and e4m3_mma_serves(problem.q_dtype, problem.cache_dtype, device, settings.fp8_mma)
+    default = _TILE_MODULES[chosen].default_config(problem, e4m3)
+    keys = f"\n  keys: {describe_key_reading(chosen, problem, e4m3, settings.fp8_mma)}"
     if row is None:
-        return f"\n  tile (arch {arch}): {chosen} defaults {default}"
+        return f"\n  tile (arch {arch}): {chosen} defaults {default}" + keys
     cfg = dataclasses.replace(default, **row.tile())
-    return f"\n  tile (arch {arch}): tuned row rows={row.rows} context={row.context} ({row.source}): {cfg}"
+    return f"\n  tile (arch {arch}): tuned row rows={row.rows} context={row.context} ({row.source}): {cfg}" + keys
 
 
 def run(problem: ScoreProblem, args, settings: QsaSettings | None = None) -> str:
     """Run the chosen candidate, falling back past ones that raise. Returns the name of the kernel that ran."""
     settings = settings or get_settings()
+    # This library's Triton kernels launch inside the JIT cache's scope (docs/jit_and_configs.md). Opened before the
+    # loop: a bad QSA_AITER_JIT_DIR is the caller's error, not a kernel failure to fall back from.
+    jit = jit_cache.scope(args.q.device, settings)
     failed: tuple[str, ...] = ()
     while True:
         decision = select(problem, skip=failed, settings=settings)
@@ -234,7 +249,8 @@ def run(problem: ScoreProblem, args, settings: QsaSettings | None = None) -> str
         if not failed:
             log_once(logging.INFO, ("dispatch", problem, name), decision.report)
         try:
-            CANDIDATES[name].run(problem, args)
+            with jit if name in _TILE_MODULES else contextlib.nullcontext():
+                CANDIDATES[name].run(problem, args)
             return name
         except Exception as err:  # compile or launch failure: fall back unless strict
             if settings.strict or decision.forced:

@@ -2,10 +2,11 @@
 
 - ``qsa_block_topk``: the ``block_topk`` best visible groups of each row, by ``(-score, index)``, listed in ascending
   order with ``-1`` after them; rows with ``visible <= block_topk`` take every visible group without reading a score.
-  Runs the Triton radix select (``kernels/topk.py``) where Triton runs, the torch path (a stable sort) elsewhere.
+  Runs the Triton radix select (``kernels/topk.py``) where Triton runs, the torch path (a stable sort) elsewhere,
+  and AITER's HIP top-k when the AITER path is forced on a ROCm GPU (``rocm.aiter_block_topk``).
 - ``qsa_expand_block_indices``: groups back to tokens, plus each row's causal tail (``kernels/expand.py``).
-- ``qsa_select_paged_tokens``: scoring, top-k and expansion, rows chunked so the fp32 logits stay within
-  ``logits_workspace_bytes``.
+- ``qsa_select_paged_tokens``: scoring, then top-k and expansion in one launch, rows chunked so the fp32 logits stay
+  within ``logits_workspace_bytes``.
 
 Every decision is made from shapes and host-side arguments; nothing reads device memory, so the ops can be captured
 in a CUDA graph.
@@ -17,11 +18,12 @@ import logging
 
 import torch
 
+from . import jit_cache, rocm
 from .kernels import expand, topk
 from .kernels.common import triton_runs_on
 from .log import log_once
 from .ops import describe_call, qsa_paged_mqa_logits
-from .problem import check_int, check_tensor, fail_argument
+from .problem import check_int, check_tensor, check_topk_args, fail_argument
 from .settings import get_settings
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -45,7 +47,8 @@ def _run_triton_or(fallback, triton_call, what: str, device: torch.device) -> No
         fallback()
         return
     try:
-        triton_call()
+        with jit_cache.scope(device):  # warmed variants load from the JIT cache, new ones are recorded in it
+            triton_call()
     except Exception as err:  # compile or launch failure: the torch path serves every shape
         if get_settings().strict:
             raise
@@ -93,21 +96,29 @@ def qsa_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int,
         ``(-score, index)``, or every visible column when ``visible <= block_topk``.
     """
     op = "qsa_block_topk"
-    check_tensor("logits", logits, ndim=2, dtypes=(torch.float32,), op=op)
-    if logits.stride(-1) != 1:
-        fail_argument(ValueError, "logits", "contiguous in its last dimension", f"strides {logits.stride()}", op)
-    check_tensor("visible", visible, ndim=1, dtypes=(torch.int32,), device=logits.device, op=op, like="logits")
-    if visible.shape[0] != logits.shape[0]:
-        fail_argument(ValueError, "visible", f"length {logits.shape[0]} like logits' rows", visible.shape[0], op)
-    block_topk = check_int("block_topk", block_topk, minimum=1, op=op)
+    block_topk = check_topk_args(op, logits, visible, block_topk)
     out = _check_out(op, out, (logits.shape[0], block_topk), logits.device, "logits")
     _block_topk_into(logits, visible, block_topk, out)
     return out
 
 
 def _block_topk_into(logits, visible, block_topk: int, out: torch.Tensor) -> None:
+    if _aiter_topk_serves(logits):
+        rocm.aiter_block_topk(logits, visible, block_topk, out)
+        return
     _run_triton_or(lambda: torch_block_topk(logits, visible, block_topk, out),
                    lambda: topk.launch(logits, visible, out, block_topk), "block top-k", logits.device)
+
+
+def _aiter_topk_serves(logits: torch.Tensor) -> bool:
+    """AITER's HIP top-k ranks the rows when the AITER path is forced (``QSA_AITER_BACKEND=aiter``) and it can run
+    here (a ROCm GPU with ``aiter`` importable); the reason it cannot is logged once."""
+    if get_settings().backend != "aiter":
+        return False
+    reasons = rocm.aiter_topk_reasons(logits)
+    if reasons:
+        log_once(logging.INFO, ("aiter-topk", *reasons), "AITER's HIP top-k does not serve: " + "; ".join(reasons))
+    return not reasons
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -254,7 +265,26 @@ def qsa_select_paged_tokens(
         chunk_logits, visible = qsa_paged_mqa_logits(
             q[r0:r1], compressed_k_cache, page_table, token_to_request[r0:r1], query_positions[r0:r1],
             context_lens, ratio, None, columns, None, out=logits[: r1 - r0], **hints)
-        _block_topk_into(chunk_logits, visible, block_topk, groups[: r1 - r0])
-        _expand_into(groups[: r1 - r0], query_positions[r0:r1], context_lens, token_to_request[r0:r1], ratio,
-                     token_topk, out[r0:r1])
+        _topk_and_expand_into(chunk_logits, visible, block_topk, groups[: r1 - r0], query_positions[r0:r1],
+                              context_lens, token_to_request[r0:r1], ratio, token_topk, out[r0:r1])
     return out
+
+
+def _topk_and_expand_into(logits, visible, block_topk: int, groups, query_positions, context_lens, token_to_request,
+                          ratio: int, token_topk: int, out) -> None:
+    """Block top-k into ``groups``, then their expansion into ``out``: one Triton launch (the top-k kernel expands
+    its row when done), or the two torch paths."""
+    expansion = (query_positions, context_lens, token_to_request)
+    if _aiter_topk_serves(logits):
+        rocm.aiter_block_topk(logits, visible, block_topk, groups)
+        _expand_into(groups, *expansion, ratio, token_topk, out)
+        return
+
+    def torch_paths():
+        torch_block_topk(logits, visible, block_topk, groups)
+        torch_expand_block_indices(groups, *expansion, ratio, token_topk, out)
+
+    _run_triton_or(torch_paths,
+                   lambda: topk.launch(logits, visible, groups, block_topk,
+                                       expand_into=(*expansion, out, ratio, token_topk)),
+                   "block top-k and expansion", logits.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _TRUE = ("1", "true", "yes", "on")
@@ -19,7 +19,9 @@ BOOL_WORDS = _TRUE + _FALSE
 
 #: Kernel names that ``QSA_AITER_BACKEND`` may force (besides ``auto``). Kept here, not imported from the registry,
 #: so that reading settings never imports Triton.
-BACKEND_NAMES = ("rowwise", "stacked", "tiled", "torch")
+BACKEND_NAMES = ("rowwise", "stacked", "tiled", "torch", "aiter", "flydsl")
+#: Second names a variable is also read under (alias -> the field's variable), e.g. the name vLLM uses.
+ENV_ALIASES = {"VLLM_ROCM_QSA_FLYDSL": "ROCM_QSA_FLYDSL"}
 
 
 def _parse_bool(value: object) -> object:
@@ -43,6 +45,13 @@ class QsaSettings(BaseSettings):
         alias="ATOM_QSA_STACKED_DECODE_SCORER",
         description="0 sends MTP verify and draft rows to the row-wise CUDA-core scorer instead of the stacked one.",
     )
+    rocm_qsa_flydsl: bool = Field(
+        False,
+        alias="ROCM_QSA_FLYDSL",
+        validation_alias=AliasChoices("ROCM_QSA_FLYDSL", "VLLM_ROCM_QSA_FLYDSL"),
+        description="1 lets the FlyDSL prefill scorer serve on gfx942/gfx950 where `flydsl` and its kernel import and "
+        "the shape is served (docs/integration.md).",
+    )
     backend: str = Field(
         "auto",
         alias="QSA_AITER_BACKEND",
@@ -56,9 +65,10 @@ class QsaSettings(BaseSettings):
     fp8_mma: bool = Field(
         True,
         alias="QSA_AITER_FP8_MMA",
-        description="1 lets the stacked scorer read an e4m3fn cache with e4m3 tensor-core MMAs (bf16 q split into two "
-        "exact e4m3 terms; the tensor cores round inside their sums: up to 3.2e-4 of sum(|q||k|)/divisor measured "
-        "on the H200); 0 decodes the keys to bf16 in registers (exact fp32 sums, slower).",
+        description="1 lets the stacked scorer read e4m3fn and MXFP4 caches with e4m3 tensor-core MMAs (bf16 q split "
+        "into two exact e4m3 terms; MXFP4 nibbles become exact e4m3 bytes, one MMA step per 32-element block; the "
+        "tensor cores round inside their sums: up to 3.2e-4 of sum(|q||k|)/divisor measured on the H200 for fp8); 0 "
+        "decodes the keys to bf16 in registers (exact fp32 sums, slower).",
     )
     tuned_config: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
@@ -71,8 +81,20 @@ class QsaSettings(BaseSettings):
         alias="QSA_AITER_LOG_LEVEL",
         description="Level of the `qsa_aiter` logger; `info` logs each new dispatch decision once.",
     )
+    jit_dir: str = Field(
+        "",
+        alias="QSA_AITER_JIT_DIR",
+        description="Directory of the compiled-kernel cache (docs/jit_and_configs.md); empty: `jit/` of a source "
+        "checkout where it is writable, else `~/.cache/qsa_aiter/jit`.",
+    )
+    rebuild: bool = Field(
+        False,
+        alias="QSA_AITER_REBUILD",
+        description="1 ignores the compiled kernels cached in the JIT directory: each variant is compiled again when "
+        "next launched or warmed up, and its entry replaced (once, however many processes ask for it).",
+    )
 
-    @field_validator("stacked_decode_scorer", "strict", "fp8_mma", mode="before")
+    @field_validator("stacked_decode_scorer", "strict", "fp8_mma", "rocm_qsa_flydsl", "rebuild", mode="before")
     @classmethod
     def _strict_bool(cls, value: object) -> object:
         return _parse_bool(value)
@@ -97,8 +119,15 @@ class QsaSettings(BaseSettings):
     def _lower_level(cls, value: object) -> object:
         return str(value).strip().lower()
 
+    @field_validator("jit_dir", mode="before")
+    @classmethod
+    def _strip_dir(cls, value: object) -> object:
+        return str(value).strip()
+
 
 ENV_NAMES = tuple(field.alias for field in QsaSettings.model_fields.values())
+#: Every variable read: the fields' names and their aliases.
+ENV_VARIABLES = ENV_NAMES + tuple(ENV_ALIASES)
 
 _cache: tuple[tuple[str | None, ...], QsaSettings] | None = None
 
@@ -106,9 +135,10 @@ _cache: tuple[tuple[str | None, ...], QsaSettings] | None = None
 def get_settings() -> QsaSettings:
     """The current settings; re-parsed only when one of the variables changed (a dict lookup per variable)."""
     global _cache
-    snapshot = tuple(os.environ.get(name) for name in ENV_NAMES)
+    snapshot = tuple(os.environ.get(name) for name in ENV_VARIABLES)
     if _cache is not None and _cache[0] == snapshot:
         return _cache[1]
+    _check_aliases()
     try:
         settings = QsaSettings()
     except ValidationError as err:
@@ -117,12 +147,29 @@ def get_settings() -> QsaSettings:
     return settings
 
 
+def _check_aliases() -> None:
+    """A variable set under both of its names must say the same thing; otherwise which one wins would be a guess."""
+    for alias, name in ENV_ALIASES.items():
+        if alias in os.environ and name in os.environ:
+            values = {}
+            for var in (name, alias):
+                try:
+                    values[var] = _parse_bool(os.environ[var])
+                except ValueError as err:
+                    raise ValueError(f"environment variable {var}={os.environ[var]!r} is invalid: {err}") from None
+            if values[name] != values[alias]:
+                raise ValueError(f"environment variables {name}={os.environ[name]!r} and {alias}={os.environ[alias]!r} "
+                                 "disagree; set one of them")
+
+
 def _explain_error(err: ValidationError) -> str:
     lines = []
     for item in err.errors():
         name = item["loc"][0] if item["loc"] else "?"
         field = QsaSettings.model_fields.get(str(name))
         var = field.alias if field is not None else str(name)
+        if var not in os.environ:  # the value came from an alias: name the variable that holds it
+            var = next((a for a, n in ENV_ALIASES.items() if n == var and a in os.environ), var)
         raw = os.environ.get(var, item.get("input"))
         msg = item["msg"].removeprefix("Value error, ")
         lines.append(f"environment variable {var}={raw!r} is invalid: {msg}")
@@ -139,5 +186,6 @@ def environment_table() -> str:
         elif isinstance(default, tuple):
             default = ":".join(default)
         shown = f"`{default}`" if default != "" else "(none)"
-        rows.append(f"| `{field.alias}` | {shown} | {field.description} |")
+        names = [f"`{field.alias}`"] + [f"`{a}`" for a, n in ENV_ALIASES.items() if n == field.alias]
+        rows.append(f"| {' or '.join(names)} | {shown} | {field.description} |")
     return "\n".join(rows)

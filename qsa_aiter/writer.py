@@ -81,8 +81,10 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     if not triton_runs_on(keys.device.type):
         write_reference(keys, slot_mapping, cache, k_scale)
         return
+    from . import jit_cache
     from .kernels import cache_writer
 
     name = kind if kind != "fp8" else ("fp8_e4m3fnuz" if cache.dtype == torch.float8_e4m3fnuz else "fp8_e4m3fn")
-    cache_writer.launch(keys, slot_mapping, kernel_view(cache), kernel_view(k_scale), name, head_dim,
-                        pages * page_size)
+    with jit_cache.scope(keys.device):  # compiled once into the JIT cache (docs/jit_and_configs.md)
+        cache_writer.launch(keys, slot_mapping, kernel_view(cache), kernel_view(k_scale), name, head_dim,
+                            pages * page_size)

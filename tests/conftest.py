@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from qsa_aiter import log, registry  # noqa: E402
-from qsa_aiter.settings import ENV_NAMES  # noqa: E402
+from qsa_aiter.settings import ENV_VARIABLES  # noqa: E402
 
 
 def pytest_configure(config):
@@ -27,7 +27,7 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _clean_qsa_state(monkeypatch):
     """Every test starts from the default switches, no kernel marked broken and an empty log-once memory."""
-    for name in ENV_NAMES:
+    for name in ENV_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     registry.clear_broken()
     log.reset_log_once()

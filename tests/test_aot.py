@@ -33,9 +33,14 @@ VARIANTS = {
 # The tensor-core kernels decode to q's dtype; the row-wise one to bf16, then fp32.
 DECODER_MARKS = {"fp8": "0x7B807B80", "fp8-fnuz-fp16-page16": "0x58005800", "fp4": "0x3F3F3F00"}
 ROWWISE_DECODER_MARKS = dict(DECODER_MARKS, **{"fp8-fnuz-fp16-page16": "0x7B007B00"})
-ALL_MARKS = sorted(set(DECODER_MARKS.values()) | set(ROWWISE_DECODER_MARKS.values()))
-# The builds that read the stored e4m3 keys with e4m3 tensor cores instead of decoding them (QSA_AITER_FP8_MMA).
-FP8_MMA_BUILDS = {("stacked", "sm_90", "fp8")}
+# The MXFP4 -> e4m3 unpack's magnitude mask (``dequant.E2M1_TO_E4M3_ASM``): only the e4m3 MMA path of MXFP4 holds it.
+UNPACK_MARK = "0x1C1C1C1C"
+ALL_MARKS = sorted(set(DECODER_MARKS.values()) | set(ROWWISE_DECODER_MARKS.values()) | {UNPACK_MARK})
+# The builds that score with e4m3 tensor cores instead of decoding the keys (QSA_AITER_FP8_MMA): e4m3fn keys as
+# stored, MXFP4 keys unpacked to e4m3 bytes.
+FP8_MMA_BUILDS = {("stacked", "sm_90", "fp8"), ("stacked", "sm_90", "fp4")}
+# Those builds again with QSA_AITER_FP8_MMA=0 (``compile_kernel(..., e4m3_mma=False)``): the PTX decoders instead.
+DECODED_BUILDS = [("stacked", "sm_90", "fp8"), ("stacked", "sm_90", "fp4")]
 
 _CHILD = r"""
 import json, sys
@@ -44,7 +49,14 @@ from qsa_aiter.aot import KERNEL_MODULES, TARGETS, compile_kernel, compile_selec
 
 variants = json.loads(sys.argv[1])
 marks = json.loads(sys.argv[2])
+decoded = json.loads(sys.argv[3])
 results = {}
+for kernel, target, variant in decoded:
+    overrides = dict(variants[variant][0])
+    overrides["cache_dtype"] = getattr(torch, overrides["cache_dtype"])
+    text = compile_kernel(kernel, target, example_problem(**overrides), e4m3_mma=False).asm["ptx"]
+    results[f"{variant}-decoded/{kernel}/{target}"] = {
+        "decoder_marks": [m for m in marks if m in text], "e4m3_mma": ".e4m3.e4m3" in text}
 for variant, (overrides, index_dtype) in variants.items():
     for key in ("q_dtype", "cache_dtype"):
         if key in overrides:
@@ -84,8 +96,8 @@ print("AOT-RESULTS " + json.dumps(results))
 def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(VARIANTS), json.dumps(ALL_MARKS)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(VARIANTS), json.dumps(ALL_MARKS),
+                           json.dumps(DECODED_BUILDS)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("AOT-RESULTS ")]
     assert proc.returncode == 0 and lines, f"compile process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(lines[-1].removeprefix("AOT-RESULTS "))
@@ -130,14 +142,25 @@ def test_tensor_core_use(compiled, kernel, target, variant):
 
 @EVERY_BUILD
 def test_quantised_decoders_per_target(compiled, kernel, target, variant):
-    """NVIDIA builds decode quantised keys with the PTX decoders, except the stacked scorer on e4m3fn keys with bf16
-    q, which feeds the stored keys to e4m3 tensor cores; AMD builds (and 16-bit caches) use neither."""
+    """NVIDIA builds decode quantised keys with the PTX decoders, except the stacked scorer with bf16 q on e4m3fn keys,
+    which feeds the stored keys to e4m3 tensor cores, and on MXFP4 keys, which it unpacks to e4m3 bytes (the unpack's
+    PTX) for them; AMD builds (and 16-bit caches) use neither."""
     result = build(compiled, kernel, target, variant)
     marks = ROWWISE_DECODER_MARKS if kernel == "rowwise" else DECODER_MARKS
     e4m3_mma = (kernel, target, variant) in FP8_MMA_BUILDS
     want = [marks[variant]] if target.startswith("sm_") and variant in marks and not e4m3_mma else []
+    if e4m3_mma and variant == "fp4":
+        want = [UNPACK_MARK]
     assert result["decoder_marks"] == want
     assert result["e4m3_mma"] == e4m3_mma
+
+
+@pytest.mark.parametrize("kernel,target,variant", DECODED_BUILDS)
+def test_decoding_builds_with_the_mma_switch_off(compiled, kernel, target, variant):
+    """With QSA_AITER_FP8_MMA=0 the e4m3 MMA builds decode with the PTX decoders and hold no e4m3 MMA."""
+    result = compiled[f"{variant}-decoded/{kernel}/{target}"]
+    assert result["decoder_marks"] == [DECODER_MARKS[variant]]
+    assert not result["e4m3_mma"]
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -164,3 +187,65 @@ def test_targets_and_kernels():
 def test_compile_in_an_interpreted_process_says_why_not():
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         compile_kernel("rowwise", "sm_90")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two more specialisations with bf16 queries (the others differ from the builds above only in constexprs covered there)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: variant -> (problem overrides, index dtype, targets). Page 16 with a bf16 cache is the engine's 64-token KV block
+#: (and the FlyDSL scorer's shape); bf16 queries over an e4m3fnuz cache are gfx942's fp8 configuration. Each build
+#: costs seconds on a CI CPU, so the fnuz one is built for gfx942 only.
+MATRIX_VARIANTS = {
+    "bf16-page16": ({"block_size": 16}, "i32", list(TARGETS)),
+    "fp8-fnuz-bf16": ({"cache_dtype": "float8_e4m3fnuz", "kv_dtype": "fp8"}, "i32", ["gfx942"]),
+}
+
+_MATRIX_CHILD = r"""
+import json, sys
+import torch
+from qsa_aiter.aot import KERNEL_MODULES, compile_kernel, example_problem
+
+results = {}
+for variant, (overrides, index_dtype, targets) in json.loads(sys.argv[1]).items():
+    for key in ("q_dtype", "cache_dtype"):
+        if key in overrides:
+            overrides[key] = getattr(torch, overrides[key])
+    problem = example_problem(**overrides)
+    for kernel in KERNEL_MODULES:
+        for target in targets:
+            try:
+                asm = compile_kernel(kernel, target, problem, index_dtype).asm
+            except Exception as err:
+                results[f"{variant}/{kernel}/{target}"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+                continue
+            text = asm.get("ptx") or asm.get("amdgcn") or ""
+            results[f"{variant}/{kernel}/{target}"] = {
+                "binary_bytes": len(asm.get("cubin") or asm.get("hsaco") or b""),
+                "mma": "mma" in text, "mfma": "mfma" in text,
+            }
+print("AOT-RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_matrix():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.run([sys.executable, "-c", _MATRIX_CHILD, json.dumps(MATRIX_VARIANTS)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("AOT-RESULTS ")]
+    assert proc.returncode == 0 and lines, f"compile process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1].removeprefix("AOT-RESULTS "))
+
+
+@pytest.mark.parametrize("kernel,target,variant", [(k, t, v) for v, (_, _, targets) in MATRIX_VARIANTS.items()
+                                                   for k in KERNEL_MODULES for t in targets])
+def test_matrix_variant_compiles_and_uses_matrix_cores(compiled_matrix, kernel, target, variant):
+    result = build(compiled_matrix, kernel, target, variant)
+    assert result["binary_bytes"] > 0
+    cores = "mma" if target.startswith("sm_") else "mfma"
+    if kernel in TENSOR_CORE_KERNELS:
+        assert result[cores], f"{kernel} must use {cores} on {target} for {variant}"
+    else:
+        assert not result["mma"] and not result["mfma"], f"{kernel} must not use tensor cores on {target}"

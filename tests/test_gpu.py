@@ -3,7 +3,7 @@
 Run with ``python3 -m pytest tests -m gpu`` on a machine with a GPU (no ``TRITON_INTERPRET``). Every kernel is forced
 in turn (and the automatic choice), and compared with the torch reference run on the same GPU in fp32. The kernels
 multiply bf16/fp16 operands on tensor cores with fp32 accumulation, so the tolerance is rtol = atol = 1e-4 (plus
-``FP8_MMA_TOL`` of the magnitude bound where e4m3 tensor cores score an fp8 cache, helpers.py). Where a
+``FP8_MMA_TOL`` of the magnitude bound where e4m3 tensor cores score an e4m3fn or MXFP4 cache, helpers.py). Where a
 call has many rows, the reference is computed for an evenly spaced subset of them (every row's visible count is still
 checked exactly).
 """

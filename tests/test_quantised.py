@@ -3,8 +3,9 @@
 The reference dequantises the keys it gathers exactly (``qsa_aiter.cache_formats``), so kernel and reference differ
 only in summation order: rtol = atol = 1e-5 under the interpreter (fp32 throughout), 1e-4 on a GPU (16-bit operands
 on tensor cores, fp32 accumulation; every fp8 value and dequantised fp4 key is exact in bf16), plus ``FP8_MMA_TOL`` of
-the magnitude bound where e4m3 tensor cores score an e4m3fn cache (their sums round internally; the interpreter
-emulates them exactly, so the CPU run checks the split of q at 1e-5). Besides caches written
+the magnitude bound where e4m3 tensor cores score an e4m3fn or MXFP4 cache (their sums round internally; the
+interpreter emulates them exactly, so the CPU run checks the split of q, the nibble unpacking and the per-block
+exponents at 1e-5). Besides caches written
 from realistic keys, one test fills caches with random bytes, so every fp8 code (subnormals included) and every e2m1
 code under exponents from 0 (2**-127) to 200 is decoded; there the tolerance is relative to the sum of the
 magnitudes of the products, since random codes make large terms cancel.
@@ -18,7 +19,11 @@ import triton
 import triton.language as tl
 
 import qsa_aiter
-from qsa_aiter.kernels.dequant import split_query_e4m3
+from qsa_aiter.cache_formats import E2M1_VALUES
+from qsa_aiter.kernels import stacked
+from qsa_aiter.kernels.common import ScoreLaunch
+from qsa_aiter.kernels.dequant import E2M1_TO_E4M3_ASM, fast_decode, fp4_block_order, fp4_e4m3_block, split_query_e4m3
+from qsa_aiter.ops import describe_call
 from qsa_aiter.reference import reference_paged_mqa_logits
 
 from helpers import (
@@ -125,14 +130,161 @@ def test_bad_page_ids_and_padded_rows_on_a_quantised_cache(monkeypatch, rng):
             assert bool(torch.isneginf(logits[0, 16:32]).all())
 
 
+def launch_args(batch, fp8_mma: bool) -> ScoreLaunch:
+    """The launch arguments the op would build for ``batch`` (outputs unwritten), with ``QSA_AITER_FP8_MMA``."""
+    q = batch.q
+    logits = torch.empty(q.shape[0], 1, dtype=torch.float32, device=q.device)
+    visible = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
+    return ScoreLaunch(q, batch.compressed_k_cache, batch.page_table, batch.token_to_request, batch.query_positions,
+                       batch.context_lens, logits, visible, 1, 4, 1.0, batch.k_scale, fp8_mma)
+
+
+@pytest.mark.parametrize("cache", ("fp8", "fp4"))
 @pytest.mark.parametrize("phase", ("verify", "draft"))
 @pytest.mark.parametrize("page_size", PAGES)
-def test_fp8_keys_decoded_when_the_mma_switch_is_off(monkeypatch, rng, phase, page_size):
-    """QSA_AITER_FP8_MMA=0: the stacked scorer decodes e4m3fn keys to bf16 in registers (exact fp32 sums)."""
+def test_keys_decoded_when_the_mma_switch_is_off(monkeypatch, rng, cache, phase, page_size):
+    """QSA_AITER_FP8_MMA=0: the stacked scorer decodes e4m3fn and MXFP4 keys to bf16 in registers (exact fp32 sums);
+    ``explain`` says so, where with the switch on it names the e4m3 tensor cores (emulated under the interpreter)."""
+    batch, hints = quantised_batch(phase, cache, page_size, rng)
+    on = qsa_aiter.explain(*batch.args(), **hints).splitlines()[-1]
+    assert on.startswith("  keys: e4m3 tensor cores (QSA_AITER_FP8_MMA=1)"), on
+    assert ("MXFP4 nibbles placed as exact e4m3 bytes" in on) == (cache == "fp4"), on
     monkeypatch.setenv("QSA_AITER_FP8_MMA", "0")
-    batch, hints = quantised_batch(phase, "fp8", page_size, rng)
+    off = qsa_aiter.explain(*batch.args(), **hints).splitlines()[-1]
+    assert off.startswith("  keys: decoded to ") and off.endswith("(QSA_AITER_FP8_MMA=0)"), off
+    # The launch takes the decoding path (FP8_DOT off) and its own tile settings.
+    assert launch_args(batch, True).fp8_dot and not launch_args(batch, False).fp8_dot
+    problem = describe_call(*batch.args(), **hints)
+    assert stacked.default_config(problem, False) != stacked.default_config(problem, True)
     assert not uses_fp8_mma(batch.args(), **hints)
-    check_forced(monkeypatch, "stacked", batch, hints, label=f"stacked/{phase}/fp8 decoded/page{page_size}", tol=TOL)
+    check_forced(monkeypatch, "stacked", batch, hints, label=f"stacked/{phase}/{cache} decoded/page{page_size}",
+                 tol=TOL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MXFP4 on e4m3 tensor cores: the nibble -> e4m3 byte rule, the PTX that applies it, the stacked path's variants
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def e2m1_value(nibble: int) -> float:
+    return (-1.0 if nibble & 8 else 1.0) * E2M1_VALUES[nibble & 7]
+
+
+def e4m3_rule(nibble: int) -> int:
+    """The e4m3 byte the kernels make of an e2m1 nibble (docs/kernels.md): sign to bit 7, magnitude to bits 4..2."""
+    return ((nibble & 8) << 4) | ((nibble & 7) << 2)
+
+
+def test_e2m1_to_e4m3_rule_is_exact():
+    """Every e2m1 code, placed as an e4m3 byte, is its value times 2**-6 (zero, the subnormal 0.5 and -0 included),
+    as torch's own e4m3fn decoding reads it."""
+    codes = torch.tensor([e4m3_rule(n) for n in range(16)], dtype=torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float()
+    expected = torch.tensor([e2m1_value(n) * 2.0**-6 for n in range(16)])
+    assert torch.equal(values, expected)
+    assert torch.equal(torch.signbit(values), torch.tensor([n >= 8 for n in range(16)]))
+
+
+@triton.jit
+def _unpack_kernel(packed_ptr, bytes_ptr, values_ptr, FAST_DECODE: tl.constexpr):
+    rows = tl.arange(0, 16)
+    packed = tl.load(packed_ptr + rows[:, None] * 16 + tl.arange(0, 16)[None, :])
+    out = rows[:, None] * 32 + tl.arange(0, 32)[None, :]
+    keys = fp4_e4m3_block(packed, tl.float8e4nv, FAST_DECODE)
+    tl.store(bytes_ptr + out, keys.to(tl.uint8, bitcast=True))
+    tl.store(values_ptr + out, fp4_e4m3_block(packed, tl.float32, FAST_DECODE))
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["portable", "ptx"])
+def test_fp4_block_unpacks_every_byte_in_mma_order(fast):
+    """``fp4_e4m3_block`` on all 256 bytes (every nibble as the low and as the high nibble): position ``p`` of a row
+    holds element ``fp4_block_order[p]``, as the e4m3 byte of the rule (and, for the interpreter's emulation, its exact
+    fp32 value). The PTX unpack runs on an NVIDIA GPU of compute capability 9.0+ only."""
+    if fast and not (ON_GPU and fast_decode(torch.device("cuda"))):
+        pytest.skip("the PTX unpack needs an NVIDIA GPU of compute capability 9.0+ (no interpreter)")
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).to(DEVICE)
+    got_bytes = torch.empty(16, 32, dtype=torch.uint8, device=DEVICE)
+    got_values = torch.empty(16, 32, dtype=torch.float32, device=DEVICE)
+    _unpack_kernel[(1,)](packed, got_bytes, got_values, fast)
+    order = [2 * (p % 16) + p // 16 for p in range(32)]
+    expected = torch.tensor([[e4m3_rule((int(packed[r, e // 2]) >> (4 * (e % 2))) & 15) for e in order]
+                             for r in range(16)], dtype=torch.uint8)
+    assert torch.equal(got_bytes.cpu(), expected)
+    assert torch.equal(got_values.cpu(), expected.view(torch.float8_e4m3fn).float())
+
+
+@triton.jit
+def _order_kernel(out_ptr):
+    tl.store(out_ptr + tl.arange(0, 32), fp4_block_order())
+
+
+def test_fp4_block_order():
+    out = torch.empty(32, dtype=torch.int32, device=DEVICE)
+    _order_kernel[(1,)](out)
+    assert out.tolist() == list(range(0, 32, 2)) + list(range(1, 32, 2))
+
+
+def run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
+    """Evaluate straight-line PTX of 32-bit ``shl/shr/and/or/mov`` (the unpack's instructions) from the input
+    registers ``inputs`` (e.g. ``{"$2": word}``); returns every register written, the outputs ``$0``... included."""
+    regs = dict(inputs)
+
+    def value(token: str) -> int:
+        return int(token, 16) if token.startswith("0x") else int(token) if token.isdigit() else regs[token]
+
+    ops = {"shl.b32": lambda a, b: (a << b) & 0xFFFFFFFF, "shr.b32": lambda a, b: a >> b,
+           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b}
+    for line in asm.strip().removeprefix("{").removesuffix("}").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *srcs = [t.strip() for t in rest.split(",")]
+        if op == "mov.b32":
+            regs[dst] = value(srcs[0])
+        else:
+            assert op in ops, f"unexpected PTX instruction {line!r}"
+            regs[dst] = ops[op](*map(value, srcs))
+    return regs
+
+
+def test_ptx_unpack_applies_the_rule_to_every_byte_lane():
+    """The PTX of the NVIDIA unpack (``E2M1_TO_E4M3_ASM``), evaluated instruction by instruction: for every byte value
+    in each of the four byte lanes of a register, ``$0`` holds the low nibbles' e4m3 bytes and ``$1`` the high
+    nibbles', lane for lane (neighbouring lanes hold other bytes, so a bit crossing a lane would show)."""
+    for lane in range(4):
+        for value in range(256):
+            lanes = [(value * 37 + 11 * k + 5) & 255 for k in range(4)]
+            lanes[lane] = value
+            word = sum(b << (8 * k) for k, b in enumerate(lanes))
+            regs = run_ptx(E2M1_TO_E4M3_ASM.value, {"$2": word})
+            for k, b in enumerate(lanes):
+                assert (regs["$0"] >> (8 * k)) & 255 == e4m3_rule(b & 15), (lane, value, k)
+                assert (regs["$1"] >> (8 * k)) & 255 == e4m3_rule(b >> 4), (lane, value, k)
+
+
+def test_fp4_mma_path_reads_unaligned_scales(monkeypatch, rng):
+    """An MXFP4 scale tensor that is a view at an odd address: its exponents cannot be loaded as one integer per key,
+    and the stacked e4m3 path reads them byte by byte instead (same scores)."""
+    batch, hints = quantised_batch("verify", "fp4", 16, rng, head_dim=128)
+    raw = batch.k_scale.view(torch.uint8)
+    buffer = torch.zeros(raw.numel() + 1, dtype=torch.uint8, device=raw.device)
+    shifted = buffer[1:].view(raw.shape)
+    shifted.copy_(raw)
+    assert shifted.data_ptr() % 4 != 0
+    batch.k_scale = shifted.view(torch.float8_e8m0fnu)
+    assert not launch_args(batch, True).scale_words
+    check_forced(monkeypatch, "stacked", batch, hints, label="stacked/fp4/unaligned scales", tol=TOL)
+
+
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_fp4_mma_path_block_counts(monkeypatch, rng, head_dim):
+    """One and eight 32-element blocks per key (the exponents as one byte and as one 64-bit integer per key); with
+    eight, the default key tile narrows (accumulator registers)."""
+    batch, hints = quantised_batch("verify", "fp4", 16, rng, head_dim=head_dim)
+    problem = describe_call(*batch.args(), **hints)
+    assert stacked.default_config(problem, True).block_n == (128 if head_dim == 32 else 64)
+    check_forced(monkeypatch, "stacked", batch, hints, label=f"stacked/fp4/head_dim {head_dim}", tol=TOL)
 
 
 @triton.jit

@@ -41,7 +41,7 @@ def batch_for(phase: str, gen, **kw):
 
 
 def test_candidates_and_table():
-    assert set(registry.CANDIDATES) == {"tiled", "stacked", "rowwise", "torch"}
+    assert set(registry.CANDIDATES) == {"tiled", "stacked", "rowwise", "torch"} | set(registry.ROCM_CANDIDATES)
     for name, cand in registry.CANDIDATES.items():
         assert cand.name == name and cand.description
     assert registry.KV_DTYPES == ("bf16", "fp8", "fp4")  # SPEC section 4: every cache dtype has its rows
@@ -49,7 +49,7 @@ def test_candidates_and_table():
         for block in (16, 64):
             for phase in PHASES:
                 order = registry.TABLE[(kv, block, phase)]
-                assert order[0] == PREFERRED[phase]
+                assert [n for n in order if n not in registry.ROCM_CANDIDATES][0] == PREFERRED[phase]
                 assert "rowwise" in order, "the row-wise scorer is the universal fallback"
                 assert order[-1] == "torch"
                 assert set(order) <= set(registry.CANDIDATES)
@@ -116,7 +116,7 @@ def test_dispatch_reads_no_device_memory():
     problem = describe_call(*args, max_query_len=4)
     assert problem.phase == "verify" and problem.device_type == "meta"
     decision = registry.select(problem)
-    assert decision.order == ("stacked", "rowwise", "torch")
+    assert decision.order == ("stacked", "rowwise", "aiter", "torch")
     for name in ("stacked", "rowwise"):
         assert "tensors are on meta" in " ".join(decision.rejected[name]), "Triton kernels do not serve meta tensors"
     assert decision.chosen == "torch"
@@ -330,7 +330,7 @@ def test_explain_names_the_choice_and_the_others_reasons(rng):
     batch, hints = batch_for("verify", rng)
     text = qsa_aiter.explain(*batch.args(), **hints)
     assert "phase verify (inferred: max_query_len=4" in text
-    assert "order stacked > rowwise > torch" in text
+    assert "order stacked > rowwise > aiter > torch" in text
     assert "* stacked: serves" in text
     assert "- rowwise: serves, but an earlier candidate is preferred" in text
     assert "- torch: serves, but an earlier candidate is preferred" in text
@@ -342,7 +342,7 @@ def test_explain_names_the_choice_and_the_others_reasons(rng):
 
     odd = make_batch([500, 300], 4, heads=4, head_dim=96, generator=rng)
     text = qsa_aiter.explain(*odd.args(), phase="prefill")
-    assert "order tiled > rowwise > torch" in text
+    assert "order flydsl > tiled > rowwise > aiter > torch" in text
     assert "- tiled: needs a power-of-two head_dim >= 16 (got 96)" in text
     assert "* rowwise: serves" in text
 

@@ -9,7 +9,7 @@ from qsa_aiter import settings
 from qsa_aiter.settings import BACKEND_NAMES, ENV_NAMES, environment_table, get_settings
 
 BOOL_VARS = {"ATOM_QSA_STACKED_DECODE_SCORER": "stacked_decode_scorer", "QSA_AITER_STRICT": "strict",
-             "QSA_AITER_FP8_MMA": "fp8_mma"}
+             "QSA_AITER_FP8_MMA": "fp8_mma", "ROCM_QSA_FLYDSL": "rocm_qsa_flydsl", "QSA_AITER_REBUILD": "rebuild"}
 TRUE_WORDS = ["1", "true", "yes", "on", "TRUE", "Yes", "ON", " 1 "]
 FALSE_WORDS = ["0", "false", "no", "off", "FALSE", "No", "Off", "0 "]
 
@@ -22,11 +22,13 @@ def test_defaults():
     assert s.fp8_mma is True
     assert s.tuned_config == ()
     assert s.log_level == "warning"
+    assert s.jit_dir == "" and s.rebuild is False
 
 
 def test_every_variable_is_known():
     assert set(ENV_NAMES) == {"ATOM_QSA_STACKED_DECODE_SCORER", "QSA_AITER_BACKEND", "QSA_AITER_STRICT",
-                              "QSA_AITER_FP8_MMA", "QSA_AITER_TUNED_CONFIG", "QSA_AITER_LOG_LEVEL"}
+                              "QSA_AITER_FP8_MMA", "QSA_AITER_TUNED_CONFIG", "QSA_AITER_LOG_LEVEL", "ROCM_QSA_FLYDSL",
+                              "QSA_AITER_JIT_DIR", "QSA_AITER_REBUILD"}
 
 
 @pytest.mark.parametrize("var", BOOL_VARS)
@@ -56,7 +58,7 @@ def test_backend_values(monkeypatch, value, expected):
     assert get_settings().backend == expected
 
 
-@pytest.mark.parametrize("value", ["cutlass", "", "aiter", "rowwise,tiled", "default"])
+@pytest.mark.parametrize("value", ["cutlass", "", "hip", "rowwise,tiled", "default"])
 def test_bad_backend(monkeypatch, value):
     monkeypatch.setenv("QSA_AITER_BACKEND", value)
     with pytest.raises(ValueError) as info:

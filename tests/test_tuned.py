@@ -1,5 +1,5 @@
 """Tuned tile configurations: CSV validation, nearest-bucket lookup, merging of QSA_AITER_TUNED_CONFIG files, and
-a launch that uses a tuned row (arch ``cpu``: the interpreter)."""
+a launch that uses a tuned row (on the GPU when there is one, else arch ``cpu``: the interpreter)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from qsa_aiter.log import reset_log_once
 from qsa_aiter.ops import describe_call
 
 from helpers import check_forced, phase_batch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ARCH = tuned.device_arch(DEVICE)  # the key of rows that launches on this machine read
 
 HEADER = ("arch,kernel,kv_dtype,page_size,heads,head_dim,rows,context,block_rows,block_m,block_n,d_chunk,num_warps,"
           "num_stages,programs_per_sm,column_programs,scalar_pages,us,measured,source\n")
@@ -92,11 +95,11 @@ def test_no_row_keeps_the_default_and_logs_once(monkeypatch, caplog):
 
 def test_a_launch_uses_the_tuned_row(tmp_path, monkeypatch, rng):
     """A tuned row for this shape changes the tile the stacked kernel runs with, and the scores stay right."""
-    batch, hints = phase_batch("verify", 16, rng)
-    path = write_table(tmp_path, "tuned.csv", "cpu,stacked,bf16,16,4,64,11,4096,4,,16,,2,,,3,1,,1,test")
+    batch, hints = phase_batch("verify", 16, rng, device=DEVICE)
+    path = write_table(tmp_path, "tuned.csv", f"{ARCH},stacked,bf16,16,4,64,11,4096,4,,16,,2,,,3,1,,1,test")
     use_tables(monkeypatch, path)
     problem = describe_call(*batch.args(), **hints)
-    cfg = tuned.config_for("stacked", problem, torch.device("cpu"), stacked.default_config(problem))
+    cfg = tuned.config_for("stacked", problem, DEVICE, stacked.default_config(problem))
     assert (cfg.block_n, cfg.num_warps, cfg.column_programs, cfg.scalar_pages) == (16, 2, 3, 1)
     assert stacked.grid(problem, cfg, 64)[1] == 3
     check_forced(monkeypatch, "stacked", batch, hints, label="tuned stacked")
@@ -129,10 +132,11 @@ def test_the_tuner_writes_rows_that_load(tmp_path):
 def test_explain_names_the_tile_source(tmp_path, monkeypatch, rng):
     import qsa_aiter
 
-    batch, hints = phase_batch("verify", 16, rng)
+    batch, hints = phase_batch("verify", 16, rng, device=DEVICE)
     monkeypatch.delenv("QSA_AITER_TUNED_CONFIG", raising=False)
-    assert "tile (arch cpu): stacked defaults StackedConfig(" in qsa_aiter.explain(*batch.args(), **hints)
-    path = write_table(tmp_path, "tuned.csv", "cpu,stacked,bf16,16,4,64,11,4096,,,16,,2,,,,,,1,my sweep")
+    assert f"tile (arch {ARCH}): stacked defaults StackedConfig(" in qsa_aiter.explain(*batch.args(), **hints)
+    path = write_table(tmp_path, "tuned.csv", f"{ARCH},stacked,bf16,16,4,64,11,4096,,,16,,2,,,,,,1,my sweep")
     use_tables(monkeypatch, path)
     text = qsa_aiter.explain(*batch.args(), **hints)
-    assert "tile (arch cpu): tuned row rows=11 context=4096 (my sweep): StackedConfig(" in text and "block_n=16" in text
+    assert f"tile (arch {ARCH}): tuned row rows=11 context=4096 (my sweep): StackedConfig(" in text
+    assert "block_n=16" in text

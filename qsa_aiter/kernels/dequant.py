@@ -12,8 +12,9 @@ Each returns the keys and a per-column factor that the caller applies once per c
   (``e2m1 * 2**(e - 127)``, the exponent differs per 32-element block, so it cannot wait for the head sum);
   factor = ``1 / score_divisor``.
 
-With ``FP8_DOT`` (``fp8_dot``: e4m3fn keys, bf16 q, e4m3 tensor cores) fp8 keys are not decoded at all: the stored
-bytes are the MMA operand and q is split into two exact e4m3 terms (``split_query_e4m3``).
+With ``FP8_DOT`` (``fp8_dot``: e4m3fn or MXFP4 keys, bf16 q, e4m3 tensor cores) the keys go to e4m3 MMAs against q
+split into two exact e4m3 terms (``split_query_e4m3``): e4m3fn keys as stored, MXFP4 nibbles placed as exact e4m3
+bytes one 32-element block at a time (``fp4_e4m3_block``), their exponents applied to each block's fp32 dot.
 
 Two exact decoders per format:
 
@@ -108,10 +109,11 @@ def key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE: tl.constexpr):
 
 
 def fp8_dot(q_dtype: torch.dtype, cache_dtype: torch.dtype, tensor_cores: bool) -> bool:
-    """Whether the tensor-core kernels score an fp8 cache with e4m3 MMAs (``FP8_DOT``): an e4m3fn cache, bf16
+    """Whether the tensor-core kernels score the keys with e4m3 MMAs (``FP8_DOT``): an e4m3fn cache (the stored
+    bytes are the operand) or an MXFP4 cache (each e2m1 nibble becomes an exact e4m3 byte, ``fp4_e4m3_block``), bf16
     queries (8 significant bits: two e4m3 terms hold them, ``split_query_e4m3``) and e4m3 tensor cores
     (``fp8_tensor_cores``; the interpreter emulates them with fp32 dots of the same terms)."""
-    return kv_kind(cache_dtype) == KV_FP8_E4M3FN and q_dtype == torch.bfloat16 and tensor_cores
+    return kv_kind(cache_dtype) in (KV_FP8_E4M3FN, KV_FP4) and q_dtype == torch.bfloat16 and tensor_cores
 
 
 @triton.jit
@@ -129,6 +131,26 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def e4m3_row_scale(amax):
+    """Power-of-two scales of rows whose largest magnitude is ``amax`` (fp32 ``[M]``): ``(inverse, row_scale)``,
+    ``amax * inverse`` in ``[128, 256)`` (e4m3 tops out at 448) and ``row_scale = 1 / inverse``, both normal fp32."""
+    # Exponent field of the row maximum, at least 8 so that both the scale and its inverse are normal fp32.
+    e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 8)
+    inverse = ((261 - e) << 23).to(tl.float32, bitcast=True)  # 2**(134 - e)
+    row_scale = ((e - 7) << 23).to(tl.float32, bitcast=True)  # 2**(e - 134)
+    return inverse, row_scale
+
+
+@triton.jit
+def split_e4m3(x):
+    """fp32 ``x`` (bf16 values scaled by ``e4m3_row_scale``'s inverse) as two e4m3 terms ``(hi, lo)``, ``x == hi +
+    lo`` exactly for every element of at least ``2**-9`` of its row's largest (``split_query_e4m3``)."""
+    hi = round_to_e4m3(x)
+    lo = round_to_e4m3(x - hi)
+    return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
+
+
+@triton.jit
 def split_query_e4m3(q):
     """bf16 query rows (held in fp32, ``[M, D]``) as two e4m3 terms and a power-of-two row scale:
     ``(hi, lo, row_scale)`` with ``q == (hi + lo) * row_scale[:, None]``.
@@ -140,15 +162,9 @@ def split_query_e4m3(q):
     ``2**-17`` of the row's largest. Products with e4m3 keys are exact; what remains is the rounding of the sums
     (inside the tensor cores on a GPU).
     """
-    amax = tl.max(tl.abs(q), axis=1)
-    # Exponent field of the row maximum, at least 8 so that both the scale and its inverse are normal fp32.
-    e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 8)
-    inverse = ((261 - e) << 23).to(tl.float32, bitcast=True)  # 2**(134 - e)
-    row_scale = ((e - 7) << 23).to(tl.float32, bitcast=True)  # 2**(e - 134)
-    x = q * inverse[:, None]
-    hi = round_to_e4m3(x)
-    lo = round_to_e4m3(x - hi)
-    return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv), row_scale
+    inverse, row_scale = e4m3_row_scale(tl.max(tl.abs(q), axis=1))
+    hi, lo = split_e4m3(q * inverse[:, None])
+    return hi, lo, row_scale
 
 
 @triton.jit
@@ -290,6 +306,58 @@ FP4_TO_BF16_ASM = tl.constexpr(
     + _FP4_HALF_ASM.replace("SIGNSRC", "$4").replace("SRC", "hi").replace("OUT0", "$2").replace("OUT1", "$3")
     + "}"
 )
+
+
+# MXFP4 -> e4m3, for the e4m3 MMA path (``FP8_DOT``): a nibble ``s eem`` placed as the e4m3 byte ``s 000 eem 00``
+# (sign to bit 7, the magnitude bits to bits 4..2) is exactly ``e2m1 * 2**-6``: exponent field 0 with mantissa 100 is
+# the subnormal 2**-7 = 0.5 * 2**-6, fields 1..3 hold 1 .. 6 times 2**-6, and zero stays zero. Pure bit placement on
+# four bytes per 32-bit register: the low nibbles (even elements) to $0, the high nibbles (odd elements) to $1.
+E2M1_TO_E4M3_ASM = tl.constexpr(
+    "{\n.reg .b32 t, u;\n"
+    "shl.b32 t, $2, 4;\nand.b32 t, t, 0x80808080;\nshl.b32 u, $2, 2;\nand.b32 u, u, 0x1C1C1C1C;\nor.b32 $0, t, u;\n"
+    "and.b32 t, $2, 0x80808080;\nshr.b32 u, $2, 2;\nand.b32 u, u, 0x1C1C1C1C;\nor.b32 $1, t, u;\n}"
+)
+
+
+@triton.jit
+def e2m1_to_e4m3_bits(nibbles):
+    """The e4m3 byte (int32, ``0 .. 255``) whose value is ``e2m1(nibble) * 2**-6``, for 4-bit codes in the low bits of
+    int32 ``nibbles`` (sign in bit 3; higher bits ignored)."""
+    return ((nibbles & 8) << 4) | ((nibbles & 7) << 2)
+
+
+@triton.jit
+def fp4_e4m3_block(packed, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
+    """One 32-element MXFP4 block of each key as an e4m3 MMA operand, block exponent not applied.
+
+    ``packed``: uint8 ``[N, 16]``, byte ``j`` holding elements ``2j`` (low nibble) and ``2j + 1``. Returns ``[N, 32]``
+    valued ``e2m1 * 2**-6`` (exact in e4m3), in the block's MMA order: the 16 even elements, then the 16 odd ones
+    (``fp4_block_order``; q is loaded in the same order). In that order the low-nibble and the high-nibble bytes of
+    one 32-bit word land in the two registers a thread holds of an 8-bit MMA operand row (K offsets ``4t`` and
+    ``16 + 4t``), so no byte has to move between registers. As e4m3 (``DOT_DTYPE`` float8e4nv), or as exact fp32
+    for the interpreter's emulation (``DOT_DTYPE`` float32).
+    """
+    if FAST_DECODE:
+        even, odd = tl.inline_asm_elementwise(E2M1_TO_E4M3_ASM, "=r,=r,r", [packed],
+                                              dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    else:
+        p = packed.to(tl.int32)
+        even = e2m1_to_e4m3_bits(p).to(tl.uint8)
+        odd = e2m1_to_e4m3_bits(p >> 4).to(tl.uint8)
+    raw = tl.reshape(tl.permute(tl.join(even, odd), (0, 2, 1)), (packed.shape[0], 32))
+    if DOT_DTYPE == tl.float8e4nv:
+        keys = raw.to(tl.float8e4nv, bitcast=True)
+    else:
+        keys = fp8_to_f32(raw, False).to(DOT_DTYPE)
+    return keys
+
+
+@triton.jit
+def fp4_block_order():
+    """Element index (within a 32-element block) at each position of the MMA order of ``fp4_e4m3_block``:
+    ``0, 2, .., 30, 1, 3, .., 31``."""
+    p = tl.arange(0, 32)
+    return 2 * (p % 16) + p // 16
 
 
 @triton.jit

@@ -17,21 +17,19 @@ from .common import next_pow2
 
 
 @triton.jit
-def _expand_kernel(
-    blk_ptr, pos_ptr, ctx_ptr, t2r_ptr, out_ptr, num_requests, blk_stride, out_stride,
-    RATIO: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
-    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    t = tl.program_id(0)
+def expand_row(t, blk_row, pos_ptr, ctx_ptr, t2r_ptr, out_row, num_requests,
+               RATIO: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+               WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Expand row ``t``: its ``GROUPS`` groups at ``blk_row`` (any int dtype, ``-1`` skipped) to ``WIDTH`` int32
+    token indices at ``out_row``. Also called by the top-k kernel to fuse the expansion into its launch."""
     req = tl.load(t2r_ptr + t).to(tl.int32)
     ok = (req >= 0) & (req < num_requests)
     limit = tl.load(ctx_ptr + tl.where(ok, req, 0), mask=ok, other=0).to(tl.int64)
     limit = tl.where(ok, limit, 0)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    out_row = out_ptr + t.to(tl.int64) * out_stride
 
     i = tl.arange(0, BLOCK_G)
-    g = tl.load(blk_ptr + t.to(tl.int64) * blk_stride + i, mask=i < GROUPS, other=-1).to(tl.int64)
+    g = tl.load(blk_row + i, mask=i < GROUPS, other=-1).to(tl.int64)
     j = tl.arange(0, BLOCK_R)
     tokens = g[:, None] * RATIO + j[None, :]
     keep = (g[:, None] >= 0) & (j[None, :] < RATIO) & (tokens < limit)
@@ -47,6 +45,17 @@ def _expand_kernel(
     rel = w - total
     value = tl.where((rel >= 0) & (rel < tail_len), tail_start + rel, -1)
     tl.store(out_row + w, value.to(tl.int32), mask=(w >= total) & (w < WIDTH))
+
+
+@triton.jit
+def _expand_kernel(
+    blk_ptr, pos_ptr, ctx_ptr, t2r_ptr, out_ptr, num_requests, blk_stride, out_stride,
+    RATIO: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    t = tl.program_id(0)
+    expand_row(t, blk_ptr + t.to(tl.int64) * blk_stride, pos_ptr, ctx_ptr, t2r_ptr,
+               out_ptr + t.to(tl.int64) * out_stride, num_requests, RATIO, GROUPS, BLOCK_G, BLOCK_R, WIDTH, BLOCK_W)
 
 
 def constexprs(compress_ratio: int, groups: int, token_topk: int) -> dict:

@@ -86,7 +86,8 @@ class RowwiseConfig:
     programs_per_sm: int = 8  # total programs aimed at, per multiprocessor
 
 
-def default_config(problem) -> RowwiseConfig:
+def default_config(problem, e4m3_mma: bool | None = None) -> RowwiseConfig:
+    """Tile settings for ``problem`` (``e4m3_mma`` is moot: this kernel has no MMA)."""
     kind = kv_kind(problem.cache_dtype)
     # Quantised keys are fewer bytes per tile: wider tiles (fp8) and more programs keep enough loads in flight
     # (H200, 128x1 @ 98K: fp8 300 -> 277 us, fp4 410 -> 399 us).

@@ -7,23 +7,24 @@ verify), the request's keys are read once per verify instead of once per row. Ro
 block (draft: one row per request) are walked: each distinct request is scored with its own page-table row and only
 its rows are stored. Several programs per row block (enough to fill the GPU once) stride over the column tiles.
 
-On an e4m3fn cache with bf16 queries (``FP8_DOT``, ``QSA_AITER_FP8_MMA=1``) the operands swap: the stored e4m3 key tile
-is the M operand of e4m3 tensor-core MMAs and q, split into two exact e4m3 terms, is N (``dequant.split_query_e4m3``).
+On an e4m3fn or MXFP4 cache with bf16 queries (``FP8_DOT``, ``QSA_AITER_FP8_MMA=1``) the operands swap: the e4m3 key
+tile (stored, or unpacked from MXFP4 nibbles one 32-element block per MMA K-step, ``common.fp4_keys_major_dots``) is
+the M operand of e4m3 tensor-core MMAs and q, split into two exact e4m3 terms, is N (``dequant.split_query_e4m3``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import triton
 import triton.language as tl
 
 from .. import tuned
-from .dequant import KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, kv_kind
+from .dequant import KV_16BIT, KV_FP4, dot_dtype, fp8_dot, kv_kind
 from .common import (
-    DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, fp8_keys_major_dots, is_pow2, load_keys, load_q_tile,
-    next_pow2, pair_dot, row_visibility, stacked_head_scores, target_programs,
+    DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, fp4_keys_major_dots, fp4_tile_exponents,
+    fp8_keys_major_dots, is_pow2, key_tile_slots, load_keys, load_q_tile, next_pow2, pair_dot, row_visibility,
+    scale_words_fit, stacked_head_scores, store_keys_major, target_programs,
 )
 
 
@@ -34,7 +35,7 @@ def _stacked_scorer_kernel(
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KV_KIND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, FP8_DOT: tl.constexpr,
-    SCALAR_PAGES: tl.constexpr,
+    SCALAR_PAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):
     block = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -61,24 +62,41 @@ def _stacked_scorer_kernel(
             mine = (req == r_i) & (vis > 0)
             req_vis = tl.max(tl.where(mine, vis, 0), axis=0)
             pt_row = pt_ptr + r_i.to(tl.int64) * pt_stride
-            for tile in range(col_prog, tl.cdiv(req_vis, BLOCK_N), col_progs):
-                cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                k_first, k_second, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages, scale,
-                                                               BLOCK_N, PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE,
-                                                               FAST_DECODE, SCALAR_PAGES)
-                if FP8_DOT:
-                    # The stored e4m3 keys are the MMA's M operand (read by the tensor cores as loaded), q's two
-                    # e4m3 terms the N operand: dots and scores come out keys x rows.
-                    dots_t = fp8_keys_major_dots(k_first, q_first, q_second, q_factor)
-                    s_t = tl.sum(tl.reshape(tl.maximum(dots_t, 0.0), (BLOCK_N, BLOCK_ROWS, NUM_HEADS)), axis=2)
-                    score_t = tl.where(page_ok[:, None], s_t * factor[:, None], float("-inf"))
-                    keep_t = mine[None, :] & (cols[:, None] < vis[None, :])
-                    tl.store(out_rows[None, :] + cols[:, None], score_t, mask=keep_t)
-                else:
-                    dots = pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
-                    score = stacked_head_scores(dots, page_ok, factor, BLOCK_ROWS, NUM_HEADS, BLOCK_N)
-                    keep = mine[:, None] & (cols[None, :] < vis[:, None])
-                    tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
+            n_tiles = tl.cdiv(req_vis, BLOCK_N)
+            if FP8_DOT and (KV_KIND == 3):
+                # MXFP4 keys unpacked to e4m3 bytes, one MMA K-step per 32-element block; the block exponents are
+                # loaded one tile ahead (fp4_tile_exponents). 1 / score_divisor (> 0) joins q's factor before the
+                # ReLU: one multiply per dot instead of one more per score.
+                q_scale = q_factor * scale
+                exps = fp4_tile_exponents(ks_ptr, pt_row, col_prog, n_tiles, req_vis, num_pages, BLOCK_N, PAGE_SIZE,
+                                          HEAD_DIM // 32, SCALAR_PAGES, SCALE_WORDS)
+                for tile in range(col_prog, n_tiles, col_progs):
+                    next_exps = fp4_tile_exponents(ks_ptr, pt_row, tile + col_progs, n_tiles, req_vis, num_pages,
+                                                   BLOCK_N, PAGE_SIZE, HEAD_DIM // 32, SCALAR_PAGES, SCALE_WORDS)
+                    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                    slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
+                    dots_t = fp4_keys_major_dots(k_ptr, slot, page_ok, exps, q_first, q_second, q_scale, HEAD_DIM,
+                                                 DOT_DTYPE, FAST_DECODE, SCALE_WORDS)
+                    store_keys_major(out_rows, cols, dots_t, page_ok, tl.full((BLOCK_N,), 1.0, tl.float32), mine,
+                                     vis, BLOCK_N, BLOCK_ROWS, NUM_HEADS)
+                    exps = next_exps
+            else:
+                for tile in range(col_prog, n_tiles, col_progs):
+                    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                    k_first, k_second, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages,
+                                                                   scale, BLOCK_N, PAGE_SIZE, HEAD_DIM, KV_KIND,
+                                                                   DOT_DTYPE, FAST_DECODE, SCALAR_PAGES)
+                    if FP8_DOT:
+                        # The stored e4m3 keys are the MMA's M operand, q's two e4m3 terms the N operand: dots and
+                        # scores come out keys x rows.
+                        dots_t = fp8_keys_major_dots(k_first, q_first, q_second, q_factor)
+                        store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, BLOCK_N, BLOCK_ROWS,
+                                         NUM_HEADS)
+                    else:
+                        dots = pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
+                        score = stacked_head_scores(dots, page_ok, factor, BLOCK_ROWS, NUM_HEADS, BLOCK_N)
+                        keep = mine[:, None] & (cols[None, :] < vis[:, None])
+                        tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
 
 
 @dataclass(frozen=True)
@@ -100,32 +118,50 @@ def unsupported_reason(problem) -> str | None:
     return None
 
 
-def default_config(problem) -> StackedConfig:
+def default_config(problem, e4m3_mma: bool | None = None) -> StackedConfig:
+    """Tile settings for ``problem``; ``e4m3_mma``: whether the keys go to e4m3 tensor cores (``FP8_DOT``; None:
+    wherever the cache and q dtypes allow it, as on an NVIDIA GPU of compute capability 8.9+ with
+    ``QSA_AITER_FP8_MMA=1``)."""
     # One request's verify rows per block; M = rows x heads must reach the 16-row MMA tile.
     rows = next_pow2(problem.max_query_len or max(1, problem.num_tokens // max(problem.num_requests, 1)))
-    rows = max(rows, 16 // problem.num_heads, 1)
+    rows = min(max(rows, 16 // problem.num_heads, 1), 16)
     kind = kv_kind(problem.cache_dtype)
+    if e4m3_mma is None:
+        e4m3_mma = fp8_dot(problem.q_dtype, problem.cache_dtype, True)
+    if kind == KV_FP4 and e4m3_mma:
+        # MXFP4 on e4m3 MMAs: each 32-element block has its own fp32 accumulator [BLOCK_N, M], all live until
+        # they are scaled and summed, so BLOCK_N shrinks as M = rows x heads (and the block count) grows. 4 warps
+        # (one warpgroup, m64 wgmma tiles); num_stages 7 keeps three key tiles in flight per program (the page-id
+        # indirection takes two stages per buffer: 5 keeps two, 2 to 4 one, issued only after the tile in hand is
+        # consumed); page ids as a vector (sm_90 SASS per 128-key tile at page 64: 510 instructions, 154 registers;
+        # as scalars 550 and 177). Programs per SM = how many fit by registers (154 -> 3 of 4 warps; 226 with 128
+        # accumulator registers -> 2), so the grid is one wave (benchmarks/sass_loop.py).
+        m_blocks = rows * problem.num_heads * (problem.head_dim // 32)
+        block_n = 128 if m_blocks <= 64 else 64
+        programs = 3 if m_blocks * block_n <= 8192 else 2
+        return StackedConfig(block_rows=rows, block_n=block_n, num_stages=7, programs_per_sm=programs)
     if kind == KV_FP4:
         # MXFP4 decodes more per byte: narrow tiles on 2 warps, many programs, to hide latency (H200, 64x4 @ 98K:
         # 133 us with the default tile, 101 us).
-        return StackedConfig(block_rows=min(rows, 16), block_n=64, num_warps=2, programs_per_sm=16)
-    if kind == KV_FP8_E4M3FN and problem.q_dtype == torch.bfloat16:
+        return StackedConfig(block_rows=rows, block_n=64, num_warps=2, programs_per_sm=16)
+    if e4m3_mma:
         # The e4m3 MMA path (FP8_DOT): with the page ids as scalars the tile needs no layout moves between the key
         # gather and the MMA result, and at page 64 a third stage hides more of the gather (H200, 64x4 @ 98K: 75.7
         # -> 71.5 -> 69.5 us; at page 16 a third stage is slower, 79.7 -> 122 us).
         stages = 3 if problem.block_size >= 64 else 2
-        return StackedConfig(block_rows=min(rows, 16), scalar_pages=1, num_stages=stages)
+        return StackedConfig(block_rows=rows, scalar_pages=1, num_stages=stages)
     # 16-bit keys: scalar page ids (H200, page 64: 9x4 20.8 -> 20.0 us, 128x1 @ 98K 208.7 -> 206.8 us).
-    return StackedConfig(block_rows=min(rows, 16), scalar_pages=int(kind == KV_16BIT))
+    return StackedConfig(block_rows=rows, scalar_pages=int(kind == KV_16BIT))
 
 
-def constexprs(problem, cfg: StackedConfig, upcast: bool, fast_decode: bool = False, fp8_dot: bool = False) -> dict:
+def constexprs(problem, cfg: StackedConfig, upcast: bool, fast_decode: bool = False, fp8_dot: bool = False,
+               scale_words: bool = True) -> dict:
     return dict(
         RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
         PAGE_SIZE=problem.block_size, BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n,
         KV_KIND=kv_kind(problem.cache_dtype), DOT_DTYPE=dot_dtype(problem, upcast, fp8_dot), FAST_DECODE=fast_decode,
         SCALAR_PAGES=bool(cfg.scalar_pages),
-        FP8_DOT=fp8_dot,
+        FP8_DOT=fp8_dot, SCALE_WORDS=scale_words and scale_words_fit(problem.head_dim),
     )
 
 
@@ -137,9 +173,9 @@ def grid(problem, cfg: StackedConfig, target: int) -> tuple[int, int]:
 
 
 def launch(problem, args: ScoreLaunch, cfg: StackedConfig | None = None) -> None:
-    cfg = cfg or tuned.config_for("stacked", problem, args.q.device, default_config(problem))
+    cfg = cfg or tuned.config_for("stacked", problem, args.q.device, default_config(problem, args.fp8_dot))
     _stacked_scorer_kernel[grid(problem, cfg, target_programs(args.q.device, cfg.programs_per_sm))](
-        *args.common_args(), **constexprs(problem, cfg, args.upcast, args.fast_decode, args.fp8_dot),
+        *args.common_args(), **constexprs(problem, cfg, args.upcast, args.fast_decode, args.fp8_dot, args.scale_words),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

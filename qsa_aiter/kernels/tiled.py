@@ -109,7 +109,9 @@ def unsupported_reason(problem) -> str | None:
     return None
 
 
-def default_config(problem) -> TiledConfig:
+def default_config(problem, e4m3_mma: bool | None = None) -> TiledConfig:
+    """Tile settings for ``problem``. ``e4m3_mma`` is moot here: the prefill tiles always decode quantised keys to
+    q's dtype (``constexprs``)."""
     if problem.num_heads == 4:
         # Quantised keys are decoded once per key tile: wider key tiles halve the decodes per row tile (H200,
         # prefill 4096 @ 32K: fp8 130 -> 103 us, fp4 152 -> 148 us).

@@ -1,0 +1,101 @@
+"""First-call latency of an MTP-verify scoring call: a cold process (nothing compiled) against a warm one (after
+``python -m qsa_aiter warmup``).
+
+Every measurement is a fresh Python process on the GPU. It builds the target-verify batch (9 requests x 4 rows,
+64K-128K context, page 64), synchronises, then times its first ``qsa_paged_mqa_logits`` call and a second one, and
+counts Triton compilations (``triton.knobs.compilation.listener``: one per call of Triton's compiler, cache hits
+included). The cold process starts from an empty JIT directory and an empty Triton cache; the warm one from the same
+directories after a warm-up. The target: a warm process compiles nothing and its first call takes <= 50 ms.
+
+    python benchmarks/first_call.py                    # warm-up of the verify kernels only (quick)
+    python benchmarks/first_call.py --full-warmup      # warm-up of the whole variant matrix first
+    python benchmarks/first_call.py --cache fp8 --keep /tmp/first_call
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_MS = 50.0
+
+_MEASURE = r"""
+import json, sys, time
+start = time.perf_counter()
+import torch
+from triton import knobs
+compiles = []
+knobs.compilation.listener = lambda **kw: compiles.append(getattr(kw["src"], "name", "?"))
+import qsa_aiter
+from qsa_aiter.workloads import make_batch
+imported = time.perf_counter()
+torch.cuda.init()
+contexts = [64 * 1024 + (64 * 1024) * i // 8 for i in range(9)]
+batch = make_batch(contexts, 4, page_size=64, cache=sys.argv[1], device="cuda")
+torch.cuda.synchronize()
+times = []
+for _ in range(2):
+    t0 = time.perf_counter()
+    qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **batch.kwargs(), phase="verify", max_query_len=4)
+    torch.cuda.synchronize()
+    times.append((time.perf_counter() - t0) * 1e3)
+print("FIRST-CALL " + json.dumps({"first_ms": times[0], "second_ms": times[1], "compiles": len(compiles),
+                                  "import_s": imported - start, "kernel": qsa_aiter.selected_kernel(
+                                      *batch.args(), **batch.kwargs(), phase="verify", max_query_len=4)}))
+"""
+
+
+def _env(jit_dir: Path, triton_dir: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("QSA_AITER_")}
+    env.update(QSA_AITER_JIT_DIR=str(jit_dir), TRITON_CACHE_DIR=str(triton_dir),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    return env
+
+
+def _measure(cache: str, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, cache], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("FIRST-CALL ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"measurement failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("FIRST-CALL "))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", choices=("16bit", "fp8", "fp4"), default="16bit", help="index-cache format")
+    parser.add_argument("--full-warmup", action="store_true", help="warm the whole variant matrix, not just the "
+                                                                   "verify kernels")
+    parser.add_argument("--keep", default=None, help="directory for the JIT and Triton caches (default: temporary)")
+    opts = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(opts.keep or tmp)
+        jit_dir, triton_dir = base / "jit", base / "triton"
+        env = _env(jit_dir, triton_dir)
+        cold = _measure(opts.cache, env)
+        caches = {"16bit": "bf16", "fp8": "fp8_e4m3fn", "fp4": "fp4"}[opts.cache]
+        subset = [] if opts.full_warmup else ["--kernels", "stacked,rowwise,cache_writer", "--caches", caches,
+                                              "--page-sizes", "64", "--index-dtypes", "int32,int64"]
+        proc = subprocess.run([sys.executable, "-m", "qsa_aiter", "warmup", "--no-progress", *subset], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            raise SystemExit(f"warm-up failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        print(proc.stdout.strip())
+        warm = _measure(opts.cache, env)
+    for name, result in (("cold", cold), ("warm", warm)):
+        print(f"{name} process: first call {result['first_ms']:8.1f} ms ({result['compiles']} Triton compilations), "
+              f"second call {result['second_ms']:.2f} ms, import {result['import_s']:.2f} s, kernel {result['kernel']}")
+    ok = warm["compiles"] == 0 and warm["first_ms"] <= TARGET_MS
+    print(f"target: a warm process compiles nothing and its first call takes <= {TARGET_MS:.0f} ms: "
+          f"{'met' if ok else 'NOT met'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""Drop-in replacements for the ATOM engine's in-tree QSA ops, and ``install()`` to put them in the engine's place.
+
+ATOM (ROCm/ATOM) defines its QSA indexer ops in ``atom.model_ops.qwen4_exp.ops.qsa`` and its attention layer
+(``atom.model_ops.qwen4_exp.qsa_attention``) binds them with ``from ... import`` at import time. The three functions
+here take the engine's arguments, in the engine's order, with the engine's defaults and return shapes:
+
+    qsa_paged_mqa_logits(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+                         compress_ratio=4, score_divisor=None, max_columns=None, row_starts=None)
+    qsa_select_paged_tokens(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+                            token_topk, compress_ratio=4, out=None, logits_workspace_bytes=128 << 20,
+                            max_seq_len=None)
+    qsa_expand_block_indices(block_indices, query_positions, context_lens, token_to_request, compress_ratio,
+                             token_topk, out=None, output_width=None)
+
+Where the engine's semantics differ from ``qsa_aiter``'s public ops, these follow the engine:
+
+- ``max_columns`` is clamped to ``[1, page-table capacity]`` (``qsa_aiter`` rejects a value past the capacity).
+- ``max_seq_len`` (the longest sequence the call can hold; a decode graph pins it to the engine's context) bounds
+  the scored width to the power-of-two bucket of ``ceil(max_seq_len / R)`` groups, and the returned width to
+  ``min(token_topk // R, capacity, bucket) * R + R - 1``: the columns dropped would all be ``-1``. For one
+  ``max_seq_len`` the width is constant, so a captured graph serves every context up to it.
+- ``out`` of ``qsa_select_paged_tokens`` may be wider than that width; the result is ``out[:, :width]``.
+- ``output_width`` of ``qsa_expand_block_indices`` narrows (or widens, with ``-1``) the expansion.
+
+Padded rows (``token_to_request == -1``) see nothing and select nothing (all ``-1``). Each function also accepts
+``qsa_aiter``'s keyword-only extras (``k_scale`` for quantised caches, ``phase`` / ``max_query_len`` hints). Calls
+go through the ``torch.ops.qsa_aiter`` custom ops, so the engine's ``torch.compile`` and CUDA graphs see opaque ops.
+
+The engine's signatures were read from ROCm/ATOM's ``atom/model_ops/qwen4_exp/ops/qsa.py``; ATOM is not installable
+in this project's CI, so the tests patch a stand-in module with those signatures. ``install()`` checks the real
+module's signatures against these before patching and refuses (``TypeError``) if they differ.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import custom_ops
+from ..problem import check_int, check_tensor, fail_argument
+
+ENGINE_MODULE = "atom.model_ops.qwen4_exp.ops.qsa"
+#: Engine modules that bind the ops at import time (``from ...ops.qsa import ...``).
+ENGINE_CONSUMERS = ("atom.model_ops.qwen4_exp.qsa_attention",)
+OPS = ("qsa_paged_mqa_logits", "qsa_select_paged_tokens", "qsa_expand_block_indices")
+DEFAULT_LOGITS_WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def _capacity(op: str, compressed_k_cache, page_table) -> int:
+    """Columns the page table can address: ``width * page_size``."""
+    if not isinstance(compressed_k_cache, torch.Tensor):
+        fail_argument(TypeError, "compressed_k_cache", "a torch.Tensor", type(compressed_k_cache).__name__, op)
+    if compressed_k_cache.dim() != 4:
+        fail_argument(ValueError, "compressed_k_cache", "4-D [pages, page_size, 1, width]",
+                      f"shape {tuple(compressed_k_cache.shape)}", op)
+    check_tensor("page_table", page_table, ndim=2, dtypes=(torch.int32, torch.int64), op=op)
+    return page_table.shape[1] * compressed_k_cache.shape[1]
+
+
+def _bucket(groups: int) -> int:
+    return 1 << (max(groups, 1) - 1).bit_length()
+
+
+def engine_widths(capacity: int, token_topk: int, compress_ratio: int, max_seq_len: int | None) -> tuple[int, int]:
+    """``(scored columns, returned width)`` of the engine's ``qsa_select_paged_tokens`` for these host values."""
+    columns = capacity
+    block_topk = min(token_topk // compress_ratio, capacity)
+    if max_seq_len is not None:
+        bucket = _bucket(-(-max_seq_len // compress_ratio))
+        columns = max(1, min(capacity, bucket))
+        block_topk = max(1, min(block_topk, bucket))
+    return columns, block_topk * compress_ratio + compress_ratio - 1
+
+
+def qsa_paged_mqa_logits(q: torch.Tensor, compressed_k_cache: torch.Tensor, page_table: torch.Tensor,
+                         token_to_request: torch.Tensor, query_positions: torch.Tensor, context_lens: torch.Tensor,
+                         compress_ratio: int = 4, score_divisor: float | None = None, max_columns: int | None = None,
+                         row_starts: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
+                         phase: str | None = None, max_query_len: int | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's scoring op: fp32 logits ``[tokens, columns]`` (columns ``[0, visible)`` written) and int32
+    ``visible_groups`` ``[tokens]``; ``row_starts`` (int ``[tokens]``), when given, is filled with zeros.
+
+    Shapes and dtypes as ``qsa_aiter.qsa_paged_mqa_logits``; ``max_columns`` is clamped to ``[1, width * page_size]``
+    as the engine does.
+    """
+    op = "qsa_paged_mqa_logits"
+    if max_columns is not None:
+        capacity = _capacity(op, compressed_k_cache, page_table)
+        max_columns = max(1, min(capacity, check_int("max_columns", max_columns, minimum=0, op=op)))
+    return custom_ops.qsa_paged_mqa_logits(q, compressed_k_cache, page_table, token_to_request, query_positions,
+                                           context_lens, compress_ratio, score_divisor, max_columns, row_starts,
+                                           k_scale=k_scale, phase=phase, max_query_len=max_query_len)
+
+
+def qsa_select_paged_tokens(q: torch.Tensor, compressed_k_cache: torch.Tensor, page_table: torch.Tensor,
+                            token_to_request: torch.Tensor, query_positions: torch.Tensor,
+                            context_lens: torch.Tensor, token_topk: int, compress_ratio: int = 4,
+                            out: torch.Tensor | None = None,
+                            logits_workspace_bytes: int = DEFAULT_LOGITS_WORKSPACE_BYTES,
+                            max_seq_len: int | None = None, *, k_scale: torch.Tensor | None = None,
+                            phase: str | None = None, max_query_len: int | None = None) -> torch.Tensor:
+    """The engine's selection op: int32 ``[tokens, width]`` token indices (``-1`` padded), ``width`` from
+    ``engine_widths`` (``token_topk + R - 1`` unless the capacity or ``max_seq_len`` bounds it).
+
+    ``out``: optional int32 ``[tokens, >= width]`` (last dim contiguous); the result is then ``out[:, :width]``.
+    Other arguments as ``qsa_aiter.qsa_select_paged_tokens``.
+    """
+    op = "qsa_select_paged_tokens"
+    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
+    topk = check_int("token_topk", token_topk, minimum=1, op=op)
+    if topk % ratio:
+        fail_argument(ValueError, "token_topk", f"a multiple of compress_ratio ({ratio})", topk, op)
+    if max_seq_len is not None:
+        max_seq_len = check_int("max_seq_len", max_seq_len, minimum=1, op=op)
+    check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), op=op)
+    capacity = _capacity(op, compressed_k_cache, page_table)
+    columns, width = engine_widths(capacity, topk, ratio, max_seq_len)
+    full = topk + ratio - 1
+    tokens = q.shape[0]
+    target = None
+    if out is not None:
+        check_tensor("out", out, ndim=2, dtypes=(torch.int32,), device=q.device, op=op)
+        if out.shape[0] != tokens or out.shape[1] < width or out.stride(-1) != 1:
+            fail_argument(ValueError, "out", f"int32 [{tokens}, >= {width}] with a contiguous last dim",
+                          f"shape {tuple(out.shape)}, strides {out.stride()}", op)
+        if out.shape[1] >= full:
+            target = out[:, :full]
+    # Our op scores `max_seq_len // R` columns: pass the engine's column count exactly.
+    seq = None if max_seq_len is None else columns * ratio
+    result = custom_ops.qsa_select_paged_tokens(q, compressed_k_cache, page_table, token_to_request,
+                                                query_positions, context_lens, topk, ratio, target,
+                                                logits_workspace_bytes, seq, k_scale=k_scale, phase=phase,
+                                                max_query_len=max_query_len)
+    if out is None:
+        return result[:, :width]
+    if target is None:  # `out` narrower than the full width: the dropped columns are all -1
+        out[:, :width].copy_(result[:, :width])
+    return out[:, :width]
+
+
+def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch.Tensor, context_lens: torch.Tensor,
+                             token_to_request: torch.Tensor, compress_ratio: int, token_topk: int,
+                             out: torch.Tensor | None = None, output_width: int | None = None) -> torch.Tensor:
+    """The engine's expansion op: int32 ``[tokens, output_width]`` (default ``token_topk + R - 1``).
+
+    The selected groups' tokens and the causal tail, packed to the front, ``-1`` after them (as
+    ``qsa_aiter.qsa_expand_block_indices``), cut to or padded with ``-1`` up to ``output_width``. ``out``: optional
+    int32 ``[tokens, output_width]``.
+    """
+    op = "qsa_expand_block_indices"
+    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
+    topk = check_int("token_topk", token_topk, minimum=1, op=op)
+    full = topk + ratio - 1
+    width = full if output_width is None else check_int("output_width", output_width, minimum=1, op=op)
+    check_tensor("block_indices", block_indices, ndim=2, dtypes=(torch.int32, torch.int64), op=op)
+    tokens = block_indices.shape[0]
+    if out is not None:
+        check_tensor("out", out, ndim=2, dtypes=(torch.int32,), device=block_indices.device, op=op,
+                     like="block_indices")
+        if tuple(out.shape) != (tokens, width):
+            fail_argument(ValueError, "out", f"shape ({tokens}, {width})", tuple(out.shape), op)
+    args = (block_indices, query_positions, context_lens, token_to_request, ratio, topk)
+    if width == full:
+        return custom_ops.qsa_expand_block_indices(*args, out=out)
+    result = custom_ops.qsa_expand_block_indices(*args)
+    if out is None:
+        out = torch.full((tokens, width), -1, dtype=torch.int32, device=block_indices.device)
+    elif width > full:
+        out[:, full:].fill_(-1)
+    keep = min(width, full)
+    out[:, :keep].copy_(result[:, :keep])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Installing into the engine
+# ---------------------------------------------------------------------------------------------------------------
+
+_DROP_INS = {"qsa_paged_mqa_logits": qsa_paged_mqa_logits, "qsa_select_paged_tokens": qsa_select_paged_tokens,
+             "qsa_expand_block_indices": qsa_expand_block_indices}
+
+
+def check_signature(name: str, engine_fn) -> None:
+    """``TypeError`` unless the drop-in for ``name`` accepts every way the engine's ``engine_fn`` can be called:
+    the same positional parameters in the same order with the same defaults, and every keyword-only one."""
+    ours = inspect.signature(_DROP_INS[name]).parameters
+    theirs = inspect.signature(engine_fn).parameters
+    positional = [p for p in ours.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    for i, p in enumerate(theirs.values()):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise TypeError(f"{ENGINE_MODULE}.{name} takes *{p.name}/**{p.name}; the drop-in cannot mirror it")
+        if p.kind == p.POSITIONAL_OR_KEYWORD or p.kind == p.POSITIONAL_ONLY:
+            mine = positional[i] if i < len(positional) else None
+            if mine is None or mine.name != p.name:
+                raise TypeError(f"{ENGINE_MODULE}.{name}: the engine's parameter {i} is `{p.name}`, the drop-in's is "
+                                f"`{mine.name if mine else 'missing'}`; this engine version is not supported")
+        elif p.name not in ours:
+            raise TypeError(f"{ENGINE_MODULE}.{name} takes keyword `{p.name}`, which the drop-in does not")
+        else:
+            mine = ours[p.name]
+        if p.default is not p.empty and mine.default != p.default:
+            raise TypeError(f"{ENGINE_MODULE}.{name}: `{p.name}` defaults to {p.default!r} in the engine, "
+                            f"{mine.default!r} in the drop-in")
+
+
+@dataclass
+class Installation:
+    """What ``install()`` replaced in the engine: ``(module, attribute, original)``, restored by ``uninstall()``."""
+
+    module: types.ModuleType  # the engine's ops module
+    patched: list[tuple[types.ModuleType, str, object]] = field(default_factory=list)
+
+    def uninstall(self) -> None:
+        """Put the engine's own ops back where ``install()`` replaced them."""
+        global _active
+        for module, name, original in reversed(self.patched):
+            setattr(module, name, original)
+        self.patched.clear()
+        if _active is self:
+            _active = None
+
+
+_active: Installation | None = None
+
+
+def install(engine_module: str | types.ModuleType = ENGINE_MODULE,
+            consumers: tuple[str | types.ModuleType, ...] = ENGINE_CONSUMERS) -> Installation:
+    """Make the engine call qsa_aiter's ops: replace ``OPS`` in ``engine_module`` and, in each already imported
+    ``consumers`` module, every attribute that still is the engine's original function.
+
+    Call it before the engine builds its model (consumer modules imported later bind the replaced names anyway).
+    Raises ``TypeError`` when an engine op's signature differs from the drop-in's (another ATOM version), before
+    anything is replaced. Installing into the same module again returns the active installation; into another one
+    while one is active raises ``RuntimeError`` (uninstall first).
+    """
+    global _active
+    module = importlib.import_module(engine_module) if isinstance(engine_module, str) else engine_module
+    if _active is not None:
+        if _active.module is module:
+            return _active
+        raise RuntimeError(f"qsa_aiter is installed into {_active.module.__name__}; uninstall() it first")
+    originals = {}
+    for name in OPS:
+        if not hasattr(module, name):
+            raise TypeError(f"{module.__name__} has no `{name}`; this engine version is not supported")
+        originals[name] = getattr(module, name)
+        check_signature(name, originals[name])
+    installation = Installation(module)
+    targets = [module] + [sys.modules.get(c) if isinstance(c, str) else c for c in consumers]
+    for target in targets:
+        if target is None:  # not imported yet: it will bind the replaced names when it is
+            continue
+        for name in OPS:
+            if target is module or getattr(target, name, None) is originals[name]:
+                installation.patched.append((target, name, getattr(target, name, None)))
+                setattr(target, name, _DROP_INS[name])
+    _active = installation
+    return installation
