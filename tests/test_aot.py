@@ -193,11 +193,14 @@ def test_compile_in_an_interpreted_process_says_why_not():
 # Two more specialisations with bf16 queries (the others differ from the builds above only in constexprs covered there)
 # ---------------------------------------------------------------------------------------------------------------
 
-#: variant -> (problem overrides, index dtype, targets). Page 16 with a bf16 cache is the engine's 64-token KV block
-#: (and the FlyDSL scorer's shape); bf16 queries over an e4m3fnuz cache are gfx942's fp8 configuration. Each build
-#: costs seconds on a CI CPU, so the fnuz one is built for gfx942 only.
+#: variant -> (problem overrides, index dtype, targets). With VARIANTS above, every cache format is built at both page
+#: sizes for every target. Page 16 is the engine's 64-token KV block (and the FlyDSL scorer's shape); bf16 queries
+#: over an e4m3fnuz cache are gfx942's fp8 configuration. Each build costs seconds on a CI CPU, so the fnuz one is
+#: built for gfx942 only.
 MATRIX_VARIANTS = {
     "bf16-page16": ({"block_size": 16}, "i32", list(TARGETS)),
+    "fp8-page16": ({"cache_dtype": "float8_e4m3fn", "kv_dtype": "fp8", "block_size": 16}, "i32", list(TARGETS)),
+    "fp4-page16": ({"cache_dtype": "float4_e2m1fn_x2", "kv_dtype": "fp4", "block_size": 16}, "i32", list(TARGETS)),
     "fp8-fnuz-bf16": ({"cache_dtype": "float8_e4m3fnuz", "kv_dtype": "fp8"}, "i32", ["gfx942"]),
 }
 
