@@ -10,6 +10,7 @@ directories after a warm-up. The target: a warm process compiles nothing and its
     python benchmarks/first_call.py                    # warm-up of the verify kernels only (quick)
     python benchmarks/first_call.py --full-warmup      # warm-up of the whole variant matrix first
     python benchmarks/first_call.py --cache fp8 --keep /tmp/first_call
+    python benchmarks/first_call.py --profile 40     # where the warm process's first call spends its time
 """
 
 from __future__ import annotations
@@ -40,11 +41,21 @@ contexts = [64 * 1024 + (64 * 1024) * i // 8 for i in range(9)]
 batch = make_batch(contexts, 4, page_size=64, cache=sys.argv[1], device="cuda")
 torch.cuda.synchronize()
 times = []
-for _ in range(2):
+profile_rows = int(sys.argv[2])
+for i in range(2):
+    if i == 0 and profile_rows:
+        import cProfile, io, pstats
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **batch.kwargs(), phase="verify", max_query_len=4)
     torch.cuda.synchronize()
     times.append((time.perf_counter() - t0) * 1e3)
+    if i == 0 and profile_rows:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(profile_rows)
+        print(text.getvalue())
 print("FIRST-CALL " + json.dumps({"first_ms": times[0], "second_ms": times[1], "compiles": len(compiles),
                                   "import_s": imported - start, "kernel": qsa_aiter.selected_kernel(
                                       *batch.args(), **batch.kwargs(), phase="verify", max_query_len=4)}))
@@ -58,9 +69,11 @@ def _env(jit_dir: Path, triton_dir: Path) -> dict:
     return env
 
 
-def _measure(cache: str, env: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, cache], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+def _measure(cache: str, env: dict, profile_rows: int = 0) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, cache, str(profile_rows)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if profile_rows:  # the first call's profile (the lines before the result)
+        print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("FIRST-CALL ")))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("FIRST-CALL ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"measurement failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -73,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-warmup", action="store_true", help="warm the whole variant matrix, not just the "
                                                                    "verify kernels")
     parser.add_argument("--keep", default=None, help="directory for the JIT and Triton caches (default: temporary)")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="print the warm process's first call under cProfile (this many rows, by cumulative time)")
     opts = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(opts.keep or tmp)
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode != 0:
             raise SystemExit(f"warm-up failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
         print(proc.stdout.strip())
-        warm = _measure(opts.cache, env)
+        warm = _measure(opts.cache, env, opts.profile)
     for name, result in (("cold", cold), ("warm", warm)):
         print(f"{name} process: first call {result['first_ms']:8.1f} ms ({result['compiles']} Triton compilations), "
               f"second call {result['second_ms']:.2f} ms, import {result['import_s']:.2f} s, kernel {result['kernel']}")
