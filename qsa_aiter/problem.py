@@ -241,3 +241,15 @@ def check_topk_args(op: str, logits, visible, block_topk) -> int:
     if visible.shape[0] != logits.shape[0]:
         fail_argument(ValueError, "visible", f"length {logits.shape[0]} like logits' rows", visible.shape[0], op)
     return check_int("block_topk", block_topk, minimum=1, op=op)
+
+
+def check_index_out(op: str, out, shape: tuple[int, ...], device, like: str) -> torch.Tensor:
+    """``out`` must be int32 of ``shape`` on ``device`` with a contiguous last dim; None allocates one."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.int32, device=device)
+    check_tensor("out", out, ndim=len(shape), dtypes=(torch.int32,), device=device, op=op, like=like)
+    if tuple(out.shape) != shape:
+        fail_argument(ValueError, "out", f"shape {shape}", tuple(out.shape), op)
+    if out.stride(-1) != 1:
+        fail_argument(ValueError, "out", "contiguous in its last dimension", f"strides {out.stride()}", op)
+    return out

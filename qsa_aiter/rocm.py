@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .log import log_once
-from .problem import ScoreProblem, check_tensor, check_topk_args, fail_argument
+from .problem import ScoreProblem, check_index_out, check_topk_args, fail_argument
 from .settings import QsaSettings, get_settings
 
 AITER_SCORER = ("aiter.ops.triton.attention.qsa", "qsa_paged_mqa_logits")
@@ -250,13 +250,9 @@ def aiter_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: in
     op = "aiter_block_topk"
     block_topk = check_topk_args(op, logits, visible, block_topk)
     tokens = logits.shape[0]
-    if out is None:
-        out = torch.empty((tokens, block_topk), dtype=torch.int32, device=logits.device)
-    else:
-        check_tensor("out", out, ndim=2, dtypes=(torch.int32,), device=logits.device, op=op, like="logits")
-        if tuple(out.shape) != (tokens, block_topk) or not out.is_contiguous():
-            fail_argument(ValueError, "out", f"a contiguous int32 ({tokens}, {block_topk}) tensor", tuple(out.shape),
-                          op)
+    out = check_index_out(op, out, (tokens, block_topk), logits.device, "logits")
+    if not out.is_contiguous():  # AITER writes [tokens, block_topk] as one dense block
+        fail_argument(ValueError, "out", "contiguous", f"strides {out.stride()}", op)
     reasons = aiter_topk_reasons(logits)
     if reasons:
         raise RuntimeError("AITER's HIP top-k does not serve: " + "; ".join(reasons))

@@ -23,22 +23,10 @@ from .kernels import expand, topk
 from .kernels.common import triton_runs_on
 from .log import log_once
 from .ops import describe_call, qsa_paged_mqa_logits
-from .problem import check_int, check_tensor, check_topk_args, fail_argument
+from .problem import check_index_out, check_int, check_tensor, check_topk_args, fail_argument
 from .settings import get_settings
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def _check_out(op: str, out, shape: tuple[int, ...], device, like: str) -> torch.Tensor:
-    """``out`` must be int32 of ``shape`` on ``device`` with a contiguous last dim; None allocates one."""
-    if out is None:
-        return torch.empty(shape, dtype=torch.int32, device=device)
-    check_tensor("out", out, ndim=len(shape), dtypes=(torch.int32,), device=device, op=op, like=like)
-    if tuple(out.shape) != shape:
-        fail_argument(ValueError, "out", f"shape {shape}", tuple(out.shape), op)
-    if out.stride(-1) != 1:
-        fail_argument(ValueError, "out", "contiguous in its last dimension", f"strides {out.stride()}", op)
-    return out
 
 
 def _run_triton_or(fallback, triton_call, what: str, device: torch.device) -> None:
@@ -97,7 +85,7 @@ def qsa_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int,
     """
     op = "qsa_block_topk"
     block_topk = check_topk_args(op, logits, visible, block_topk)
-    out = _check_out(op, out, (logits.shape[0], block_topk), logits.device, "logits")
+    out = check_index_out(op, out, (logits.shape[0], block_topk), logits.device, "logits")
     _block_topk_into(logits, visible, block_topk, out)
     return out
 
@@ -193,7 +181,7 @@ def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch
     if block_indices.stride(-1) != 1 and block_indices.shape[1] > 1:
         fail_argument(ValueError, "block_indices", "contiguous in its last dimension",
                       f"strides {block_indices.stride()}", op)
-    out = _check_out(op, out, (tokens, token_topk + ratio - 1), device, "block_indices")
+    out = check_index_out(op, out, (tokens, token_topk + ratio - 1), device, "block_indices")
     _expand_into(block_indices, query_positions, context_lens, token_to_request, ratio, token_topk, out)
     return out
 
@@ -251,7 +239,7 @@ def qsa_select_paged_tokens(
                           max_seq_len, op)
         problem = describe_call(*scoring_args, max_columns=max_columns, **scoring)
     tokens, columns = problem.num_tokens, problem.num_columns
-    out = _check_out(op, out, (tokens, token_topk + ratio - 1), q.device, "q")
+    out = check_index_out(op, out, (tokens, token_topk + ratio - 1), q.device, "q")
     if tokens == 0:
         return out
     block_topk = token_topk // ratio
