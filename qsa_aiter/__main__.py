@@ -1,4 +1,4 @@
-"""Command line: ``python -m qsa_aiter {demo,bench,explain,warmup,jit}`` (also installed as ``qsa-aiter``)."""
+"""Command line: ``python -m qsa_aiter {demo,bench,tune,explain,warmup,jit}`` (also installed as ``qsa-aiter``)."""
 
 from __future__ import annotations
 
@@ -49,12 +49,14 @@ def _build_parser() -> argparse.ArgumentParser:
         description="qsa_aiter: Triton kernels for QSA index scoring.",
     )
     parser.add_argument("--version", action="version", version=f"qsa_aiter {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,explain,warmup,jit}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,explain,warmup,jit}")
 
     sub.add_parser("demo", add_help=False,
                    help="score an MTP-verify batch and a prefill chunk on this machine, check and time them")
     sub.add_parser("bench", add_help=False,
                    help="run the benchmark (arguments go to qsa_aiter.bench; `bench --help` lists them)")
+    sub.add_parser("tune", add_help=False,
+                   help="measure tile configs at the work points and write tuned rows (`tune --help` lists options)")
 
     ex = sub.add_parser("explain", help="print which kernel would serve a workload, and why the others do not",
                         description="Build a synthetic batch with qsa_aiter.workloads.make_batch and print "
@@ -204,8 +206,8 @@ def _explain(opts: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
-    # demo and bench take their own arguments: everything after the subcommand goes to them unparsed here.
-    if argv and argv[0] in ("demo", "bench"):
+    # demo, bench and tune take their own arguments: everything after the subcommand goes to them unparsed here.
+    if argv and argv[0] in ("demo", "bench", "tune"):
         command, rest = argv[0], argv[1:]
     else:
         opts = parser.parse_args(argv)
@@ -225,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(rest)
+    if command == "tune":
+        from .tuner import main as tune_main
+
+        return tune_main(rest)
     if command == "warmup":
         return _warmup(opts)
     if command == "jit":

@@ -222,8 +222,9 @@ class PointInputs:
 KV_CACHES = {"bf16": "16bit", "fp8": "fp8", "fp4": "fp4"}
 
 
-def point_inputs(point: WorkPoint, page_size: int, device, kv: str = "bf16") -> PointInputs:
-    """Enough input sets of ``point`` that cycling through them exceeds L2 (2 to 8 sets), with a ``kv`` cache."""
+def point_inputs(point: WorkPoint, page_size: int, device, kv: str = "bf16", max_sets: int = 8) -> PointInputs:
+    """Enough input sets of ``point`` that cycling through them exceeds L2 (2 to ``max_sets`` sets), with a ``kv``
+    cache. Every set has the same shapes, so one Triton variant serves them all."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{point.name}/{page_size}".encode()))
 
     def batch():
@@ -234,7 +235,7 @@ def point_inputs(point: WorkPoint, page_size: int, device, kv: str = "bf16") -> 
     nbytes, flops = floor_bytes(probe)
     pages = probe.compressed_k_cache.shape[0] * page_size
     set_bytes = pages * key_bytes_per_group(probe) + probe.q.shape[0] * 4 * (probe.page_table.shape[1] * page_size)
-    n_sets = max(2, min(8, math.ceil(L2_ROTATE_BYTES / max(set_bytes, 1))))
+    n_sets = min(max_sets, max(2, min(8, math.ceil(L2_ROTATE_BYTES / max(set_bytes, 1)))))
     sets = [probe] + [batch() for _ in range(n_sets - 1)]
     problems, launches = [], []
     for b in sets:

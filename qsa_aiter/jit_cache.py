@@ -740,13 +740,38 @@ def _interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+#: Modules Triton's launch-time argument specialiser imports at its first call in a process (Triton 3.6: the Gluon
+#: layout and descriptor types it checks arguments against; about 0.1 s of imports on the H200 machine).
+_TRITON_LAUNCH_IMPORTS = ("triton.experimental.gluon",)
+
+
+def _import_triton_launch_modules() -> None:
+    """Import the modules Triton's specialiser would import at the first launch (modules a Triton version does not
+    have are skipped). Pure Python, no GPU: done when this module is imported, so a first call never pays it."""
+    for name in _TRITON_LAUNCH_IMPORTS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
+_import_triton_launch_modules()
+
+
+def _prime_triton_launch_path() -> None:
+    """Do Triton's once-per-process launch set-up now: its specialiser's imports and the GPU driver object (which
+    probes the platform; it needs the GPU, so it waits for ``load``)."""
+    _import_triton_launch_modules()
+    triton.runtime.driver.active.get_current_device()
+
+
 def load(device: torch.device | int | None = None, settings: QsaSettings | None = None) -> Store | None:
-    """Open the cache for ``device`` (default: the current CUDA device) and place its entries, now rather than at
-    the first launch (an engine may call it at start-up). None where there is no cache: off the GPU, under the
-    interpreter. A cache that cannot be opened is logged once and None is returned; a bad ``QSA_AITER_JIT_DIR``
-    raises ``ValueError``."""
+    """Open the cache for ``device`` (default: the current CUDA device) and place its entries, and do Triton's
+    once-per-process launch set-up, now rather than at the first launch: an engine calls it at start-up so that
+    its first scoring call pays neither (``benchmarks/first_call.py``). None where there is no cache: off the GPU,
+    under the interpreter. A cache that cannot be opened is logged once and None is returned; a bad
+    ``QSA_AITER_JIT_DIR`` raises ``ValueError``."""
     if _interpreting() or not torch.cuda.is_available():
         return None
+    _prime_triton_launch_path()
     if device is None or isinstance(device, int):
         device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
     if device.type != "cuda":

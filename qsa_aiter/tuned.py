@@ -54,6 +54,7 @@ class TunedRow(BaseModel):
     column_programs: Optional[int] = Field(None, ge=0)  # 0: from programs_per_sm
     scalar_pages: Optional[int] = Field(None, ge=0, le=1)
     us: Optional[float] = Field(None, gt=0, description="measured time of the config, microseconds")
+    default_us: Optional[float] = Field(None, gt=0, description="the kernel's default config, same run")
     measured: bool = Field(description="1: measured by the tuner on this arch; 0: a starting point from elsewhere")
     source: str = ""
 

@@ -24,6 +24,15 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA/HIP GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _clean_qsa_state(monkeypatch):
     """Every test starts from the default switches, no kernel marked broken and an empty log-once memory."""

@@ -28,7 +28,7 @@ import pytest
 import torch
 import triton
 
-from qsa_aiter import jit_cache, warmup
+from qsa_aiter import jit_cache, tuned, warmup
 from qsa_aiter.__main__ import main
 from qsa_aiter.jit_cache import Entry, FileRecord, Store
 from qsa_aiter.kernels.common import interpreting
@@ -396,7 +396,7 @@ for arch in ("sm_90", "gfx950"):
         names = spec.fn.arg_names
         constexprs = {names[k[0]]: str(v) for k, v in spec.constexprs.items()}
         variants.append({"kernel": launch.kernel, "constexprs": constexprs, "num_warps": spec.options.num_warps,
-                         "label": launch.label})
+                         "num_stages": spec.options.num_stages, "label": launch.label})
     out[arch] = variants
 print("JIT-RESULT " + json.dumps(out))
 """
@@ -412,9 +412,10 @@ def test_the_matrix_covers_every_kernel_cache_page_and_index_dtype(matrix_varian
         kinds = collections.Counter(v["kernel"] for v in variants)
         # scorers: 5 cache dtypes x 2 page sizes x 2 index dtypes, at least one config each; the writer: 5 x 2;
         # top-k: alone (no index tensors: one variant), and fused with the expansion for 3 request-count kinds x 2;
-        # the expansion: 3 x 2
-        assert kinds["rowwise"] == kinds["tiled"] == 20
-        assert kinds["stacked"] >= 20
+        # the expansion: 3 x 2. Tuned rows add their buckets' configs (sm_90 has rows for every scorer).
+        assert kinds["rowwise"] >= 20 and kinds["tiled"] >= 20 and kinds["stacked"] >= 20
+        if arch == "gfx950":  # rows for the stacked scorer only
+            assert kinds["rowwise"] == kinds["tiled"] == 20
         assert (kinds["cache_writer"], kinds["topk"], kinds["expand"]) == (10, 7, 6)
         for kernel in ("rowwise", "stacked", "tiled"):
             mine = [v for v in variants if v["kernel"] == kernel]
@@ -427,12 +428,21 @@ def test_the_matrix_covers_every_kernel_cache_page_and_index_dtype(matrix_varian
 
 def test_tuned_rows_give_their_configs(matrix_variants):
     # configs/scoring.csv ships gfx950 stacked rows for bf16 (BMT 4, BN 32, 2 warps): warm-up compiles that tile for
-    # gfx950 (as its launches look it up), and not for sm_90, which has no row
+    # gfx950 (as its launches look it up), and not for sm_90, whose rows are other tiles
     def tuned_tiles(arch):
         return [v for v in matrix_variants[arch] if v["kernel"] == "stacked" and v["constexprs"]["BLOCK_N"] == "32"
                 and v["num_warps"] == 2 and v["constexprs"]["KV_KIND"] == "0"]
 
     assert tuned_tiles("gfx950") and not tuned_tiles("sm_90")
+    # every H200 row's tile is among the sm_90 variants, for its kernel, cache kind and page size
+    kinds = {"bf16": {"0"}, "fp8": {"1", "2"}, "fp4": {"3"}}
+    rows = [row for key, rows in tuned.load_tables(()).items() if key[0] == "sm_90" for row in rows]
+    assert rows
+    for row in rows:
+        assert any(v["kernel"] == row.kernel and v["constexprs"]["KV_KIND"] in kinds[row.kv_dtype]
+                   and v["constexprs"]["PAGE_SIZE"] == str(row.page_size)
+                   and v["constexprs"]["BLOCK_N"] == str(row.block_n) and v["num_warps"] == row.num_warps
+                   and v["num_stages"] == row.num_stages for v in matrix_variants["sm_90"]), row
 
 
 def test_matrix_rejects_bad_axes():
