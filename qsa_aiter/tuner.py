@@ -93,11 +93,16 @@ def _point(sweep: Sweep):
 
 def candidates(kernel: str, default, grid: dict[str, tuple[int, ...]]) -> list:
     """The default config, then every combination of ``grid`` applied over it (duplicates dropped, in order)."""
+    from .tuned import TunedRow
+
     fields = {f.name for f in dataclasses.fields(default)}
     unknown = sorted(set(grid) - fields)
     if unknown:
         raise ValueError(f"--grid: {', '.join(unknown)} is not a setting of the {kernel} kernel "
                          f"(settings: {', '.join(sorted(fields))})")
+    unstored = sorted(set(grid) - set(TunedRow.model_fields))
+    if unstored:
+        raise ValueError(f"--grid: {', '.join(unstored)} has no column in the tuned-config tables")
     out = [default]
     for values in itertools.product(*grid.values()):
         cfg = dataclasses.replace(default, **dict(zip(grid, values)))
@@ -264,15 +269,14 @@ def merge_rows(path: Path, rows: list[dict]) -> None:
 
 
 def _parse_grid(items: list[str]) -> dict[str, tuple[int, ...]]:
+    """``["block_n=64,128", ...]`` -> ``{"block_n": (64, 128), ...}``; anything else raises ``ValueError``."""
     grid = {}
     for item in items:
-        name, sep, values = item.partition("=")
+        name, _, values = item.partition("=")
         try:
             grid[name] = tuple(int(v) for v in values.split(","))
         except ValueError:
-            sep = ""
-        if not sep or not grid.get(name):
-            raise ValueError(f"--grid: expected field=v1,v2,... (integers); got {item!r}")
+            raise ValueError(f"--grid: expected field=v1,v2,... (integers); got {item!r}") from None
     return grid
 
 

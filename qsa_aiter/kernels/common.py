@@ -348,6 +348,19 @@ def fp4_tile_exponents(ks_ptr, pt_row_ptr, tile, n_tiles, valid, num_pages, BLOC
 
 
 @triton.jit
+def fp8_tile_scales(ks_ptr, pt_row_ptr, tile, n_tiles, valid, num_pages, scale, BLOCK_N: tl.constexpr,
+                    PAGE_SIZE: tl.constexpr, SCALAR_PAGES: tl.constexpr):
+    """The per-key factors ``[BLOCK_N]`` fp32 (the fp8 cache's scale times ``scale``) of key tile ``tile`` of one
+    request (columns as ``key_tile_slots``; zeros where a column is not read, and nothing is read for a tile at or
+    past ``n_tiles``, ``n_tiles >= 1``). The tile loops load them one iteration ahead: the key bytes feed the MMA and
+    are staged ahead by the compiler's pipelining, these are not, and a plain load issued in the iteration that uses
+    it leaves its whole memory latency exposed (on the H200 it was most of the fp8 kernel's stalls)."""
+    slot, ok = key_tile_slots(pt_row_ptr, tl.minimum(tile, n_tiles - 1), valid, num_pages, BLOCK_N, PAGE_SIZE,
+                              SCALAR_PAGES)
+    return tl.load(ks_ptr + slot, mask=ok & (tile < n_tiles), other=0.0) * scale
+
+
+@triton.jit
 def stack_last(parts):
     """A tuple of ``N`` tensors ``[BLOCK_N, M]`` (``N`` a power of two up to 64) stacked along a new last dim:
     ``[BLOCK_N, M, N]`` with ``x[..., i] = parts[i]``. Pairwise ``tl.join``s: the new dims stay in registers."""

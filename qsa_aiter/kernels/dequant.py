@@ -396,19 +396,27 @@ def load_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM: tl.constexpr, K
     and fp8 caches (MXFP4: ``load_fp4_key_tile``). ``HEAD_DIM`` must be a power of two (the tensor-core kernels
     require it).
     """
+    keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+    if KV_KIND == 0:
+        factor = tl.full(slot.shape, scale, tl.float32)
+    else:
+        factor = tl.load(ks_ptr + slot, mask=page_ok, other=0.0) * scale
+    return keys, factor
+
+
+@triton.jit
+def key_values(k_ptr, slot, page_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               FAST_DECODE: tl.constexpr):
+    """``load_key_tile``'s keys alone, for loops that load the fp8 scales themselves (``fp8_tile_scales``)."""
     d = tl.arange(0, HEAD_DIM)
     raw = tl.load(k_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=page_ok[:, None], other=0)
     if KV_KIND == 0:
         keys = raw.to(DOT_DTYPE)
-        factor = tl.full(slot.shape, scale, tl.float32)
     elif DOT_DTYPE == tl.float8e4nv:
-        # FP8_DOT: the stored bytes are the MMA operand.
-        keys = raw.to(tl.float8e4nv, bitcast=True)
-        factor = tl.load(ks_ptr + slot, mask=page_ok, other=0.0) * scale
+        keys = raw.to(tl.float8e4nv, bitcast=True)  # FP8_DOT: the stored bytes are the MMA operand
     else:
         keys = fp8_keys(raw, KV_KIND, DOT_DTYPE, FAST_DECODE)
-        factor = tl.load(ks_ptr + slot, mask=page_ok, other=0.0) * scale
-    return keys, factor
+    return keys
 
 
 @triton.jit

@@ -20,11 +20,11 @@ import triton
 import triton.language as tl
 
 from .. import tuned
-from .dequant import KV_16BIT, KV_FP4, dot_dtype, fp8_dot, kv_kind
+from .dequant import KV_16BIT, KV_FP4, dot_dtype, fp8_dot, key_values, kv_kind
 from .common import (
     DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, fp4_keys_major_dots, fp4_tile_exponents,
-    fp8_keys_major_dots, is_pow2, key_tile_slots, load_keys, load_q_tile, next_pow2, pair_dot, row_visibility,
-    scale_words_fit, stacked_head_scores, store_keys_major, target_programs,
+    fp8_keys_major_dots, fp8_tile_scales, is_pow2, key_tile_slots, load_keys, load_q_tile, next_pow2, pair_dot,
+    row_visibility, scale_words_fit, stacked_head_scores, store_keys_major, target_programs,
 )
 
 
@@ -80,23 +80,31 @@ def _stacked_scorer_kernel(
                     store_keys_major(out_rows, cols, dots_t, page_ok, tl.full((BLOCK_N,), 1.0, tl.float32), mine,
                                      vis, BLOCK_N, BLOCK_ROWS, NUM_HEADS)
                     exps = next_exps
+            elif FP8_DOT:
+                # The stored e4m3 keys are the MMA's M operand, q's two e4m3 terms the N operand: dots and scores
+                # come out keys x rows. The keys' fp32 scales are loaded one tile ahead (fp8_tile_scales).
+                factor = fp8_tile_scales(ks_ptr, pt_row, col_prog, n_tiles, req_vis, num_pages, scale, BLOCK_N,
+                                         PAGE_SIZE, SCALAR_PAGES)
+                for tile in range(col_prog, n_tiles, col_progs):
+                    next_factor = fp8_tile_scales(ks_ptr, pt_row, tile + col_progs, n_tiles, req_vis, num_pages,
+                                                  scale, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
+                    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                    slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
+                    keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+                    dots_t = fp8_keys_major_dots(keys, q_first, q_second, q_factor)
+                    store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, BLOCK_N, BLOCK_ROWS,
+                                     NUM_HEADS)
+                    factor = next_factor
             else:
                 for tile in range(col_prog, n_tiles, col_progs):
                     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
                     k_first, k_second, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages,
                                                                    scale, BLOCK_N, PAGE_SIZE, HEAD_DIM, KV_KIND,
                                                                    DOT_DTYPE, FAST_DECODE, SCALAR_PAGES)
-                    if FP8_DOT:
-                        # The stored e4m3 keys are the MMA's M operand, q's two e4m3 terms the N operand: dots and
-                        # scores come out keys x rows.
-                        dots_t = fp8_keys_major_dots(k_first, q_first, q_second, q_factor)
-                        store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, BLOCK_N, BLOCK_ROWS,
-                                         NUM_HEADS)
-                    else:
-                        dots = pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
-                        score = stacked_head_scores(dots, page_ok, factor, BLOCK_ROWS, NUM_HEADS, BLOCK_N)
-                        keep = mine[:, None] & (cols[None, :] < vis[:, None])
-                        tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
+                    dots = pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
+                    score = stacked_head_scores(dots, page_ok, factor, BLOCK_ROWS, NUM_HEADS, BLOCK_N)
+                    keep = mine[:, None] & (cols[None, :] < vis[:, None])
+                    tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
 
 
 @dataclass(frozen=True)
@@ -130,26 +138,27 @@ def default_config(problem, e4m3_mma: bool | None = None) -> StackedConfig:
         e4m3_mma = fp8_dot(problem.q_dtype, problem.cache_dtype, True)
     if kind == KV_FP4 and e4m3_mma:
         # MXFP4 on e4m3 MMAs: each 32-element block has its own fp32 accumulator [BLOCK_N, M], all live until
-        # they are scaled and summed, so BLOCK_N shrinks as M = rows x heads (and the block count) grows. 4 warps
-        # (one warpgroup, m64 wgmma tiles); num_stages 7 keeps three key tiles in flight per program (the page-id
-        # indirection takes two stages per buffer: 5 keeps two, 2 to 4 one, issued only after the tile in hand is
-        # consumed); page ids as a vector (sm_90 SASS per 128-key tile at page 64: 510 instructions, 154 registers;
-        # as scalars 550 and 177). Programs per SM = how many fit by registers (154 -> 3 of 4 warps; 226 with 128
-        # accumulator registers -> 2), so the grid is one wave (benchmarks/sass_loop.py).
+        # they are scaled and summed, so registers grow with M = rows x heads (and the block count). 64-key tiles
+        # (the smallest wgmma M), 4 warps (one warpgroup), 5 stages (the page-id indirection takes two stages per
+        # buffer), 4 programs per SM; from the tuner on the H200 (64x4 @ 98K at page 64: 83.1 us with 128-key tiles,
+        # 7 stages and 3 programs per SM, 73.5 us; 128x1 draft: 153.5 -> 131.4 us), page ids as scalars at page 64
+        # and as a vector at page 16. Where rows x heads x blocks exceeds this model's 4 x 4 x 4, the accumulators
+        # take twice the registers or more: 2 programs per SM.
         m_blocks = rows * problem.num_heads * (problem.head_dim // 32)
-        block_n = 128 if m_blocks <= 64 else 64
-        programs = 3 if m_blocks * block_n <= 8192 else 2
-        return StackedConfig(block_rows=rows, block_n=block_n, num_stages=7, programs_per_sm=programs)
+        return StackedConfig(block_rows=rows, block_n=64, num_stages=5, programs_per_sm=4 if m_blocks <= 64 else 2,
+                             scalar_pages=int(problem.block_size >= 64))
     if kind == KV_FP4:
         # MXFP4 decodes more per byte: narrow tiles on 2 warps, many programs, to hide latency (H200, 64x4 @ 98K:
         # 133 us with the default tile, 101 us).
         return StackedConfig(block_rows=rows, block_n=64, num_warps=2, programs_per_sm=16)
     if e4m3_mma:
-        # The e4m3 MMA path (FP8_DOT): with the page ids as scalars the tile needs no layout moves between the key
-        # gather and the MMA result, and at page 64 a third stage hides more of the gather (H200, 64x4 @ 98K: 75.7
-        # -> 71.5 -> 69.5 us; at page 16 a third stage is slower, 79.7 -> 122 us).
-        stages = 3 if problem.block_size >= 64 else 2
-        return StackedConfig(block_rows=rows, scalar_pages=1, num_stages=stages)
+        # The e4m3 MMA path (FP8_DOT), from the tuner on the H200 (64x4 @ 98K) once the scales were loaded a tile
+        # ahead: at page 64, 64-key tiles with their page id as a scalar and 5 stages (110 registers, 4 programs per
+        # SM; 128-key tiles need 130 registers, which leaves room for 3: 97.9 us, against 63.5); at page 16, 128-key
+        # tiles with the page ids as a vector and 2 stages (71.1 -> 66.6 us).
+        if problem.block_size >= 64:
+            return StackedConfig(block_rows=rows, block_n=64, num_stages=5, scalar_pages=1)
+        return StackedConfig(block_rows=rows, block_n=128, num_stages=2, scalar_pages=0)
     # 16-bit keys: scalar page ids (H200, page 64: 9x4 20.8 -> 20.0 us, 128x1 @ 98K 208.7 -> 206.8 us).
     return StackedConfig(block_rows=rows, scalar_pages=int(kind == KV_16BIT))
 
