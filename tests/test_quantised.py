@@ -155,7 +155,10 @@ def test_keys_decoded_when_the_mma_switch_is_off(monkeypatch, rng, cache, phase,
     # The launch takes the decoding path (FP8_DOT off) and its own tile settings.
     assert launch_args(batch, True).fp8_dot and not launch_args(batch, False).fp8_dot
     problem = describe_call(*batch.args(), **hints)
-    assert stacked.default_config(problem, False) != stacked.default_config(problem, True)
+    rows = stacked.default_config(problem, True).block_rows
+    decoding = (stacked.StackedConfig(block_rows=rows, block_n=64, num_warps=2, programs_per_sm=16) if cache == "fp4"
+                else stacked.StackedConfig(block_rows=rows))
+    assert stacked.default_config(problem, False) == decoding
     assert not uses_fp8_mma(batch.args(), **hints)
     check_forced(monkeypatch, "stacked", batch, hints, label=f"stacked/{phase}/{cache} decoded/page{page_size}",
                  tol=TOL)
@@ -280,10 +283,11 @@ def test_fp4_mma_path_reads_unaligned_scales(monkeypatch, rng):
 @pytest.mark.parametrize("head_dim", [32, 256])
 def test_fp4_mma_path_block_counts(monkeypatch, rng, head_dim):
     """One and eight 32-element blocks per key (the exponents as one byte and as one 64-bit integer per key); with
-    eight, the default key tile narrows (accumulator registers)."""
+    eight, the accumulators take more registers and the default runs fewer programs per SM."""
     batch, hints = quantised_batch("verify", "fp4", 16, rng, head_dim=head_dim)
     problem = describe_call(*batch.args(), **hints)
-    assert stacked.default_config(problem, True).block_n == (128 if head_dim == 32 else 64)
+    cfg = stacked.default_config(problem, True)
+    assert (cfg.block_n, cfg.programs_per_sm) == (64, 4 if head_dim == 32 else 2)
     check_forced(monkeypatch, "stacked", batch, hints, label=f"stacked/fp4/head_dim {head_dim}", tol=TOL)
 
 
