@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
-import importlib
 import os
 import re
 import subprocess
@@ -26,9 +24,7 @@ from pathlib import Path
 import torch
 import triton
 
-from qsa_aiter.aot import _compile, _pointers, _TRITON_DTYPES, example_problem
-from qsa_aiter.kernels.common import common_signature
-from qsa_aiter.kernels.dequant import KV_16BIT, fp8_dot, kv_kind
+from qsa_aiter.aot import compile_kernel, example_problem, kernel_config
 
 CACHES = {"bf16": {}, "fp8": dict(cache_dtype=torch.float8_e4m3fn, kv_dtype="fp8"),
           "fp4": dict(cache_dtype=torch.float4_e2m1fn_x2, kv_dtype="fp4")}
@@ -42,15 +38,9 @@ def compile_variant(kernel: str, kv: str, page: int, rows: int, e4m3: bool, over
                                   phase="prefill", **CACHES[kv])
     else:
         problem = example_problem(block_size=page, max_query_len=rows, num_tokens=9 * rows, **CACHES[kv])
-    module = importlib.import_module(f"qsa_aiter.kernels.{kernel}")
-    e4m3 = e4m3 and fp8_dot(problem.q_dtype, problem.cache_dtype, True)
-    cfg = dataclasses.replace(module.default_config(problem, e4m3), **overrides)
-    constexprs = module.constexprs(problem, cfg, upcast=False, fast_decode=kv_kind(problem.cache_dtype) != KV_16BIT,
-                                   fp8_dot=e4m3)
-    signature = common_signature(_TRITON_DTYPES[problem.q_dtype], "i32", kv_kind(problem.cache_dtype))
-    compiled = _compile(module.KERNEL, signature, constexprs, _pointers(signature) + ["pt_stride", "out_stride"],
-                        "sm_90", {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    return compiled, cfg
+    e4m3_mma = None if e4m3 else False
+    cfg = kernel_config(kernel, "sm_90", problem, e4m3_mma, overrides)
+    return compile_kernel(kernel, "sm_90", problem, e4m3_mma=e4m3_mma, overrides=overrides), cfg
 
 
 def innermost_loops(sass: str) -> list[list[str]]:

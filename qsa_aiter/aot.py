@@ -7,6 +7,7 @@ gfx942 and gfx950 and to read the assembly.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .kernels.common import common_signature, interpreting
-from .kernels.dequant import KV_16BIT, fp8_dot, kv_kind
+from .kernels.dequant import KV_16BIT, fast_decode_at, fp8_dot, fp8_tensor_cores_at, kv_kind
 from .problem import ScoreProblem
 
 TARGETS = {
@@ -60,22 +61,42 @@ def _pointers(signature: dict) -> list[str]:
     return [n for n, kind in signature.items() if kind.startswith("*")]
 
 
+def target_capability(target: str) -> tuple[int, int]:
+    """The NVIDIA compute capability of ``target`` (``sm_90`` -> (9, 0)); ``(0, 0)`` for AMD targets."""
+    gpu = TARGETS[target]
+    return divmod(gpu.arch, 10) if gpu.backend == "cuda" else (0, 0)
+
+
+def _target_choices(target: str, problem: ScoreProblem, e4m3_mma: bool | None) -> tuple[bool, bool]:
+    """``(fast_decode, e4m3_mma)`` of a build for ``target``: the PTX decoders of quantised caches and the e4m3
+    MMAs are built for NVIDIA targets that have them (sm_90 has both), the portable decoders for AMD ones."""
+    capability = target_capability(target)
+    fast_decode = fast_decode_at(capability) and kv_kind(problem.cache_dtype) != KV_16BIT
+    return fast_decode, fp8_dot(problem.q_dtype, problem.cache_dtype,
+                                tensor_cores=fp8_tensor_cores_at(capability) and e4m3_mma is not False)
+
+
+def kernel_config(kernel: str, target: str, problem: ScoreProblem, e4m3_mma: bool | None = None,
+                  overrides: dict | None = None):
+    """The tile config ``compile_kernel`` builds ``kernel`` with: its ``default_config`` on ``target``, fields
+    replaced by ``overrides``."""
+    module = importlib.import_module(f"qsa_aiter.kernels.{kernel}")
+    cfg = module.default_config(problem, _target_choices(target, problem, e4m3_mma)[1])
+    return dataclasses.replace(cfg, **(overrides or {}))
+
+
 def compile_kernel(kernel: str, target: str, problem: ScoreProblem | None = None, index_dtype: str = "i32",
-                   e4m3_mma: bool | None = None):
-    """Compile ``kernel`` (rowwise/stacked/tiled) for ``target`` (sm_90/gfx942/gfx950) with its default config, for
-    ``problem`` (its cache dtype picks the key decoding). ``e4m3_mma=False`` builds the decoding path where e4m3
-    MMAs would serve (``QSA_AITER_FP8_MMA=0``); None: as the target allows."""
+                   e4m3_mma: bool | None = None, overrides: dict | None = None):
+    """Compile ``kernel`` (rowwise/stacked/tiled) for ``target`` (sm_90/gfx942/gfx950) with its default config
+    (fields replaced by ``overrides``), for ``problem`` (its cache dtype picks the key decoding). ``e4m3_mma=False``
+    builds the decoding path where e4m3 MMAs would serve (``QSA_AITER_FP8_MMA=0``); None: as the target allows."""
     if kernel not in KERNEL_MODULES:
         raise ValueError(f"kernel must be one of {', '.join(KERNEL_MODULES)}; got {kernel!r}")
     _check_target(target, "compile_kernel")
     problem = problem or example_problem()
     module = importlib.import_module(f"qsa_aiter.kernels.{kernel}")
-    # The PTX decoders of quantised caches and the e4m3 MMAs are built for NVIDIA targets (sm_90 has both), the
-    # portable decoders for AMD ones.
-    nvidia = TARGETS[target].backend == "cuda"
-    fast_decode = nvidia and kv_kind(problem.cache_dtype) != KV_16BIT
-    e4m3_mma = fp8_dot(problem.q_dtype, problem.cache_dtype, tensor_cores=nvidia and e4m3_mma is not False)
-    cfg = module.default_config(problem, e4m3_mma)
+    fast_decode, e4m3_mma = _target_choices(target, problem, e4m3_mma)
+    cfg = kernel_config(kernel, target, problem, e4m3_mma, overrides)
     constexprs = module.constexprs(problem, cfg, upcast=False, fast_decode=fast_decode, fp8_dot=e4m3_mma)
     signature = common_signature(_TRITON_DTYPES[problem.q_dtype], index_dtype, kv_kind(problem.cache_dtype))
     aligned = _pointers(signature) + ["pt_stride", "out_stride"]

@@ -30,10 +30,10 @@ from torch import Tensor
 
 from . import ops, selection, writer
 from .ops import describe_call
-from .problem import check_int, fail_argument
+from .problem import check_int, check_topk_budget
+from .selection import DEFAULT_LOGITS_WORKSPACE_BYTES
 
 NAMESPACE = "qsa_aiter"
-_DEFAULT_WORKSPACE = 128 << 20
 
 
 def _static(*tensors: Optional[Tensor]) -> bool:
@@ -146,11 +146,7 @@ def qsa_block_topk(logits: Tensor, visible: Tensor, block_topk: int, out: Tensor
 
 
 def _expand_width(compress_ratio, token_topk) -> int:
-    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op="qsa_expand_block_indices")
-    topk = check_int("token_topk", token_topk, minimum=1, op="qsa_expand_block_indices")
-    if topk % ratio:
-        fail_argument(ValueError, "token_topk", f"a multiple of compress_ratio ({ratio})", topk,
-                      "qsa_expand_block_indices")
+    ratio, topk = check_topk_budget("qsa_expand_block_indices", compress_ratio, token_topk)
     return topk + ratio - 1
 
 
@@ -219,18 +215,12 @@ def _select_width(q, compressed_k_cache, page_table, token_to_request, query_pos
                   compress_ratio, logits_workspace_bytes, max_seq_len, k_scale, phase, max_query_len) -> int:
     """Output width ``token_topk + R - 1`` of a selection call, validating it like the eager op where static."""
     op = "qsa_select_paged_tokens"
-    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
-    topk = check_int("token_topk", token_topk, minimum=1, op=op)
-    if topk % ratio:
-        fail_argument(ValueError, "token_topk", f"a multiple of compress_ratio ({ratio})", topk, op)
+    ratio, topk = check_topk_budget(op, compress_ratio, token_topk)
     check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
     if _static(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale):
-        problem = describe_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                                ratio, k_scale=k_scale, phase=phase, max_query_len=max_query_len)
-        if max_seq_len is not None:
-            if check_int("max_seq_len", max_seq_len, minimum=1, op=op) // ratio > problem.num_columns:
-                fail_argument(ValueError, "max_seq_len",
-                              f"at most the page table's {problem.num_columns * ratio} tokens", max_seq_len, op)
+        selection.selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions,
+                                    context_lens, ratio, max_seq_len, k_scale=k_scale, phase=phase,
+                                    max_query_len=max_query_len)
     return topk + ratio - 1
 
 
@@ -252,7 +242,7 @@ def _(q, compressed_k_cache, page_table, token_to_request, query_positions, cont
 
 def qsa_select_paged_tokens(q: Tensor, compressed_k_cache: Tensor, page_table: Tensor, token_to_request: Tensor,
                             query_positions: Tensor, context_lens: Tensor, token_topk: int, compress_ratio: int = 4,
-                            out: Tensor | None = None, logits_workspace_bytes: int = _DEFAULT_WORKSPACE,
+                            out: Tensor | None = None, logits_workspace_bytes: int = DEFAULT_LOGITS_WORKSPACE_BYTES,
                             max_seq_len: int | None = None, *, k_scale: Tensor | None = None,
                             phase: str | None = None, max_query_len: int | None = None) -> Tensor:
     """``qsa_aiter.qsa_select_paged_tokens`` through the custom op: int32 ``[tokens, token_topk + R - 1]``."""

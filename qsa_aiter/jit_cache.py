@@ -57,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from triton.compiler.compiler import ASTSource, CompiledKernel, make_backend
 from triton.runtime.cache import FileCacheManager
 
+from .kernels.common import interpreting
 from .log import log_once
 from .settings import QsaSettings, get_settings
 
@@ -736,10 +737,6 @@ def store_for(root: Path, arch: str, rebuild: bool = False) -> Store:
     return _stores[key]
 
 
-def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
-
-
 #: Modules Triton's launch-time argument specialiser imports at its first call in a process (Triton 3.6: the Gluon
 #: layout and descriptor types it checks arguments against; about 0.1 s of imports on the H200 machine).
 _TRITON_LAUNCH_IMPORTS = ("triton.experimental.gluon",)
@@ -756,10 +753,9 @@ def _import_triton_launch_modules() -> None:
 _import_triton_launch_modules()
 
 
-def _prime_triton_launch_path() -> None:
-    """Do Triton's once-per-process launch set-up now: its specialiser's imports and the GPU driver object (which
-    probes the platform; it needs the GPU, so it waits for ``load``)."""
-    _import_triton_launch_modules()
+def _triton_driver_ready() -> None:
+    """Create Triton's GPU driver object now (it probes the platform; the rest of Triton's first-launch set-up,
+    the specialiser's imports, was done at import)."""
     triton.runtime.driver.active.get_current_device()
 
 
@@ -769,9 +765,8 @@ def load(device: torch.device | int | None = None, settings: QsaSettings | None 
     its first scoring call pays neither (``benchmarks/first_call.py``). None where there is no cache: off the GPU,
     under the interpreter. A cache that cannot be opened is logged once and None is returned; a bad
     ``QSA_AITER_JIT_DIR`` raises ``ValueError``."""
-    if _interpreting() or not torch.cuda.is_available():
+    if interpreting() or not torch.cuda.is_available():
         return None
-    _prime_triton_launch_path()
     if device is None or isinstance(device, int):
         device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
     if device.type != "cuda":
@@ -781,6 +776,7 @@ def load(device: torch.device | int | None = None, settings: QsaSettings | None 
     key = (index, settings.jit_dir, settings.rebuild)
     if key in _device_stores:
         return _device_stores[key]
+    _triton_driver_ready()
     root = jit_root(settings)  # a bad QSA_AITER_JIT_DIR is the caller's error, raised
     store = None
     try:
@@ -806,7 +802,7 @@ def scope(device: torch.device, settings: QsaSettings | None = None):
     """Context manager around a launch of this library's kernels on ``device``: warmed variants load from the JIT
     cache, new ones are compiled into it and recorded. A no-op off the GPU, under the interpreter, inside another
     scope (the outer one's directory serves) and where the cache is read-only or unusable."""
-    if device.type != "cuda" or _ACTIVE.get() is not None or _interpreting():
+    if device.type != "cuda" or _ACTIVE.get() is not None or interpreting():
         return _NULL
     settings = settings or get_settings()
     index = device.index if device.index is not None else torch.cuda.current_device()

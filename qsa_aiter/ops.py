@@ -74,7 +74,8 @@ def qsa_paged_mqa_logits(
     if problem.num_tokens == 0:
         return logits, visible
     args = ScoreLaunch(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, logits,
-                       visible, problem.num_columns, problem.compress_ratio, 1.0 / divisor, k_scale, settings.fp8_mma)
+                       visible, problem.num_columns, problem.compress_ratio, 1.0 / divisor, k_scale, settings.fp8_mma,
+                       tuple(settings.tuned_config))
     registry.run(problem, args, settings)
     return logits, visible
 

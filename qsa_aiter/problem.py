@@ -231,6 +231,15 @@ def validate_scoring_call(
     return problem, divisor
 
 
+def check_topk_budget(op: str, compress_ratio, token_topk) -> tuple[int, int]:
+    """``(R, token_topk)`` of a selection or expansion call: integers >= 1, ``token_topk`` a multiple of ``R``."""
+    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
+    topk = check_int("token_topk", token_topk, minimum=1, op=op)
+    if topk % ratio:
+        fail_argument(ValueError, "token_topk", f"a multiple of compress_ratio ({ratio})", topk, op)
+    return ratio, topk
+
+
 def check_topk_args(op: str, logits, visible, block_topk) -> int:
     """Validate a block top-k call's inputs (fp32 ``logits [tokens, columns]``, last dim contiguous; int32
     ``visible [tokens]`` on its device; ``block_topk >= 1``) and return ``block_topk``."""

@@ -10,7 +10,6 @@ is marked broken for the problem's specialisation and the next candidate runs (`
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -224,13 +223,12 @@ def _tile_note(problem: ScoreProblem, chosen: str | None, settings: QsaSettings)
         return ""
     device = torch.device("cuda") if problem.device_type == "cuda" else torch.device("cpu")
     arch = tuned.device_arch(device)
-    row = tuned.lookup(arch, chosen, problem)
     e4m3 = chosen == "stacked" and e4m3_mma_serves(problem.q_dtype, problem.cache_dtype, device, settings.fp8_mma)
-    default = _TILE_MODULES[chosen].default_config(problem, e4m3)
+    cfg, row = tuned.resolve(chosen, problem, arch, _TILE_MODULES[chosen].default_config(problem, e4m3),
+                             tuple(settings.tuned_config))
     keys = f"\n  keys: {describe_key_reading(chosen, problem, e4m3, settings.fp8_mma)}"
     if row is None:
-        return f"\n  tile (arch {arch}): {chosen} defaults {default}" + keys
-    cfg = dataclasses.replace(default, **row.tile())
+        return f"\n  tile (arch {arch}): {chosen} defaults {cfg}" + keys
     return f"\n  tile (arch {arch}): tuned row rows={row.rows} context={row.context} ({row.source}): {cfg}" + keys
 
 

@@ -22,6 +22,7 @@ and logged once (``warning`` when the FlyDSL scorer was asked for, ``info`` othe
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -219,6 +220,12 @@ def run_flydsl(problem: ScoreProblem, args) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=8)
+def _takes_stable(fn) -> bool:
+    """Whether AITER's top-k ``fn`` has a ``stable=`` argument (its signature read once, not per call)."""
+    return "stable" in inspect.signature(fn).parameters
+
+
 def aiter_topk_reasons(logits: torch.Tensor) -> list[str]:
     """Why AITER's HIP top-k cannot rank ``logits`` (empty: it can)."""
     if logits.device.type != "cuda":
@@ -228,7 +235,7 @@ def aiter_topk_reasons(logits: torch.Tensor) -> list[str]:
     _, fn, why = _load(*AITER_TOPK)
     if why:
         return [why]
-    if "stable" not in inspect.signature(fn).parameters:
+    if not _takes_stable(fn):
         return [f"{'.'.join(AITER_TOPK)} has no stable= argument (an older aiter): equal scores would not select "
                 "the same groups in decode and verify"]
     return []

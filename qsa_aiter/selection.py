@@ -14,6 +14,7 @@ in a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -23,7 +24,7 @@ from .kernels import expand, topk
 from .kernels.common import triton_runs_on
 from .log import log_once
 from .ops import describe_call, qsa_paged_mqa_logits
-from .problem import check_index_out, check_int, check_tensor, check_topk_args, fail_argument
+from .problem import check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument
 from .settings import get_settings
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -171,10 +172,7 @@ def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch
             fail_argument(ValueError, name, f"length {tokens} like block_indices' rows", t.shape[0], op)
     check_tensor("context_lens", context_lens, ndim=1, dtypes=_INDEX_DTYPES, device=device, op=op,
                  like="block_indices")
-    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
-    token_topk = check_int("token_topk", token_topk, minimum=1, op=op)
-    if token_topk % ratio:
-        fail_argument(ValueError, "token_topk", f"a multiple of compress_ratio ({ratio})", token_topk, op)
+    ratio, token_topk = check_topk_budget(op, compress_ratio, token_topk)
     if block_indices.shape[1] * ratio > token_topk:
         fail_argument(ValueError, "block_indices", f"at most token_topk // R = {token_topk // ratio} groups per row",
                       block_indices.shape[1], op)
@@ -197,6 +195,26 @@ def _expand_into(block_indices, query_positions, context_lens, token_to_request,
 # ---------------------------------------------------------------------------------------------------------------
 
 
+#: ``qsa_select_paged_tokens``'s default bound on a chunk's fp32 logits.
+DEFAULT_LOGITS_WORKSPACE_BYTES = 128 << 20
+
+
+def selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, ratio: int,
+                      max_seq_len: int | None, *, k_scale=None, phase=None, max_query_len=None):
+    """The scoring problem of a ``qsa_select_paged_tokens`` call (its scoring arguments validated): its columns are
+    the page table's capacity, or ``max_seq_len // R``, which must not exceed it."""
+    problem = describe_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, ratio,
+                            k_scale=k_scale, phase=phase, max_query_len=max_query_len)
+    if max_seq_len is None:
+        return problem
+    op = "qsa_select_paged_tokens"
+    max_columns = check_int("max_seq_len", max_seq_len, minimum=1, op=op) // ratio
+    if max_columns > problem.num_columns:
+        fail_argument(ValueError, "max_seq_len", f"at most the page table's {problem.num_columns * ratio} tokens",
+                      max_seq_len, op)
+    return dataclasses.replace(problem, num_columns=max_columns)  # nothing else in it depends on the columns
+
+
 def qsa_select_paged_tokens(
     q: torch.Tensor,
     compressed_k_cache: torch.Tensor,
@@ -207,7 +225,7 @@ def qsa_select_paged_tokens(
     token_topk: int,
     compress_ratio: int = 4,
     out: torch.Tensor | None = None,
-    logits_workspace_bytes: int = 128 << 20,
+    logits_workspace_bytes: int = DEFAULT_LOGITS_WORKSPACE_BYTES,
     max_seq_len: int | None = None,
     *,
     k_scale: torch.Tensor | None = None,
@@ -224,20 +242,10 @@ def qsa_select_paged_tokens(
     validated (int32, that shape, q's device, last dim contiguous) before anything is written.
     """
     op = "qsa_select_paged_tokens"
-    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
-    token_topk = check_int("token_topk", token_topk, minimum=1, op=op)
-    if token_topk % ratio:
-        fail_argument(ValueError, "token_topk", f"a multiple of compress_ratio ({ratio})", token_topk, op)
+    ratio, token_topk = check_topk_budget(op, compress_ratio, token_topk)
     workspace = check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
-    scoring_args = (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, ratio)
-    scoring = dict(k_scale=k_scale, phase=phase, max_query_len=max_query_len)
-    problem = describe_call(*scoring_args, **scoring)  # validates the scoring arguments; columns = the capacity
-    if max_seq_len is not None:
-        max_columns = check_int("max_seq_len", max_seq_len, minimum=1, op=op) // ratio
-        if max_columns > problem.num_columns:
-            fail_argument(ValueError, "max_seq_len", f"at most the page table's {problem.num_columns * ratio} tokens",
-                          max_seq_len, op)
-        problem = describe_call(*scoring_args, max_columns=max_columns, **scoring)
+    problem = selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+                                ratio, max_seq_len, k_scale=k_scale, phase=phase, max_query_len=max_query_len)
     tokens, columns = problem.num_tokens, problem.num_columns
     out = check_index_out(op, out, (tokens, token_topk + ratio - 1), q.device, "q")
     if tokens == 0:

@@ -20,8 +20,6 @@ BOOL_WORDS = _TRUE + _FALSE
 #: Kernel names that ``QSA_AITER_BACKEND`` may force (besides ``auto``). Kept here, not imported from the registry,
 #: so that reading settings never imports Triton.
 BACKEND_NAMES = ("rowwise", "stacked", "tiled", "torch", "aiter", "flydsl")
-#: Second names a variable is also read under (alias -> the field's variable), e.g. the name vLLM uses.
-ENV_ALIASES = {"VLLM_ROCM_QSA_FLYDSL": "ROCM_QSA_FLYDSL"}
 
 
 def _parse_bool(value: object) -> object:
@@ -48,7 +46,7 @@ class QsaSettings(BaseSettings):
     rocm_qsa_flydsl: bool = Field(
         False,
         alias="ROCM_QSA_FLYDSL",
-        validation_alias=AliasChoices("ROCM_QSA_FLYDSL", "VLLM_ROCM_QSA_FLYDSL"),
+        validation_alias=AliasChoices("ROCM_QSA_FLYDSL", "VLLM_ROCM_QSA_FLYDSL"),  # the name vLLM uses
         description="1 lets the FlyDSL prefill scorer serve on gfx942/gfx950 where `flydsl` and its kernel import and "
         "the shape is served (docs/integration.md).",
     )
@@ -126,6 +124,10 @@ class QsaSettings(BaseSettings):
 
 
 ENV_NAMES = tuple(field.alias for field in QsaSettings.model_fields.values())
+#: Second names a variable is also read under (alias -> the field's variable), from the fields' validation aliases.
+ENV_ALIASES = {choice: field.alias for field in QsaSettings.model_fields.values()
+               if isinstance(field.validation_alias, AliasChoices)
+               for choice in field.validation_alias.choices if choice != field.alias}
 #: Every variable read: the fields' names and their aliases.
 ENV_VARIABLES = ENV_NAMES + tuple(ENV_ALIASES)
 

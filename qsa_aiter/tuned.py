@@ -73,7 +73,7 @@ class TunedRow(BaseModel):
         return value
 
     def key(self) -> tuple:
-        return (self.arch, self.kernel, self.kv_dtype, self.page_size, self.heads, self.head_dim)
+        return tuple(getattr(self, name) for name in KEY_FIELDS)
 
     def tile(self) -> dict[str, int]:
         """The config fields this row sets."""
@@ -86,6 +86,21 @@ def _config_classes() -> dict[str, type]:
     from .kernels import rowwise, stacked, tiled
 
     return {"rowwise": rowwise.RowwiseConfig, "stacked": stacked.StackedConfig, "tiled": tiled.TiledConfig}
+
+
+#: The exact key of a row, then its two buckets (a row replaces another with the same key and buckets).
+KEY_FIELDS = ("arch", "kernel", "kv_dtype", "page_size", "heads", "head_dim")
+BUCKET_FIELDS = ("rows", "context")
+
+
+def problem_key(arch: str, kernel: str, problem) -> tuple:
+    """``TunedRow.key()`` of the rows that serve ``problem`` on ``arch``."""
+    return (arch, kernel, problem.kv_dtype, problem.block_size, problem.num_heads, problem.head_dim)
+
+
+def buckets(problem) -> tuple[int, int]:
+    """``problem``'s (rows, context) buckets: query rows, and context capacity in tokens (columns x R)."""
+    return problem.num_tokens, problem.num_columns * problem.compress_ratio
 
 
 _TILE_FIELDS = ("block_rows", "block_m", "block_n", "d_chunk", "num_warps", "num_stages", "programs_per_sm",
@@ -133,6 +148,12 @@ def load_tables(extra: tuple[str, ...]) -> dict[tuple, list[TunedRow]]:
     return table
 
 
+def reload() -> None:
+    """Forget the tables read and the lookups made from them (after a table file was rewritten)."""
+    for memo in (load_tables, _lookup, resolve):
+        memo.cache_clear()
+
+
 def device_arch(device: torch.device) -> str:
     """``sm_XY`` for NVIDIA GPUs, the gfx name for AMD ones, ``cpu`` otherwise (the interpreter)."""
     if device.type != "cuda":
@@ -156,12 +177,10 @@ def lookup(arch: str, kernel: str, problem) -> TunedRow | None:
 @functools.lru_cache(maxsize=1024)
 def _lookup(arch: str, kernel: str, problem, extra: tuple[str, ...]) -> TunedRow | None:
     # Memoised per (arch, kernel, problem, files): a steady stream of calls pays one dictionary lookup.
-    rows = load_tables(extra).get(
-        (arch, kernel, problem.kv_dtype, problem.block_size, problem.num_heads, problem.head_dim))
+    rows = load_tables(extra).get(problem_key(arch, kernel, problem))
     if not rows:
         return None
-    want_rows = max(problem.num_tokens, 1)
-    want_context = max(problem.num_columns * problem.compress_ratio, 1)
+    want_rows, want_context = (max(b, 1) for b in buckets(problem))
 
     def distance(row: TunedRow) -> tuple[float, int, int]:
         d = abs(math.log2(row.rows / want_rows)) + abs(math.log2(row.context / want_context))
@@ -170,14 +189,25 @@ def _lookup(arch: str, kernel: str, problem, extra: tuple[str, ...]) -> TunedRow
     return min(rows, key=distance)
 
 
-def config_for(kernel: str, problem, device: torch.device, default):
-    """``default`` (the kernel's ``default_config``) with the tuned row's settings applied, if a row exists."""
-    arch = device_arch(device)
-    row = lookup(arch, kernel, problem)
+@functools.lru_cache(maxsize=1024)
+def resolve(kernel: str, problem, arch: str, default, extra: tuple[str, ...] = ()) -> tuple[object, TunedRow | None]:
+    """``(config, row)``: ``default`` (the kernel's ``default_config``) with the settings of ``problem``'s tuned row
+    on ``arch`` applied (tables: the shipped ones and ``extra`` files), and that row; ``(default, None)`` without
+    one. Memoised: a steady stream of launches pays one dictionary lookup."""
+    row = _lookup(arch, kernel, problem, extra)
+    return (default, None) if row is None else (dataclasses.replace(default, **row.tile()), row)
+
+
+def config_for(kernel: str, problem, device: torch.device, default, *, arch: str | None = None,
+               extra: tuple[str, ...] | None = None):
+    """``resolve``'s config for a launch on ``device`` (or as on ``arch``), with the tuned files ``extra`` (default:
+    ``QSA_AITER_TUNED_CONFIG`` read now); a shape with no row is logged once."""
+    arch = arch or device_arch(device)
+    extra = tuple(get_settings().tuned_config) if extra is None else extra
+    cfg, row = resolve(kernel, problem, arch, default, extra)
     if row is None:
         log_once(logging.INFO, ("untuned", arch, kernel, problem.kv_dtype, problem.block_size, problem.num_heads,
                                 problem.head_dim),
                  f"no tuned {kernel} config for arch={arch} kv={problem.kv_dtype} page={problem.block_size} "
                  f"heads={problem.num_heads} head_dim={problem.head_dim}: using the kernel's defaults")
-        return default
-    return dataclasses.replace(default, **row.tile())
+    return cfg

@@ -233,9 +233,8 @@ def tuned_row(result: SweepResult, arch: str) -> dict:
 
     us, cfg = result.best
     problem, sweep = result.problem, result.sweep
-    row = dict(arch=arch, kernel=sweep.kernel, kv_dtype=problem.kv_dtype, page_size=problem.block_size,
-               heads=problem.num_heads, head_dim=problem.head_dim, rows=problem.num_tokens,
-               context=problem.num_columns * problem.compress_ratio, us=f"{us:.2f}",
+    row = dict(zip(tuned.KEY_FIELDS + tuned.BUCKET_FIELDS,
+                   tuned.problem_key(arch, sweep.kernel, problem) + tuned.buckets(problem)), us=f"{us:.2f}",
                default_us=f"{result.default_us:.2f}" if result.default_us else "", measured=1,
                source=f"python -m qsa_aiter tune at {sweep.point} ({sweep.phase})", **dataclasses.asdict(cfg))
     return {k: v for k, v in row.items() if k in tuned.TunedRow.model_fields}
@@ -253,8 +252,7 @@ def merge_rows(path: Path, rows: list[dict]) -> None:
             existing = [{k: v for k, v in r.items() if k in fields} for r in csv.DictReader(handle)]
 
     def key(r: dict) -> tuple:
-        return tuple(str(r.get(k, "")) for k in ("arch", "kernel", "kv_dtype", "page_size", "heads", "head_dim",
-                                                  "rows", "context"))
+        return tuple(str(r.get(k, "")) for k in tuned.KEY_FIELDS + tuned.BUCKET_FIELDS)
 
     replaced = {key(r): r for r in rows}
     out = [replaced.pop(key(r), r) for r in existing] + list(replaced.values())
@@ -265,7 +263,7 @@ def merge_rows(path: Path, rows: list[dict]) -> None:
         for r in out:
             writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
     os.replace(tmp, path)
-    tuned.load_tables.cache_clear()
+    tuned.reload()
 
 
 def _parse_grid(items: list[str]) -> dict[str, tuple[int, ...]]:

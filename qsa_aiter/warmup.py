@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 
 from . import jit_cache, registry, tuned
-from .aot import TARGETS
+from .aot import TARGETS, target_capability
 from .cache_formats import allocate_index_cache, cache_kind
 from .kernels.common import ScoreLaunch, interpreting
-from .kernels.dequant import KV_16BIT, fp8_dot, kernel_view, kv_kind
+from .kernels.dequant import KV_16BIT, fast_decode_at, fp8_dot, fp8_tensor_cores_at, kernel_view, kv_kind
 from .ops import describe_call
 from .problem import PHASES
 from .settings import QsaSettings, get_settings
@@ -136,6 +136,11 @@ class _TargetLaunch(ScoreLaunch):
     for AMD), for building without that GPU: ``dequant.fast_decode`` needs 9.0, e4m3 tensor cores 8.9."""
 
     capability: tuple[int, int] = (0, 0)
+    target_arch: str = ""
+
+    @property
+    def arch(self) -> str:
+        return self.target_arch
 
     @property
     def upcast(self) -> bool:
@@ -143,17 +148,11 @@ class _TargetLaunch(ScoreLaunch):
 
     @property
     def fast_decode(self) -> bool:
-        return kv_kind(self.k_cache.dtype) != KV_16BIT and self.capability >= (9, 0)
+        return kv_kind(self.k_cache.dtype) != KV_16BIT and fast_decode_at(self.capability)
 
     @property
     def fp8_dot(self) -> bool:
-        return fp8_dot(self.q.dtype, self.k_cache.dtype, self.fp8_mma and self.capability >= (8, 9))
-
-
-def _capability(arch: str) -> tuple[int, int]:
-    """NVIDIA compute capability of ``sm_XY``; (0, 0) for any other arch."""
-    digits = arch.removeprefix("sm_")
-    return (int(digits[:-1]), int(digits[-1])) if arch.startswith("sm_") and digits.isdigit() else (0, 0)
+        return fp8_dot(self.q.dtype, self.k_cache.dtype, self.fp8_mma and fp8_tensor_cores_at(self.capability))
 
 
 def _cache(name: str, pages: int, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -189,7 +188,7 @@ def _scorer_launch(kernel: str, cache_name: str, page_size: int, index_dtype: to
     logits = torch.empty((q.shape[0], problem.num_columns), dtype=torch.float32, device=device)
     visible = torch.empty((q.shape[0],), dtype=torch.int32, device=device)
     args = launch_cls(q, cache, table, t2r, pos, contexts, logits, visible, problem.num_columns, ratio,
-                      1.0 / math.sqrt(head_dim), k_scale, settings.fp8_mma, **extra)
+                      1.0 / math.sqrt(head_dim), k_scale, settings.fp8_mma, tuple(settings.tuned_config), **extra)
     _module(kernel).launch(work, args)
     return True
 
@@ -202,8 +201,7 @@ def _writer_launch(cache_name: str, page_size: int, index_dtype: torch.dtype, de
     cache, k_scale = _cache(cache_name, pages, page_size, device)
     keys = torch.zeros(tokens, MODEL["head_dim"], dtype=CACHES[cache_name][0], device=device)
     slots = torch.arange(tokens, dtype=index_dtype, device=device)
-    kind = cache_kind(cache)
-    name = kind if kind != "fp8" else ("fp8_e4m3fnuz" if cache.dtype == torch.float8_e4m3fnuz else "fp8_e4m3fn")
+    name = cache_writer.kind_of(cache, cache_kind(cache))
     cache_writer.launch(keys, slots, kernel_view(cache), kernel_view(k_scale), name, MODEL["head_dim"],
                         pages * page_size)
 
@@ -282,18 +280,6 @@ def _thunks(matrix: Matrix, arch: str, device, launch_cls, extra: dict, settings
 
 
 @contextlib.contextmanager
-def _tuned_as(arch: str):
-    """Tile configs looked up as on a device of ``arch`` (``tuned.config_for`` asks ``tuned.device_arch``), while
-    the launches of a named arch are built on the CPU."""
-    original = tuned.device_arch
-    tuned.device_arch = lambda _device: arch
-    try:
-        yield
-    finally:
-        tuned.device_arch = original
-
-
-@contextlib.contextmanager
 def _capturing():
     """Collect the launches of this library's kernels instead of running them: a launcher's ``fn[grid](...)`` calls
     ``fn.run``, which an instance attribute overrides for as long as this lasts (on every thread)."""
@@ -319,15 +305,15 @@ def launches(matrix: Matrix, arch: str, device: torch.device, settings: QsaSetti
     the launches a GPU of ``arch`` would make: its tuned rows, decoders and tensor-core choices)."""
     settings = settings or get_settings()
     named = device.type != "cuda"
-    launch_cls, extra = (_TargetLaunch, {"capability": _capability(arch)}) if named else (ScoreLaunch, {})
+    launch_cls, extra = ((_TargetLaunch, {"capability": target_capability(arch), "target_arch": arch}) if named
+                         else (ScoreLaunch, {}))
     result = []
-    with _tuned_as(arch) if named else contextlib.nullcontext():
-        for label, call in _thunks(matrix, arch, device, launch_cls, extra, settings):
-            with _capturing() as captured:
-                call()
-            for fn, grid, args, kwargs in captured:
-                kernel = fn.fn.__module__.rsplit(".", 1)[-1]
-                result.append(Launch(kernel, fn, tuple(grid) if not callable(grid) else grid, args, kwargs, label))
+    for label, call in _thunks(matrix, arch, device, launch_cls, extra, settings):
+        with _capturing() as captured:
+            call()
+        for fn, grid, args, kwargs in captured:
+            kernel = fn.fn.__module__.rsplit(".", 1)[-1]
+            result.append(Launch(kernel, fn, tuple(grid) if not callable(grid) else grid, args, kwargs, label))
     return result
 
 

@@ -84,7 +84,7 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     from . import jit_cache
     from .kernels import cache_writer
 
-    name = kind if kind != "fp8" else ("fp8_e4m3fnuz" if cache.dtype == torch.float8_e4m3fnuz else "fp8_e4m3fn")
+    name = cache_writer.kind_of(cache, kind)
     with jit_cache.scope(keys.device):  # compiled once into the JIT cache (docs/jit_and_configs.md)
         cache_writer.launch(keys, slot_mapping, kernel_view(cache), kernel_view(k_scale), name, head_dim,
                             pages * page_size)

@@ -35,6 +35,22 @@ POISON = float("nan")
 FP8_MMA_TOL = 1e-3
 
 
+def capture_graph(call, warmups: int = 1):
+    """``call()`` run ``warmups`` times on a side stream (compiling outside the capture), then captured once in a
+    CUDA graph: ``(graph, what the captured call returned)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = call()
+    return graph, result
+
+
 def force_backend(monkeypatch, name: str) -> None:
     """Force ``name`` for every phase (``auto`` leaves the choice to the registry)."""
     if name == "auto":

@@ -29,6 +29,16 @@ VARIANTS = {
                               "block_size": 16}, "i32"),
     "fp4": ({"cache_dtype": "float4_e2m1fn_x2", "kv_dtype": "fp4"}, "i32"),
 }
+#: variant -> (problem overrides, index dtype, targets). With VARIANTS, every cache format is built at both page
+#: sizes for every target. Page 16 is the engine's 64-token KV block (and the FlyDSL scorer's shape); bf16 queries
+#: over an e4m3fnuz cache are gfx942's fp8 configuration. Each build costs seconds on a CI CPU, so the fnuz one is
+#: built for gfx942 only.
+MATRIX_VARIANTS = {
+    "bf16-page16": ({"block_size": 16}, "i32", list(TARGETS)),
+    "fp8-page16": ({"cache_dtype": "float8_e4m3fn", "kv_dtype": "fp8", "block_size": 16}, "i32", list(TARGETS)),
+    "fp4-page16": ({"cache_dtype": "float4_e2m1fn_x2", "kv_dtype": "fp4", "block_size": 16}, "i32", list(TARGETS)),
+    "fp8-fnuz-bf16": ({"cache_dtype": "float8_e4m3fnuz", "kv_dtype": "fp8"}, "i32", ["gfx942"]),
+}
 # A constant only each PTX decoder's text holds: its 16-bit multiplier (fp8) or its e2m1 high-byte table (fp4).
 # The tensor-core kernels decode to q's dtype; the row-wise one to bf16, then fp32.
 DECODER_MARKS = {"fp8": "0x7B807B80", "fp8-fnuz-fp16-page16": "0x58005800", "fp4": "0x3F3F3F00"}
@@ -57,13 +67,13 @@ for kernel, target, variant in decoded:
     text = compile_kernel(kernel, target, example_problem(**overrides), e4m3_mma=False).asm["ptx"]
     results[f"{variant}-decoded/{kernel}/{target}"] = {
         "decoder_marks": [m for m in marks if m in text], "e4m3_mma": ".e4m3.e4m3" in text}
-for variant, (overrides, index_dtype) in variants.items():
+for variant, (overrides, index_dtype, targets) in json.loads(sys.argv[4]).items():
     for key in ("q_dtype", "cache_dtype"):
         if key in overrides:
             overrides[key] = getattr(torch, overrides[key])
     problem = example_problem(**overrides)
     for kernel in KERNEL_MODULES:
-        for target in TARGETS:
+        for target in targets:
             name = f"{variant}/{kernel}/{target}"
             try:
                 asm = compile_kernel(kernel, target, problem, index_dtype).asm
@@ -94,10 +104,15 @@ print("AOT-RESULTS " + json.dumps(results))
 
 @pytest.fixture(scope="module")
 def compiled():
+    """Every build of this module (``VARIANTS`` for every target, ``MATRIX_VARIANTS`` for theirs, the decoding
+    builds and the selection kernels), compiled in one child process."""
+    builds = {v: (overrides, index_dtype, list(TARGETS)) for v, (overrides, index_dtype) in VARIANTS.items()}
+    builds.update(MATRIX_VARIANTS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(VARIANTS), json.dumps(ALL_MARKS),
-                           json.dumps(DECODED_BUILDS)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           json.dumps(DECODED_BUILDS), json.dumps(builds)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1800)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("AOT-RESULTS ")]
     assert proc.returncode == 0 and lines, f"compile process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(lines[-1].removeprefix("AOT-RESULTS "))
@@ -190,62 +205,14 @@ def test_compile_in_an_interpreted_process_says_why_not():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Two more specialisations with bf16 queries (the others differ from the builds above only in constexprs covered there)
+# More specialisations with bf16 queries (MATRIX_VARIANTS; the others differ from the builds above only in constexprs
+# covered there)
 # ---------------------------------------------------------------------------------------------------------------
-
-#: variant -> (problem overrides, index dtype, targets). With VARIANTS above, every cache format is built at both page
-#: sizes for every target. Page 16 is the engine's 64-token KV block (and the FlyDSL scorer's shape); bf16 queries
-#: over an e4m3fnuz cache are gfx942's fp8 configuration. Each build costs seconds on a CI CPU, so the fnuz one is
-#: built for gfx942 only.
-MATRIX_VARIANTS = {
-    "bf16-page16": ({"block_size": 16}, "i32", list(TARGETS)),
-    "fp8-page16": ({"cache_dtype": "float8_e4m3fn", "kv_dtype": "fp8", "block_size": 16}, "i32", list(TARGETS)),
-    "fp4-page16": ({"cache_dtype": "float4_e2m1fn_x2", "kv_dtype": "fp4", "block_size": 16}, "i32", list(TARGETS)),
-    "fp8-fnuz-bf16": ({"cache_dtype": "float8_e4m3fnuz", "kv_dtype": "fp8"}, "i32", ["gfx942"]),
-}
-
-_MATRIX_CHILD = r"""
-import json, sys
-import torch
-from qsa_aiter.aot import KERNEL_MODULES, compile_kernel, example_problem
-
-results = {}
-for variant, (overrides, index_dtype, targets) in json.loads(sys.argv[1]).items():
-    for key in ("q_dtype", "cache_dtype"):
-        if key in overrides:
-            overrides[key] = getattr(torch, overrides[key])
-    problem = example_problem(**overrides)
-    for kernel in KERNEL_MODULES:
-        for target in targets:
-            try:
-                asm = compile_kernel(kernel, target, problem, index_dtype).asm
-            except Exception as err:
-                results[f"{variant}/{kernel}/{target}"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
-                continue
-            text = asm.get("ptx") or asm.get("amdgcn") or ""
-            results[f"{variant}/{kernel}/{target}"] = {
-                "binary_bytes": len(asm.get("cubin") or asm.get("hsaco") or b""),
-                "mma": "mma" in text, "mfma": "mfma" in text,
-            }
-print("AOT-RESULTS " + json.dumps(results))
-"""
-
-
-@pytest.fixture(scope="module")
-def compiled_matrix():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-c", _MATRIX_CHILD, json.dumps(MATRIX_VARIANTS)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("AOT-RESULTS ")]
-    assert proc.returncode == 0 and lines, f"compile process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1].removeprefix("AOT-RESULTS "))
-
 
 @pytest.mark.parametrize("kernel,target,variant", [(k, t, v) for v, (_, _, targets) in MATRIX_VARIANTS.items()
                                                    for k in KERNEL_MODULES for t in targets])
-def test_matrix_variant_compiles_and_uses_matrix_cores(compiled_matrix, kernel, target, variant):
-    result = build(compiled_matrix, kernel, target, variant)
+def test_matrix_variant_compiles_and_uses_matrix_cores(compiled, kernel, target, variant):
+    result = build(compiled, kernel, target, variant)
     assert result["binary_bytes"] > 0
     cores = "mma" if target.startswith("sm_") else "mfma"
     if kernel in TENSOR_CORE_KERNELS:

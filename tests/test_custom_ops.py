@@ -16,7 +16,7 @@ from qsa_aiter import custom_ops
 from qsa_aiter.cache_formats import allocate_index_cache
 from qsa_aiter.workloads import make_batch
 
-from helpers import assert_matches_reference, visible_mask
+from helpers import assert_matches_reference, capture_graph, visible_mask
 
 ON_GPU = torch.cuda.is_available()
 R = 4
@@ -250,11 +250,7 @@ def test_custom_ops_are_captured_in_a_cuda_graph_and_replayed(cache):
                                            **extra)
         return vis
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        visible = step()
+    graph, visible = capture_graph(step)
     for replay in range(3):
         q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
         keys.copy_(torch.randn(keys.shape, generator=gen).to(keys.dtype))

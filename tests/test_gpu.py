@@ -23,8 +23,8 @@ from qsa_aiter.reference import reference_paged_mqa_logits, visible_groups
 from qsa_aiter.workloads import ScoringBatch, make_batch
 
 from helpers import (
-    FP8_MMA_TOL, KERNELS, PREFERRED, assert_matches_reference, force_backend, magnitude_args, poisoned_out,
-    run_poisoned, skip_unless_serves, uses_fp8_mma, visible_bits,
+    FP8_MMA_TOL, KERNELS, PREFERRED, assert_matches_reference, capture_graph, force_backend, magnitude_args,
+    poisoned_out, run_poisoned, skip_unless_serves, uses_fp8_mma, visible_bits,
 )
 
 pytestmark = [
@@ -360,16 +360,7 @@ def test_cuda_graph_replay_equals_eager(monkeypatch, phase, backend):
         return qsa_aiter.qsa_paged_mqa_logits(q, cache, table, t2r, pos, ctx, 4, None, None, row_starts, out=out,
                                               **hints)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compiles) outside the capture
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_logits, graph_visible = call()
+    graph, (graph_logits, graph_visible) = capture_graph(call, warmups=2)
     assert graph_logits is out
 
     def eager_now():

@@ -18,7 +18,7 @@ from qsa_aiter.integrations import atom
 from qsa_aiter.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.workloads import make_batch
 
-from helpers import assert_matches_reference
+from helpers import assert_matches_reference, capture_graph
 
 R = 4
 
@@ -256,11 +256,7 @@ def test_engine_decode_graph_is_captured_once_and_replayed(installed):
     q, cache, table, t2r, pos, ctx = batch.args()[:6]
     call = lambda: consumer.qsa_select_paged_tokens(q, cache, table, t2r, pos, ctx, 2048, R,  # noqa: E731
                                                     max_seq_len=20000)
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
+    graph, captured = capture_graph(call)
     for step in range(3):
         q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
         lens = torch.randint(100, 20001, (6,), generator=gen)

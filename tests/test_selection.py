@@ -17,7 +17,7 @@ from qsa_aiter.reference import reference_block_topk, reference_expand_block_ind
 from qsa_aiter.selection import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.workloads import make_batch
 
-from helpers import force_backend
+from helpers import capture_graph, force_backend
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -207,11 +207,7 @@ def test_select_is_captured_once_and_replayed_with_new_inputs():
     call = lambda: qsa_aiter.qsa_select_paged_tokens(q, cache, table, t2r, pos, ctx, 2048, R, out=out,  # noqa: E731
                                                      max_seq_len=40000, k_scale=batch.k_scale, phase="verify",
                                                      max_query_len=4)
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, _ = capture_graph(call)
     for step in range(3):
         q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
         lens = torch.randint(2000, 40001, (8,), generator=gen)

@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import custom_ops
-from ..problem import check_int, check_tensor, fail_argument
+from ..problem import check_int, check_tensor, check_topk_budget, fail_argument
+from ..selection import DEFAULT_LOGITS_WORKSPACE_BYTES
 
 ENGINE_MODULE = "atom.model_ops.qwen4_exp.ops.qsa"
 #: Engine modules that bind the ops at import time (``from ...ops.qsa import ...``).
 ENGINE_CONSUMERS = ("atom.model_ops.qwen4_exp.qsa_attention",)
 OPS = ("qsa_paged_mqa_logits", "qsa_select_paged_tokens", "qsa_expand_block_indices")
-DEFAULT_LOGITS_WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 def _capacity(op: str, compressed_k_cache, page_table) -> int:
@@ -112,10 +112,7 @@ def qsa_select_paged_tokens(q: torch.Tensor, compressed_k_cache: torch.Tensor, p
     Other arguments as ``qsa_aiter.qsa_select_paged_tokens``.
     """
     op = "qsa_select_paged_tokens"
-    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
-    topk = check_int("token_topk", token_topk, minimum=1, op=op)
-    if topk % ratio:
-        fail_argument(ValueError, "token_topk", f"a multiple of compress_ratio ({ratio})", topk, op)
+    ratio, topk = check_topk_budget(op, compress_ratio, token_topk)
     if max_seq_len is not None:
         max_seq_len = check_int("max_seq_len", max_seq_len, minimum=1, op=op)
     check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), op=op)

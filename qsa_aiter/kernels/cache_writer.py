@@ -108,6 +108,13 @@ def _write_index_cache_kernel(
 _FP8_DTYPES = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3fnuz": torch.float8_e4m3fnuz}
 
 
+def kind_of(cache: torch.Tensor, kind: str) -> str:
+    """The ``KIND_CODES`` key of ``cache``, whose ``cache_formats.cache_kind`` is ``kind`` (fp8 split by dtype)."""
+    if kind != "fp8":
+        return kind
+    return "fp8_e4m3fnuz" if cache.dtype == torch.float8_e4m3fnuz else "fp8_e4m3fn"
+
+
 def constexprs(kind: str, head_dim: int) -> dict:
     """The kernel's specialisation for a cache ``kind`` (a ``KIND_CODES`` key) and ``head_dim``."""
     fp8_max = float(torch.finfo(_FP8_DTYPES[kind]).max) if kind in _FP8_DTYPES else 1.0

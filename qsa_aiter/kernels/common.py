@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import tuned
+
 from .dequant import (
     KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, e4m3_row_scale, fast_decode, fp4_block_order, fp4_e4m3_block, fp8_dot,
     fp8_tensor_cores, kernel_view, kv_kind, load_fp4_key_tile, load_key_tile, key_slots, split_e4m3, split_query_e4m3,
@@ -90,6 +92,16 @@ class ScoreLaunch:
     scale: float  # 1 / score_divisor
     k_scale: torch.Tensor | None = None
     fp8_mma: bool = True  # QSA_AITER_FP8_MMA: e4m3 tensor cores may score e4m3fn and MXFP4 caches (``fp8_dot``)
+    tuned_config: tuple[str, ...] | None = None  # QSA_AITER_TUNED_CONFIG as read with the call's settings (None: now)
+
+    @property
+    def arch(self) -> str:
+        """The arch whose tuned rows the launch uses (``tuned.device_arch`` of q's device)."""
+        return tuned.device_arch(self.q.device)
+
+    def tile(self, kernel: str, problem, default):
+        """The kernel's tile for ``problem``: ``default`` with this arch's tuned row applied (``tuned.config_for``)."""
+        return tuned.config_for(kernel, problem, self.q.device, default, arch=self.arch, extra=self.tuned_config)
 
     @property
     def fast_decode(self) -> bool:
@@ -321,6 +333,16 @@ def fp8_keys_major_dots(keys, q_hi, q_lo, q_factor):
 
 
 @triton.jit
+def ahead_slots(pt_row_ptr, tile, n_tiles, valid, num_pages, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                SCALAR_PAGES: tl.constexpr):
+    """``key_tile_slots`` of a tile loaded ahead of the loop that uses it, which may be past the request's last tile
+    (``n_tiles >= 1``): the last tile's slots, with nothing to read."""
+    slot, ok = key_tile_slots(pt_row_ptr, tl.minimum(tile, n_tiles - 1), valid, num_pages, BLOCK_N, PAGE_SIZE,
+                              SCALAR_PAGES)
+    return slot, ok & (tile < n_tiles)
+
+
+@triton.jit
 def fp4_tile_exponents(ks_ptr, pt_row_ptr, tile, n_tiles, valid, num_pages, BLOCK_N: tl.constexpr,
                        PAGE_SIZE: tl.constexpr, NB: tl.constexpr, SCALAR_PAGES: tl.constexpr,
                        SCALE_WORDS: tl.constexpr):
@@ -330,9 +352,7 @@ def fp4_tile_exponents(ks_ptr, pt_row_ptr, tile, n_tiles, valid, num_pages, BLOC
     tensor aligned to NB bytes), else ``[BLOCK_N, NB]`` bytes. Zeros where a column is not read. The tile loops load
     a tile's exponents one iteration ahead: the key bytes are staged ahead by the compiler's pipelining because they
     feed the MMA, the exponents are not."""
-    slot, ok = key_tile_slots(pt_row_ptr, tl.minimum(tile, n_tiles - 1), valid, num_pages, BLOCK_N, PAGE_SIZE,
-                              SCALAR_PAGES)
-    ok = ok & (tile < n_tiles)
+    slot, ok = ahead_slots(pt_row_ptr, tile, n_tiles, valid, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
     if SCALE_WORDS:
         if NB == 8:
             exps = tl.load(ks_ptr.to(tl.pointer_type(tl.uint64)) + slot, mask=ok, other=0)
@@ -355,9 +375,8 @@ def fp8_tile_scales(ks_ptr, pt_row_ptr, tile, n_tiles, valid, num_pages, scale, 
     past ``n_tiles``, ``n_tiles >= 1``). The tile loops load them one iteration ahead: the key bytes feed the MMA and
     are staged ahead by the compiler's pipelining, these are not, and a plain load issued in the iteration that uses
     it leaves its whole memory latency exposed (on the H200 it was most of the fp8 kernel's stalls)."""
-    slot, ok = key_tile_slots(pt_row_ptr, tl.minimum(tile, n_tiles - 1), valid, num_pages, BLOCK_N, PAGE_SIZE,
-                              SCALAR_PAGES)
-    return tl.load(ks_ptr + slot, mask=ok & (tile < n_tiles), other=0.0) * scale
+    slot, ok = ahead_slots(pt_row_ptr, tile, n_tiles, valid, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
+    return tl.load(ks_ptr + slot, mask=ok, other=0.0) * scale
 
 
 @triton.jit

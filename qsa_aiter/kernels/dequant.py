@@ -74,14 +74,24 @@ def dot_dtype(problem, upcast: bool, fp8_dot: bool = False):
 
 
 def fast_decode(device: torch.device) -> bool:
-    """Whether the PTX decoders serve ``device``: an NVIDIA GPU of compute capability 9.0 or newer (they use
-    ``max.u16x2``). Callers also rule out the interpreter."""
-    return _nvidia_capability(device) >= (9, 0)
+    """Whether the PTX decoders serve ``device`` (``fast_decode_at``). Callers also rule out the interpreter."""
+    return fast_decode_at(_nvidia_capability(device))
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:
-    """Whether ``device`` has fp8 (e4m3) tensor-core MMAs: an NVIDIA GPU of compute capability 8.9 or newer."""
-    return _nvidia_capability(device) >= (8, 9)
+    """Whether ``device`` has fp8 (e4m3) tensor-core MMAs (``fp8_tensor_cores_at``)."""
+    return fp8_tensor_cores_at(_nvidia_capability(device))
+
+
+def fast_decode_at(capability: tuple[int, int]) -> bool:
+    """The PTX decoders need an NVIDIA GPU of compute capability 9.0 or newer (they use ``max.u16x2``);
+    ``capability`` is ``(0, 0)`` for anything else."""
+    return capability >= (9, 0)
+
+
+def fp8_tensor_cores_at(capability: tuple[int, int]) -> bool:
+    """fp8 (e4m3) tensor-core MMAs need an NVIDIA GPU of compute capability 8.9 or newer (``(0, 0)``: none)."""
+    return capability >= (8, 9)
 
 
 def _nvidia_capability(device: torch.device) -> tuple[int, int]:

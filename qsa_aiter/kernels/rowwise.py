@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from .common import DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, row_visibility, target_programs
-from .. import tuned
 from .dequant import KV_16BIT, KV_FP4, fp4_pairs, fp8_keys, key_slots, kv_kind
 
 
@@ -112,7 +111,7 @@ def constexprs(problem, cfg: RowwiseConfig, upcast: bool, fast_decode: bool = Fa
 
 
 def launch(problem, args: ScoreLaunch, cfg: RowwiseConfig | None = None) -> None:
-    cfg = cfg or tuned.config_for("rowwise", problem, args.q.device, default_config(problem))
+    cfg = cfg or args.tile("rowwise", problem, default_config(problem))
     target = target_programs(args.q.device, cfg.programs_per_sm)
     cols = column_programs(problem.num_tokens, problem.num_columns, cfg.block_n, target)
     _rowwise_scorer_kernel[(problem.num_tokens, cols)](

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .. import tuned
 from .dequant import KV_16BIT, KV_FP4, dot_dtype, fp8_dot, key_values, kv_kind
 from .common import (
     DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, fp4_keys_major_dots, fp4_tile_exponents,
@@ -176,13 +175,13 @@ def constexprs(problem, cfg: StackedConfig, upcast: bool, fast_decode: bool = Fa
 
 def grid(problem, cfg: StackedConfig, target: int) -> tuple[int, int]:
     blocks = cdiv(problem.num_tokens, cfg.block_rows)
-    if cfg.column_programs:
-        return blocks, max(1, min(cfg.column_programs, cdiv(max(problem.num_columns, 1), cfg.block_n)))
+    if cfg.column_programs:  # fixed per row block (at most the column tiles)
+        return blocks, column_programs(1, problem.num_columns, cfg.block_n, cfg.column_programs)
     return blocks, column_programs(blocks, problem.num_columns, cfg.block_n, target)
 
 
 def launch(problem, args: ScoreLaunch, cfg: StackedConfig | None = None) -> None:
-    cfg = cfg or tuned.config_for("stacked", problem, args.q.device, default_config(problem, args.fp8_dot))
+    cfg = cfg or args.tile("stacked", problem, default_config(problem, args.fp8_dot))
     _stacked_scorer_kernel[grid(problem, cfg, target_programs(args.q.device, cfg.programs_per_sm))](
         *args.common_args(), **constexprs(problem, cfg, args.upcast, args.fast_decode, args.fp8_dot, args.scale_words),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .. import tuned
 from .dequant import KV_16BIT, dot_dtype, kv_kind
 from .common import (
     DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, is_pow2, load_keys, load_q_tile, pair_dot, row_visibility,
@@ -140,7 +139,7 @@ def grid(problem, cfg: TiledConfig, target: int) -> tuple[int, int]:
 
 
 def launch(problem, args: ScoreLaunch, cfg: TiledConfig | None = None) -> None:
-    cfg = cfg or tuned.config_for("tiled", problem, args.q.device, default_config(problem))
+    cfg = cfg or args.tile("tiled", problem, default_config(problem))
     _tiled_prefill_kernel[grid(problem, cfg, target_programs(args.q.device, cfg.programs_per_sm))](
         *args.common_args(), **constexprs(problem, cfg, args.upcast, args.fast_decode, args.fp8_dot),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
