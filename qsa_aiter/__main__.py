@@ -31,6 +31,16 @@ def _context(text: str) -> tuple[int, int]:
     raise argparse.ArgumentTypeError(f"expected a context such as 64K or a range such as 64K-128K; got {text!r}")
 
 
+def _cache_dir(text: str):
+    """``--jit-dir``: a directory, or a path where one can be made (as ``QSA_AITER_JIT_DIR`` is checked)."""
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is not a directory")
+    return path
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -98,17 +108,17 @@ def _build_parser() -> argparse.ArgumentParser:
     wu.add_argument("--index-dtypes", type=_choices(tuple(INDEX_DTYPES)), default=tuple(INDEX_DTYPES),
                     help="dtypes of the index tensors (page table, positions, slot mapping ...), one per call, "
                          "comma-separated (default: int32,int64)")
-    wu.add_argument("--jit-dir", default=None, help="cache directory (default: QSA_AITER_JIT_DIR, else jit/ of a "
+    wu.add_argument("--jit-dir", type=_cache_dir, default=None, help="cache directory (default: QSA_AITER_JIT_DIR, else jit/ of a "
                                                    "source checkout, else ~/.cache/qsa_aiter/jit)")
     wu.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     jit = sub.add_parser("jit", help="list or clear the JIT cache")
     jit_sub = jit.add_subparsers(dest="jit_command", required=True, metavar="{list,clear}")
     ls = jit_sub.add_parser("list", help="every cached variant: kernel, specialisation, compile time, date, status")
-    ls.add_argument("--jit-dir", default=None, help="cache directory (default as for warmup)")
+    ls.add_argument("--jit-dir", type=_cache_dir, default=None, help="cache directory (default as for warmup)")
     ls.add_argument("--no-verify", action="store_true", help="do not check the files' hashes")
     cl = jit_sub.add_parser("clear", help="remove the cached kernels (all, or one arch's)")
-    cl.add_argument("--jit-dir", default=None, help="cache directory (default as for warmup)")
+    cl.add_argument("--jit-dir", type=_cache_dir, default=None, help="cache directory (default as for warmup)")
     cl.add_argument("--arch", default=None, help="only this arch's directory (e.g. sm_90)")
     return parser
 
@@ -134,11 +144,9 @@ def _positive_list(text: str) -> tuple[int, ...]:
 
 
 def _jit_root(opts: argparse.Namespace):
-    from pathlib import Path
-
     from .jit_cache import jit_root
 
-    return Path(opts.jit_dir).expanduser() if opts.jit_dir else jit_root()
+    return opts.jit_dir or jit_root()
 
 
 def _warmup(opts: argparse.Namespace) -> int:

@@ -676,6 +676,17 @@ def test_jit_list_uses_the_jit_dir_variable(monkeypatch, tmp_path, capsys):
     assert f"JIT cache: {tmp_path}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", (["jit", "list"], ["jit", "clear"], ["warmup", "--arch", "sm_90"]))
+def test_jit_dir_flag_that_is_a_file(tmp_path, capsys, command):
+    """``--jit-dir`` naming a file is refused as ``QSA_AITER_JIT_DIR`` is, and the file is left alone."""
+    (tmp_path / "file").write_text("kept")
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--jit-dir", str(tmp_path / "file")])
+    assert info.value.code == 2
+    assert f"argument --jit-dir: {tmp_path / 'file'} is not a directory" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "kept"
+
+
 @pytest.mark.parametrize("argv", [["warmup", "--kernels", "flash"], ["warmup", "--arch", "sm_80"],
                                   ["warmup", "--page-sizes", "0"], ["warmup", "--caches", ""], ["jit"]])
 def test_bad_command_arguments(argv, capsys):
