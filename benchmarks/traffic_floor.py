@@ -1,4 +1,4 @@
-"""How fast the stacked scorer's memory traffic alone can go: a traffic-only kernel against the scorer, per cache format.
+"""How fast the stacked scorer's memory traffic alone can go, per cache format: a traffic-only kernel beside it.
 
 The "% of copy" figures of ``python -m qsa_aiter bench`` compare each kernel with a device-to-device copy, which
 streams long contiguous runs. The scorer's traffic is not that: each key tile is one page of the cache (64 groups x
@@ -28,7 +28,7 @@ from triton.runtime.errors import OutOfResources
 from qsa_aiter import registry
 from qsa_aiter.bench import copy_bandwidth, point_inputs, time_launcher, work_points
 from qsa_aiter.kernels import stacked
-from qsa_aiter.kernels.common import key_tile_slots, row_visibility, target_programs
+from qsa_aiter.kernels.common import block_request, key_tile_slots, row_visibility, target_programs
 
 
 @triton.jit
@@ -50,14 +50,9 @@ def _traffic_kernel(
     out_rows = out_ptr + rows.to(tl.int64) * out_stride
     keys_ptr = k_ptr.to(tl.pointer_type(tl.int32))
     scales_ptr = ks_ptr.to(tl.pointer_type(tl.int32))
-    idx = tl.arange(0, BLOCK_ROWS)
     for i in tl.static_range(BLOCK_ROWS):
-        r_i = tl.sum(tl.where(idx == i, req, 0), axis=0)
-        v_i = tl.sum(tl.where(idx == i, vis, 0), axis=0)
-        seen = tl.sum(tl.where((idx < i) & (req == r_i) & (vis > 0), 1, 0), axis=0)
-        if (v_i > 0) & (seen == 0):
-            mine = (req == r_i) & (vis > 0)
-            req_vis = tl.max(tl.where(mine, vis, 0), axis=0)
+        r_i, starts, mine, req_vis = block_request(req, vis, i, BLOCK_ROWS)
+        if starts:
             pt_row = pt_ptr + r_i.to(tl.int64) * pt_stride
             for tile in tl.range(col_prog, tl.cdiv(req_vis, BLOCK_N), col_progs, num_stages=STAGES):
                 cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)

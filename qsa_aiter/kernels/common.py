@@ -217,6 +217,21 @@ def row_visibility(t2r_ptr, pos_ptr, ctx_ptr, rows, num_tokens, num_requests, nu
 
 
 @triton.jit
+def block_request(req, vis, i, BLOCK_ROWS: tl.constexpr):
+    """The request walk of a row block (``row_visibility``'s ``req``, ``vis``, ``[BLOCK_ROWS]``) at its row ``i``:
+    ``(request, starts, mine, request_visible)``. ``starts``: row ``i`` is the first row of its request in the block
+    that sees anything, so the block walks that request now (once per distinct request); ``mine``: the block's rows of
+    that request that see anything; ``request_visible``: the largest visible count among them (the tile loop's
+    bound). Taken from the row vectors in registers: no scalar reloads of ``token_to_request``."""
+    idx = tl.arange(0, BLOCK_ROWS)
+    r_i = tl.sum(tl.where(idx == i, req, 0), axis=0)
+    v_i = tl.sum(tl.where(idx == i, vis, 0), axis=0)
+    seen = tl.sum(tl.where((idx < i) & (req == r_i) & (vis > 0), 1, 0), axis=0)
+    mine = (req == r_i) & (vis > 0)
+    return r_i, (v_i > 0) & (seen == 0), mine, tl.max(tl.where(mine, vis, 0), axis=0)
+
+
+@triton.jit
 def stacked_head_scores(dots, page_ok, factor, ROWS: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Scores ``[ROWS, BLOCK_N]`` from the dot products ``[ROWS * NUM_HEADS, BLOCK_N]`` of a rows x heads stacked query.
 

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .dequant import KV_16BIT, KV_FP4, dot_dtype, fp8_dot, key_values, kv_kind
 from .common import (
-    DYNAMIC_SCALARS, ScoreLaunch, cdiv, column_programs, fp4_keys_major_dots, fp4_tile_exponents,
+    DYNAMIC_SCALARS, ScoreLaunch, block_request, cdiv, column_programs, fp4_keys_major_dots, fp4_tile_exponents,
     fp8_keys_major_dots, fp8_tile_scales, is_pow2, key_tile_slots, load_keys, load_q_tile, next_pow2, pair_dot,
     row_visibility, scale_words_fit, stacked_head_scores, store_keys_major, target_programs,
 )
@@ -51,15 +51,10 @@ def _stacked_scorer_kernel(
                                               DOT_DTYPE, FP8_DOT)
     out_rows = out_ptr + rows.to(tl.int64) * out_stride
 
-    idx = tl.arange(0, BLOCK_ROWS)
     for i in tl.static_range(BLOCK_ROWS):
-        # Row i's request, taken from registers; the block is walked once per distinct request (first occurrence).
-        r_i = tl.sum(tl.where(idx == i, req, 0), axis=0)
-        v_i = tl.sum(tl.where(idx == i, vis, 0), axis=0)
-        seen = tl.sum(tl.where((idx < i) & (req == r_i) & (vis > 0), 1, 0), axis=0)
-        if (v_i > 0) & (seen == 0):
-            mine = (req == r_i) & (vis > 0)
-            req_vis = tl.max(tl.where(mine, vis, 0), axis=0)
+        # The block is walked once per distinct request (at its first row).
+        r_i, starts, mine, req_vis = block_request(req, vis, i, BLOCK_ROWS)
+        if starts:
             pt_row = pt_ptr + r_i.to(tl.int64) * pt_stride
             n_tiles = tl.cdiv(req_vis, BLOCK_N)
             if FP8_DOT and (KV_KIND == 3):
