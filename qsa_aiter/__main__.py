@@ -108,8 +108,9 @@ def _build_parser() -> argparse.ArgumentParser:
     wu.add_argument("--index-dtypes", type=_choices(tuple(INDEX_DTYPES)), default=tuple(INDEX_DTYPES),
                     help="dtypes of the index tensors (page table, positions, slot mapping ...), one per call, "
                          "comma-separated (default: int32,int64)")
-    wu.add_argument("--jit-dir", type=_cache_dir, default=None, help="cache directory (default: QSA_AITER_JIT_DIR, else jit/ of a "
-                                                   "source checkout, else ~/.cache/qsa_aiter/jit)")
+    wu.add_argument("--jit-dir", type=_cache_dir, default=None,
+                    help="cache directory (default: QSA_AITER_JIT_DIR, else jit/ of a source checkout, else "
+                         "~/.cache/qsa_aiter/jit)")
     wu.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     jit = sub.add_parser("jit", help="list or clear the JIT cache")
