@@ -79,14 +79,13 @@ class Tile:
 
 def launch_traffic(problem, args, tile: Tile) -> None:
     """The traffic kernel on one input set, on the stacked scorer's grid for ``tile``."""
-    head_dim = args.q.shape[2]
     key_bytes = args.k_cache.shape[-1] * args.k_cache.element_size()
     scale_words = 0 if args.k_scale is None else 1  # fp8: one fp32; MXFP4 (D = 128): four e8m0 bytes
+    if scale_words and args.k_scale[0, 0].numel() * args.k_scale.element_size() != 4:
+        raise ValueError(f"k_scale: one 4-byte word per group expected (head_dim {args.q.shape[2]})")
     cfg = stacked.StackedConfig(block_rows=stacked.default_config(problem).block_rows, block_n=tile.block_n,
                                 num_stages=tile.stages, programs_per_sm=tile.programs_per_sm,
                                 scalar_pages=tile.scalar_pages)
-    if args.k_scale is not None and args.k_scale[0, 0].numel() * args.k_scale.element_size() != 4:
-        raise ValueError(f"scale rows of 4 bytes expected (head_dim {head_dim})")
     grid = stacked.grid(problem, cfg, target_programs(args.q.device, cfg.programs_per_sm))
     _traffic_kernel[grid](
         *args.common_args(), RATIO=problem.compress_ratio, KEY_WORDS=key_bytes // 4, SCALE_WORDS=scale_words,
@@ -113,6 +112,9 @@ def main() -> None:
     print(f"{'point':12s} {'kv':4s} {'page':>4s} {'floor us':>9s} {'%copy':>6s} {'stacked us':>10s} {'%copy':>6s} "
           f"{'stacked/floor':>13s}  floor tile")
     names = a.points.split(",")
+    unknown = set(names) - {p.name for p in work_points()}
+    if unknown:
+        ap.error(f"--points: no work point named {', '.join(sorted(unknown))}")
     for point, page, kv in itertools.product([p for p in work_points() if p.name in names],
                                              [int(p) for p in a.pages.split(",")], a.kv.split(",")):
         inputs = point_inputs(point, page, device, kv)
@@ -124,6 +126,9 @@ def main() -> None:
             except OutOfResources:  # the tile's stages do not fit in shared memory
                 continue
             best = min(best or (us, tile), (us, tile), key=lambda x: x[0])
+        if best is None:
+            print(f"{point.name:12s} {kv:4s} {page:4d} no tile of the grid fits in shared memory")
+            continue
         scorer = time_launcher(inputs, registry.CANDIDATES["stacked"].run, a.replays)
         pct = lambda us: 100 * inputs.nbytes / (us * 1e-6) / copy_bps  # noqa: E731
         print(f"{point.name:12s} {kv:4s} {page:4d} {best[0]:9.2f} {pct(best[0]):6.1f} {scorer:10.2f} "
