@@ -51,6 +51,17 @@ def capture_graph(call, warmups: int = 1):
     return graph, result
 
 
+def write_new_lengths(gen, context_lens, query_positions, low: int, high: int, rows_per_request: int) -> None:
+    """A new decode/verify step in place (for graph replays): each request's length drawn from ``[low, high]`` and
+    its rows placed at the last ``rows_per_request`` positions (the first row last); padded rows after them keep
+    theirs."""
+    n = context_lens.shape[0]
+    lens = torch.randint(low, high + 1, (n,), generator=gen)
+    context_lens.copy_(lens.to(context_lens.dtype))
+    positions = lens.repeat_interleave(rows_per_request) - torch.arange(rows_per_request).repeat(n) - 1
+    query_positions[: n * rows_per_request].copy_(positions.to(query_positions.dtype))
+
+
 def force_backend(monkeypatch, name: str) -> None:
     """Force ``name`` for every phase (``auto`` leaves the choice to the registry)."""
     if name == "auto":

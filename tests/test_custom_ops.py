@@ -16,7 +16,7 @@ from qsa_aiter import custom_ops
 from qsa_aiter.cache_formats import allocate_index_cache
 from qsa_aiter.workloads import make_batch
 
-from helpers import assert_matches_reference, capture_graph, visible_mask
+from helpers import assert_matches_reference, capture_graph, visible_mask, write_new_lengths
 
 ON_GPU = torch.cuda.is_available()
 R = 4
@@ -254,9 +254,7 @@ def test_custom_ops_are_captured_in_a_cuda_graph_and_replayed(cache):
     for replay in range(3):
         q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
         keys.copy_(torch.randn(keys.shape, generator=gen).to(keys.dtype))
-        lens = torch.randint(2000, 30001, (8,), generator=gen)
-        ctx.copy_(lens.to(ctx.dtype))
-        pos.copy_((lens.repeat_interleave(4) - torch.arange(4).repeat(8) - 1).to(pos.dtype))
+        write_new_lengths(gen, ctx, pos, 2000, 30000, 4)
         row_starts.fill_(5)
         want_cache = kc.clone()
         want_scale = None if batch.k_scale is None else batch.k_scale.clone()

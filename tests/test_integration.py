@@ -18,7 +18,7 @@ from qsa_aiter.integrations import atom
 from qsa_aiter.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.workloads import make_batch
 
-from helpers import assert_matches_reference, capture_graph
+from helpers import assert_matches_reference, capture_graph, write_new_lengths
 
 R = 4
 
@@ -259,9 +259,7 @@ def test_engine_decode_graph_is_captured_once_and_replayed(installed):
     graph, captured = capture_graph(call)
     for step in range(3):
         q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
-        lens = torch.randint(100, 20001, (6,), generator=gen)
-        ctx.copy_(lens.to(ctx.dtype))
-        pos[:6].copy_((lens - 1).to(pos.dtype))
+        write_new_lengths(gen, ctx, pos, 100, 20000, 1)
         graph.replay()
         eager = qsa_aiter.qsa_select_paged_tokens(q, cache, table, t2r, pos, ctx, 2048, R, max_seq_len=20000)
         assert torch.equal(captured, eager[:, :captured.shape[1]]), f"replay {step}"

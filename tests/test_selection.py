@@ -17,7 +17,7 @@ from qsa_aiter.reference import reference_block_topk, reference_expand_block_ind
 from qsa_aiter.selection import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.workloads import make_batch
 
-from helpers import capture_graph, force_backend
+from helpers import capture_graph, force_backend, write_new_lengths
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -210,9 +210,7 @@ def test_select_is_captured_once_and_replayed_with_new_inputs():
     graph, _ = capture_graph(call)
     for step in range(3):
         q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
-        lens = torch.randint(2000, 40001, (8,), generator=gen)
-        ctx.copy_(lens.to(ctx.dtype))
-        pos.copy_((lens.repeat_interleave(4) - torch.arange(4).repeat(8) - 1).to(pos.dtype))
+        write_new_lengths(gen, ctx, pos, 2000, 40000, 4)
         graph.replay()
         replayed = out.clone()
         eager = qsa_aiter.qsa_select_paged_tokens(q, cache, table, t2r, pos, ctx, 2048, R, max_seq_len=40000,
