@@ -141,6 +141,59 @@ def _select_whole_row(src, n, k, out_row, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def vector_end(n, PAST_END_OK: tl.constexpr):
+    """Where a row's loads may stop: ``n`` rounded up to a multiple of 4 where the row has the columns
+    (``PAST_END_OK``), so that loads stay 16-byte vectors; the up to 3 scores past ``n`` are ignored."""
+    if PAST_END_OK:
+        return tl.multiple_of((n + 3) // 4 * 4, 4)
+    return n
+
+
+@triton.jit
+def lane_maxima(src, n, n_vec, CAPACITY: tl.constexpr, TILE: tl.constexpr):
+    """fp32 ``[CAPACITY]``: the maximum of each lane of the first ``n`` columns at ``src`` (column ``c`` is in lane
+    ``c % CAPACITY``, so every load is contiguous), ``-inf`` for lanes without a column; ``TILE`` columns a step."""
+    lanes = tl.arange(0, CAPACITY)
+    STEPS: tl.constexpr = TILE // CAPACITY
+    tile_offs = tl.arange(0, STEPS)[:, None] * CAPACITY + lanes[None, :]
+    lane_max = tl.full((CAPACITY,), float("-inf"), tl.float32)
+    for start in range(0, n, TILE):
+        cols = start + tile_offs
+        x = tl.load(src + cols, mask=cols < n_vec, other=float("-inf"))
+        lane_max = tl.maximum(lane_max, tl.max(tl.where(cols < n, x, float("-inf")), axis=0))
+    return lane_max
+
+
+@triton.jit
+def lane_floor(lane_max, n, k, CAPACITY: tl.constexpr):
+    """A score at least ``k`` of the row's ``n > CAPACITY`` columns reach: the top 16 bits of the ``k``-th largest
+    lane maximum (``k`` distinct columns reach that maximum)."""
+    lanes = tl.arange(0, CAPACITY)
+    return _key_to_float(_kth_key(_order_key(lane_max), lanes < n, k, 4)[0])
+
+
+@triton.jit
+def collect_candidates(src, n, n_vec, floor, buf_row, CAPACITY: tl.constexpr, SCAN: tl.constexpr):
+    """Write the columns of the first ``n`` at ``src`` whose score is ``>= floor``, in column order, to
+    ``buf_row[0:CAPACITY]`` (those past the capacity are dropped) and return how many there are. Slots come from a
+    prefix sum over groups of 4 adjacent columns (each group in one thread's registers) plus one within the group: a
+    quarter of the scan work of a scan over every column. ``SCAN`` columns a step."""
+    QUADS: tl.constexpr = SCAN // 4
+    quad = tl.arange(0, QUADS)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    kept = tl.zeros((), tl.int32)
+    for start in range(0, n, SCAN):
+        cols = start + quad
+        x = tl.load(src + cols, mask=cols < n_vec, other=0.0)
+        keep = ((cols < n) & (x >= floor)).to(tl.int32)
+        per_quad = tl.sum(keep, axis=1)
+        quad_first = kept + tl.cumsum(per_quad, axis=0) - per_quad
+        slot = quad_first[:, None] + tl.cumsum(keep, axis=1) - keep
+        tl.store(buf_row + slot, cols, mask=(keep > 0) & (slot < CAPACITY))
+        kept += tl.sum(per_quad, axis=0)
+    return kept
+
+
+@triton.jit
 def _block_topk_kernel(
     logits_ptr, vis_ptr, out_ptr, buf_ptr, pos_ptr, ctx_ptr, t2r_ptr, tok_ptr,
     logits_stride, out_stride, buf_stride, num_requests, tok_stride,
@@ -161,37 +214,12 @@ def _block_topk_kernel(
         if n <= CAPACITY:
             _select_row(src, lanes, lanes < n, K, out_row)
         else:
-            # Where the row has them, loads read up to 3 columns past `n` (their scores are ignored) so that they
-            # stay 16-byte vectors.
-            if PAST_END_OK:
-                n_vec = tl.multiple_of((n + 3) // 4 * 4, 4)
-            else:
-                n_vec = n
+            n_vec = vector_end(n, PAST_END_OK)
             # 1. The floor: top 16 bits of the K-th largest of the lane maxima (at least K columns reach it).
-            STEPS: tl.constexpr = TILE // CAPACITY
-            tile_offs = tl.arange(0, STEPS)[:, None] * CAPACITY + lanes[None, :]
-            lane_max = tl.full((CAPACITY,), float("-inf"), tl.float32)
-            for start in range(0, n, TILE):
-                cols = start + tile_offs
-                x = tl.load(src + cols, mask=cols < n_vec, other=float("-inf"))
-                lane_max = tl.maximum(lane_max, tl.max(tl.where(cols < n, x, float("-inf")), axis=0))
-            floor = _key_to_float(_kth_key(_order_key(lane_max), lanes < n, K, 4)[0])
-            # 2. The columns at or above the floor, in column order, into the row's candidate buffer. Slots come
-            # from a prefix sum over groups of 4 adjacent columns (each group in one thread's registers) plus one
-            # within the group: a quarter of the scan work of a scan over every column.
+            floor = lane_floor(lane_maxima(src, n, n_vec, CAPACITY, TILE), n, K, CAPACITY)
+            # 2. The columns at or above the floor, in column order, into the row's candidate buffer.
             buf_row = buf_ptr + row.to(tl.int64) * buf_stride
-            QUADS: tl.constexpr = SCAN // 4
-            quad = tl.arange(0, QUADS)[:, None] * 4 + tl.arange(0, 4)[None, :]
-            kept = tl.zeros((), tl.int32)
-            for start in range(0, n, SCAN):
-                cols = start + quad
-                x = tl.load(src + cols, mask=cols < n_vec, other=0.0)
-                keep = ((cols < n) & (x >= floor)).to(tl.int32)
-                per_quad = tl.sum(keep, axis=1)
-                quad_first = kept + tl.cumsum(per_quad, axis=0) - per_quad
-                slot = quad_first[:, None] + tl.cumsum(keep, axis=1) - keep
-                tl.store(buf_row + slot, cols, mask=(keep > 0) & (slot < CAPACITY))
-                kept += tl.sum(per_quad, axis=0)
+            kept = collect_candidates(src, n, n_vec, floor, buf_row, CAPACITY, SCAN)
             # The candidates are read back by other threads of the program: make their stores visible first.
             tl.debug_barrier()
             if kept <= CAPACITY:

@@ -1,0 +1,119 @@
+"""Where the block top-k's time goes, stage by stage, beside scoring alone and the whole selection.
+
+``qsa_select_paged_tokens`` is scoring, then one launch that ranks each row and expands it (``kernels/topk.py``, one
+program per row). This script builds kernels from that launch's own building blocks that stop after each stage and
+times them in CUDA graphs on the logits scoring has just written, as the selection op reads them:
+
+- ``launch``: read the row's length and write one word (the kernel boundary after scoring, and nothing else);
+- ``+ lane maxima``: one pass over the row keeping each lane's maximum;
+- ``+ floor``: the radix select of the floor over the lane maxima;
+- ``+ candidates``: the second pass, writing the columns at or above the floor to the candidate buffer;
+- ``+ exact``: the whole top-k (``qsa_block_topk``'s launch), then ``+ expansion``: the launch the selection op makes.
+
+Each stage's time is cumulative (a kernel that stops there); the increments are what the stage adds. The last column
+of the summary is the budget that "selection <= 1.3x scoring" leaves for everything after scoring (0.3 x scoring).
+
+    python benchmarks/topk_stages.py [--points 9x4@64K-128K,64x4@98K,128x1@98K] [--page 64] [--replays 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+import qsa_aiter
+from qsa_aiter.bench import time_graph, work_points
+from qsa_aiter.kernels import topk
+from qsa_aiter.workloads import make_batch
+
+R, TOKEN_TOPK = 4, 2048
+#: Stages a staged kernel can stop after (its ``STAGE``), in order.
+STAGES = ("launch", "lane maxima", "floor", "candidates")
+
+
+@triton.jit
+def _stage_kernel(logits_ptr, vis_ptr, out_ptr, buf_ptr, logits_stride, out_stride, buf_stride,
+                  STAGE: tl.constexpr, K: tl.constexpr, CAPACITY: tl.constexpr, TILE: tl.constexpr,
+                  SCAN: tl.constexpr, PAST_END_OK: tl.constexpr):
+    """The top-k kernel's path for rows longer than the capacity, stopped after stage ``STAGE`` (index into
+    ``STAGES``). Writes to fp32 ``out[row]``: the row length (0), the lane maxima (1), the floor (2) or the number of
+    candidates (3); rows of at most ``CAPACITY`` columns write their length whatever the stage."""
+    row = tl.program_id(0)
+    n = tl.load(vis_ptr + row)
+    out_row = out_ptr + row.to(tl.int64) * out_stride
+    if (STAGE == 0) or (n <= CAPACITY):
+        tl.store(out_row, n.to(tl.float32))
+    else:
+        src = logits_ptr + row.to(tl.int64) * logits_stride
+        n_vec = topk.vector_end(n, PAST_END_OK)
+        lane_max = topk.lane_maxima(src, n, n_vec, CAPACITY, TILE)
+        if STAGE == 1:
+            tl.store(out_row + tl.arange(0, CAPACITY), lane_max)
+        else:
+            floor = topk.lane_floor(lane_max, n, K, CAPACITY)
+            if STAGE == 2:
+                tl.store(out_row, floor)
+            else:
+                kept = topk.collect_candidates(src, n, n_vec, floor, buf_ptr + row.to(tl.int64) * buf_stride,
+                                               CAPACITY, SCAN)
+                tl.store(out_row, kept.to(tl.float32))
+
+
+def launch_stage(stage: int, logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
+                 cfg: topk.TopkConfig | None = None) -> None:
+    """Run the staged kernel over fp32 ``logits`` ``[tokens, columns]`` with int32 ``visible`` ``[tokens]`` into
+    fp32 ``out`` ``[tokens, >= capacity]``, with the top-k's specialisation for ``block_topk`` under ``cfg``."""
+    cfg = cfg or topk.TopkConfig()
+    spec = topk.constexprs(block_topk, cfg, None, logits.shape[1])
+    buf = torch.empty((logits.shape[0], spec["CAPACITY"]), dtype=torch.int32, device=logits.device)
+    _stage_kernel[(logits.shape[0],)](
+        logits, visible, out, buf, logits.stride(0), out.stride(0), buf.stride(0), STAGE=stage, K=spec["K"],
+        CAPACITY=spec["CAPACITY"], TILE=spec["TILE"], SCAN=spec["SCAN"], PAST_END_OK=spec["PAST_END_OK"],
+        num_warps=cfg.num_warps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", default="9x4@64K-128K,64x4@98K,128x1@98K")
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--replays", type=int, default=30)
+    a = ap.parse_args()
+    names = {p.name: p for p in work_points(quick=True)}
+    wanted = a.points.split(",")
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+        ap.error(f"unknown --points {unknown}; known: {sorted(names)}")
+    block_topk = TOKEN_TOPK // R
+    cap = topk.capacity(block_topk, topk.TopkConfig())
+    print("point,scoring_us,selection_us," + ",".join(f"{s.replace(' ', '_')}_us" for s in STAGES)
+          + ",topk_us,topk_expansion_us,after_scoring_us,budget_1.3x_us")
+    for name in wanted:
+        point = names[name]
+        batch = make_batch(list(point.context_lens), point.rows_per_request, page_size=a.page, device="cuda",
+                           generator=torch.Generator().manual_seed(0))
+        args, hints = batch.args()[:6], dict(batch.kwargs(), phase=point.phase, max_query_len=batch.max_query_len)
+        tokens, columns = batch.q.shape[0], batch.page_table.shape[1] * a.page
+        logits = torch.empty((tokens, columns), dtype=torch.float32, device="cuda")
+        _, visible = qsa_aiter.qsa_paged_mqa_logits(*args, out=logits, **hints)
+        picked = torch.empty((tokens, TOKEN_TOPK + R - 1), dtype=torch.int32, device="cuda")
+        groups = torch.empty((tokens, block_topk), dtype=torch.int32, device="cuda")
+        staged = torch.empty((tokens, cap), dtype=torch.float32, device="cuda")
+        expansion = (batch.query_positions, batch.context_lens, batch.token_to_request, picked, R, TOKEN_TOPK)
+
+        def timed(fn):
+            return time_graph(fn, 1, a.replays)
+
+        scoring = timed(lambda: qsa_aiter.qsa_paged_mqa_logits(*args, out=logits, **hints))
+        selection = timed(lambda: qsa_aiter.qsa_select_paged_tokens(*args, TOKEN_TOPK, R, out=picked, **hints))
+        stages = [timed(lambda s=s: launch_stage(s, logits, visible, staged, block_topk)) for s in range(len(STAGES))]
+        ranked = timed(lambda: topk.launch(logits, visible, groups, block_topk))
+        expanded = timed(lambda: topk.launch(logits, visible, groups, block_topk, expand_into=expansion))
+        print(f"{name},{scoring:.2f},{selection:.2f}," + ",".join(f"{t:.2f}" for t in stages)
+              + f",{ranked:.2f},{expanded:.2f},{selection - scoring:.2f},{0.3 * scoring:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
