@@ -10,8 +10,8 @@ times them in CUDA graphs on the logits scoring has just written, as the selecti
 - ``+ candidates``: the second pass, writing the columns at or above the floor to the candidate buffer;
 - ``+ exact``: the whole top-k (``qsa_block_topk``'s launch), then ``+ expansion``: the launch the selection op makes.
 
-Each stage's time is cumulative (a kernel that stops there); the increments are what the stage adds. The last column
-of the summary is the budget that "selection <= 1.3x scoring" leaves for everything after scoring (0.3 x scoring).
+Each stage's time is cumulative (a kernel that stops there): the difference between neighbouring columns is what a
+stage adds. The last column is the room that "selection <= 1.3x scoring" leaves after scoring (0.3 x scoring).
 
     python benchmarks/topk_stages.py [--points 9x4@64K-128K,64x4@98K,128x1@98K] [--page 64] [--replays 30]
 """

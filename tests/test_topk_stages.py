@@ -74,3 +74,11 @@ def test_staged_kernels_compute_the_top_k_stages(rng, kind):
         assert (x >= floor).sum() >= BLOCK_TOPK
         assert counts[row, 0] == (x >= floor).sum()
 
+
+
+def test_unknown_points_are_rejected_before_any_work(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["topk_stages.py", "--points", "9x4@64K-128K,3x3@1K"])
+    with pytest.raises(SystemExit) as info:
+        topk_stages.main()
+    assert info.value.code == 2
+    assert "3x3@1K" in capsys.readouterr().err
