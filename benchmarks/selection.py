@@ -15,12 +15,8 @@ import argparse
 import torch
 
 import qsa_aiter
-from qsa_aiter.bench import time_graph, work_points
+from qsa_aiter.bench import KV_CACHES, selection_inputs, time_graph, work_points
 from qsa_aiter.selection import torch_block_topk
-from qsa_aiter.workloads import make_batch
-
-R, TOKEN_TOPK = 4, 2048
-CACHES = {"bf16": "16bit", "fp8": "fp8", "fp4": "fp4"}
 
 
 def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -34,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", default="9x4@64K-128K,64x4@98K,128x1@98K")
     ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--kv", default="bf16", choices=sorted(CACHES))
+    ap.add_argument("--kv", default="bf16", choices=sorted(KV_CACHES))
     ap.add_argument("--replays", type=int, default=30)
     a = ap.parse_args()
     wanted = a.points.split(",")
@@ -43,24 +39,17 @@ def main() -> None:
     for point in work_points(quick=True):
         if point.name not in wanted:
             continue
-        gen = torch.Generator().manual_seed(0)
-        batch = make_batch(list(point.context_lens), point.rows_per_request, page_size=a.page, cache=CACHES[a.kv],
-                           device="cuda", generator=gen)
-        args, hints = batch.args()[:6], dict(batch.kwargs(), phase=point.phase, max_query_len=batch.max_query_len)
-        columns = batch.page_table.shape[1] * a.page
-        logits = torch.empty((batch.q.shape[0], columns), dtype=torch.float32, device="cuda")
-        picked = torch.empty((batch.q.shape[0], TOKEN_TOPK + R - 1), dtype=torch.int32, device="cuda")
-        groups = torch.empty((batch.q.shape[0], TOKEN_TOPK // R), dtype=torch.int32, device="cuda")
-        _, visible = qsa_aiter.qsa_paged_mqa_logits(*args, out=logits, **hints)
-        scoring = time_graph(lambda: qsa_aiter.qsa_paged_mqa_logits(*args, out=logits, **hints), 1, a.replays)
-        selection = time_graph(lambda: qsa_aiter.qsa_select_paged_tokens(*args, TOKEN_TOPK, R, out=picked, **hints),
-                               1, a.replays)
-        triton_topk = time_graph(lambda: qsa_aiter.qsa_block_topk(logits, visible, TOKEN_TOPK // R, out=groups),
+        inputs = selection_inputs(point, a.page, a.kv)
+        logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
+        block_topk = groups.shape[1]
+        scoring = time_graph(inputs.score, 1, a.replays)
+        selection = time_graph(inputs.select, 1, a.replays)
+        triton_topk = time_graph(lambda: qsa_aiter.qsa_block_topk(logits, visible, block_topk, out=groups),
                                  1, a.replays)
-        torch_topk = time_graph(lambda: torch_topk_then_sort(logits, visible, TOKEN_TOPK // R), 1, a.replays)
+        torch_topk = time_graph(lambda: torch_topk_then_sort(logits, visible, block_topk), 1, a.replays)
         # The timed kernels' results on these inputs: the Triton top-k equals the torch path exactly.
         expected = torch.empty_like(groups)
-        torch_block_topk(logits, visible, TOKEN_TOPK // R, expected)
+        torch_block_topk(logits, visible, block_topk, expected)
         if not torch.equal(groups, expected):
             raise SystemExit(f"{point.name}: the Triton top-k differs from torch_block_topk")
         print(f"{point.name},{a.kv},{a.page},{scoring:.2f},{selection:.2f},{selection / scoring:.2f},"

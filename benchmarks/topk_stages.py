@@ -24,12 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-import qsa_aiter
-from qsa_aiter.bench import time_graph, work_points
+from qsa_aiter.bench import TOKEN_TOPK, points_named, selection_inputs, time_graph
 from qsa_aiter.kernels import topk
-from qsa_aiter.workloads import make_batch
 
-R, TOKEN_TOPK = 4, 2048
 #: Stages a staged kernel can stop after (its ``STAGE``), in order.
 STAGES = ("launch", "lane maxima", "floor", "candidates")
 
@@ -81,37 +78,29 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--replays", type=int, default=30)
     a = ap.parse_args()
-    names = {p.name: p for p in work_points(quick=True)}
-    wanted = a.points.split(",")
-    unknown = [w for w in wanted if w not in names]
-    if unknown:
-        ap.error(f"unknown --points {unknown}; known: {sorted(names)}")
-    block_topk = TOKEN_TOPK // R
-    cap = topk.capacity(block_topk, topk.TopkConfig())
+    try:
+        points = points_named(a.points)
+    except ValueError as err:
+        ap.error(f"--points: {err}")
     print("point,scoring_us,selection_us," + ",".join(f"{s.replace(' ', '_')}_us" for s in STAGES)
           + ",topk_us,topk_expansion_us,after_scoring_us,budget_1.3x_us")
-    for name in wanted:
-        point = names[name]
-        batch = make_batch(list(point.context_lens), point.rows_per_request, page_size=a.page, device="cuda",
-                           generator=torch.Generator().manual_seed(0))
-        args, hints = batch.args()[:6], dict(batch.kwargs(), phase=point.phase, max_query_len=batch.max_query_len)
-        tokens, columns = batch.q.shape[0], batch.page_table.shape[1] * a.page
-        logits = torch.empty((tokens, columns), dtype=torch.float32, device="cuda")
-        _, visible = qsa_aiter.qsa_paged_mqa_logits(*args, out=logits, **hints)
-        picked = torch.empty((tokens, TOKEN_TOPK + R - 1), dtype=torch.int32, device="cuda")
-        groups = torch.empty((tokens, block_topk), dtype=torch.int32, device="cuda")
-        staged = torch.empty((tokens, cap), dtype=torch.float32, device="cuda")
-        expansion = (batch.query_positions, batch.context_lens, batch.token_to_request, picked, R, TOKEN_TOPK)
+    for point in points:
+        inputs = selection_inputs(point, a.page)
+        batch, logits, visible, groups = inputs.batch, inputs.logits, inputs.visible, inputs.groups
+        block_topk = groups.shape[1]
+        staged = torch.empty((logits.shape[0], topk.capacity(block_topk, topk.TopkConfig())), dtype=torch.float32,
+                             device=logits.device)
+        expansion = (batch.query_positions, batch.context_lens, batch.token_to_request, inputs.picked,
+                     batch.compress_ratio, TOKEN_TOPK)
 
         def timed(fn):
             return time_graph(fn, 1, a.replays)
 
-        scoring = timed(lambda: qsa_aiter.qsa_paged_mqa_logits(*args, out=logits, **hints))
-        selection = timed(lambda: qsa_aiter.qsa_select_paged_tokens(*args, TOKEN_TOPK, R, out=picked, **hints))
+        scoring, selection = timed(inputs.score), timed(inputs.select)
         stages = [timed(lambda s=s: launch_stage(s, logits, visible, staged, block_topk)) for s in range(len(STAGES))]
         ranked = timed(lambda: topk.launch(logits, visible, groups, block_topk))
         expanded = timed(lambda: topk.launch(logits, visible, groups, block_topk, expand_into=expansion))
-        print(f"{name},{scoring:.2f},{selection:.2f}," + ",".join(f"{t:.2f}" for t in stages)
+        print(f"{point.name},{scoring:.2f},{selection:.2f}," + ",".join(f"{t:.2f}" for t in stages)
               + f",{ranked:.2f},{expanded:.2f},{selection - scoring:.2f},{0.3 * scoring:.2f}", flush=True)
 
 

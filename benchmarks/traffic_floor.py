@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from qsa_aiter import registry
-from qsa_aiter.bench import copy_bandwidth, point_inputs, time_launcher, work_points
+from qsa_aiter.bench import copy_bandwidth, point_inputs, points_named, time_launcher
 from qsa_aiter.kernels import stacked
 from qsa_aiter.kernels.common import block_request, key_tile_slots, row_visibility, target_programs
 
@@ -106,17 +106,16 @@ def main() -> None:
     ap.add_argument("--warps", default="4", help="warps per program to try")
     a = ap.parse_args()
     grid_axes = [[int(v) for v in getattr(a, f).split(",")] for f in ("block_n", "stages", "per_sm", "warps")]
-    names = a.points.split(",")
-    unknown = set(names) - {p.name for p in work_points()}
-    if unknown:
-        ap.error(f"--points: no work point named {', '.join(sorted(unknown))}")
+    try:
+        points = points_named(a.points)
+    except ValueError as err:
+        ap.error(f"--points: {err}")
     device = torch.device("cuda")
     copy_bps = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}: device-to-device copy {copy_bps / 1e9:.0f} GB/s")
     print(f"{'point':12s} {'kv':4s} {'page':>4s} {'floor us':>9s} {'%copy':>6s} {'stacked us':>10s} {'%copy':>6s} "
           f"{'stacked/floor':>13s}  floor tile")
-    for point, page, kv in itertools.product([p for p in work_points() if p.name in names],
-                                             [int(p) for p in a.pages.split(",")], a.kv.split(",")):
+    for point, page, kv in itertools.product(points, [int(p) for p in a.pages.split(",")], a.kv.split(",")):
         inputs = point_inputs(point, page, device, kv)
         best = None
         for block_n, stages, per_sm, warps in itertools.product(*grid_axes):

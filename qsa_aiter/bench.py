@@ -21,7 +21,8 @@ import torch
 
 from . import registry
 from .kernels.common import ScoreLaunch
-from .ops import describe_call
+from .ops import describe_call, qsa_paged_mqa_logits
+from .selection import qsa_select_paged_tokens
 from .settings import get_settings
 from .workloads import ScoringBatch, make_batch
 
@@ -64,6 +65,17 @@ def work_points(quick: bool = False) -> list[WorkPoint]:
     if not quick:
         points.append(WorkPoint("prefill 16K@96K", (96 * K,), 16 * K, "prefill", ("tiled", "rowwise")))
     return points
+
+
+def points_named(names: str) -> list[WorkPoint]:
+    """The work points named in ``names`` (comma-separated), in work-point order; ``ValueError`` names any that do
+    not exist."""
+    wanted = names.split(",")
+    points = work_points()
+    unknown = set(wanted) - {p.name for p in points}
+    if unknown:
+        raise ValueError(f"no work point named {', '.join(sorted(unknown))}")
+    return [p for p in points if p.name in wanted]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 30) -> float:
@@ -111,25 +123,30 @@ def floor_bytes(batch: ScoringBatch) -> tuple[int, int]:
     return sum(per_req.values()) * key_bytes_per_group(batch) + logits, flops
 
 
+def capture_graph(call, warmups: int = 1, repeats: int = 1):
+    """``call()`` run ``warmups`` times on a side stream (compiling outside the capture), then captured ``repeats``
+    times in one CUDA graph: ``(graph, what the last captured call returned)``."""
+    if warmups:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmups):
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            result = call()
+    return graph, result
+
+
 def time_graph(calls, n_calls: int, replays: int, min_graph_us: float = 300.0) -> float:
     """Median µs per call of a CUDA graph that repeats ``calls()`` (which issues ``n_calls`` calls).
 
     The graph repeats ``calls()`` until one replay lasts about ``min_graph_us``, so launch gaps between back-to-back
     kernels are counted (as in a decode step's graph) but the per-replay overhead is amortised.
     """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()  # warm-up: compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-
-    def capture(repeats: int) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(repeats):
-                calls()
-        return graph
 
     def replay_us(graph) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -139,12 +156,12 @@ def time_graph(calls, n_calls: int, replays: int, min_graph_us: float = 300.0) -
         end.synchronize()
         return start.elapsed_time(end) * 1e3
 
-    probe = capture(1)
+    probe, _ = capture_graph(calls)
     probe.replay()
     once = min(replay_us(probe) for _ in range(3))
     del probe
     repeats = max(1, min(64, math.ceil(min_graph_us / max(once, 1e-3))))
-    graph = capture(repeats)
+    graph, _ = capture_graph(calls, warmups=0, repeats=repeats)
     graph.replay()
     torch.cuda.synchronize()
     times = [replay_us(graph) / (repeats * n_calls) for _ in range(replays)]
@@ -247,6 +264,46 @@ def point_inputs(point: WorkPoint, page_size: int, device, kv: str = "bf16", max
                                     b.context_lens, logits, visible, problem.num_columns, b.compress_ratio,
                                     1.0 / math.sqrt(b.q.shape[2]), b.k_scale, get_settings().fp8_mma))
     return PointInputs(problems, launches, probe.q.shape[0], nbytes, flops)
+
+
+#: The selection benchmarks' token budget (the model's: 2048 tokens, 512 groups of R = 4).
+TOKEN_TOPK = 2048
+
+
+@dataclass
+class SelectionInputs:
+    """One batch of a work point with the selection op's output buffers, for the selection benchmarks; ``logits``
+    and ``visible`` hold the batch's scores (``selection_inputs`` scores it once)."""
+
+    args: tuple  # qsa_paged_mqa_logits' positional arguments up to context_lens
+    hints: dict  # k_scale, phase, max_query_len
+    batch: ScoringBatch
+    logits: torch.Tensor  # fp32 [tokens, columns]
+    visible: torch.Tensor  # int32 [tokens]
+    groups: torch.Tensor  # int32 [tokens, TOKEN_TOPK // R]
+    picked: torch.Tensor  # int32 [tokens, TOKEN_TOPK + R - 1]
+
+    def score(self):
+        """Scoring alone into ``logits`` (``qsa_paged_mqa_logits``)."""
+        return qsa_paged_mqa_logits(*self.args, out=self.logits, **self.hints)
+
+    def select(self):
+        """The whole selection into ``picked`` (``qsa_select_paged_tokens``)."""
+        return qsa_select_paged_tokens(*self.args, TOKEN_TOPK, self.batch.compress_ratio, out=self.picked,
+                                       **self.hints)
+
+
+def selection_inputs(point: WorkPoint, page_size: int, kv: str = "bf16", device="cuda") -> SelectionInputs:
+    """A ``kv``-cache batch of ``point`` (seed 0) at ``page_size``, scored once, with the selection buffers."""
+    batch = make_batch(list(point.context_lens), point.rows_per_request, page_size=page_size, cache=KV_CACHES[kv],
+                       device=device, generator=torch.Generator().manual_seed(0))
+    tokens, ratio = batch.q.shape[0], batch.compress_ratio
+    args, hints = batch.args()[:6], dict(batch.kwargs(), phase=point.phase, max_query_len=batch.max_query_len)
+    logits = torch.empty((tokens, batch.page_table.shape[1] * page_size), dtype=torch.float32, device=device)
+    _, visible = qsa_paged_mqa_logits(*args, out=logits, **hints)
+    return SelectionInputs(args, hints, batch, logits, visible,
+                           torch.empty((tokens, TOKEN_TOPK // ratio), dtype=torch.int32, device=device),
+                           torch.empty((tokens, TOKEN_TOPK + ratio - 1), dtype=torch.int32, device=device))
 
 
 def time_launcher(inputs: PointInputs, launch, replays: int) -> float:

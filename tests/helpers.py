@@ -35,22 +35,6 @@ POISON = float("nan")
 FP8_MMA_TOL = 1e-3
 
 
-def capture_graph(call, warmups: int = 1):
-    """``call()`` run ``warmups`` times on a side stream (compiling outside the capture), then captured once in a
-    CUDA graph: ``(graph, what the captured call returned)``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = call()
-    return graph, result
-
-
 def write_new_lengths(gen, context_lens, query_positions, low: int, high: int, rows_per_request: int) -> None:
     """A new decode/verify step in place (for graph replays): each request's length drawn from ``[low, high]`` and
     its rows placed at the last ``rows_per_request`` positions (the first row last); padded rows after them keep

@@ -13,10 +13,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qsa_aiter
 from qsa_aiter import custom_ops
+from qsa_aiter.bench import capture_graph
 from qsa_aiter.cache_formats import allocate_index_cache
 from qsa_aiter.workloads import make_batch
 
-from helpers import assert_matches_reference, capture_graph, visible_mask, write_new_lengths
+from helpers import assert_matches_reference, visible_mask, write_new_lengths
 
 ON_GPU = torch.cuda.is_available()
 R = 4

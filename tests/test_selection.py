@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import qsa_aiter
+from qsa_aiter.bench import capture_graph
 from qsa_aiter.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.selection import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.workloads import make_batch
 
-from helpers import capture_graph, force_backend, write_new_lengths
+from helpers import force_backend, write_new_lengths
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
