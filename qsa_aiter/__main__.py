@@ -1,4 +1,4 @@
-"""Command line: ``python -m qsa_aiter {demo,bench,tune,explain,warmup,jit}`` (also installed as ``qsa-aiter``)."""
+"""Command line: ``python -m qsa_aiter {demo,bench,tune,fuzz,explain,warmup,jit}`` (also installed as ``qsa-aiter``)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="qsa_aiter: Triton kernels for QSA index scoring.",
     )
     parser.add_argument("--version", action="version", version=f"qsa_aiter {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,explain,warmup,jit}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,fuzz,explain,warmup,jit}")
 
     sub.add_parser("demo", add_help=False,
                    help="score an MTP-verify batch and a prefill chunk on this machine, check and time them")
@@ -67,6 +67,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="run the benchmark (arguments go to qsa_aiter.bench; `bench --help` lists them)")
     sub.add_parser("tune", add_help=False,
                    help="measure tile configs at the work points and write tuned rows (`tune --help` lists options)")
+    sub.add_parser("fuzz", add_help=False,
+                   help="fuzz the ops against the torch oracles over random metadata (`fuzz --help` lists options)")
 
     ex = sub.add_parser("explain", help="print which kernel would serve a workload, and why the others do not",
                         description="Build a synthetic batch with qsa_aiter.workloads.make_batch and print "
@@ -215,17 +217,18 @@ def _explain(opts: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
-    # demo, bench and tune take their own arguments: everything after the subcommand goes to them unparsed here.
-    if argv and argv[0] in ("demo", "bench", "tune"):
+    # demo, bench, tune and fuzz take their own arguments: everything after the subcommand goes to them unparsed here.
+    if argv and argv[0] in ("demo", "bench", "tune", "fuzz"):
         command, rest = argv[0], argv[1:]
     else:
         opts = parser.parse_args(argv)
         command, rest = opts.command, []
-    from .settings import get_settings
+    from .settings import ConfigurationError, get_settings
+    from .tuned import load_tables
 
-    try:  # a bad environment switch is reported once, plainly, before any work
-        get_settings()
-    except ValueError as err:
+    try:  # a bad environment switch or tuned-config file is reported once, plainly, before any work
+        load_tables(tuple(get_settings().tuned_config))
+    except ConfigurationError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if command == "demo":
@@ -240,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tuner import main as tune_main
 
         return tune_main(rest)
+    if command == "fuzz":
+        from .fuzz import main as fuzz_main
+
+        return fuzz_main(rest)
     if command == "warmup":
         return _warmup(opts)
     if command == "jit":

@@ -72,7 +72,7 @@ def _target_choices(target: str, problem: ScoreProblem, e4m3_mma: bool | None) -
     MMAs are built for NVIDIA targets that have them (sm_90 has both), the portable decoders for AMD ones."""
     capability = target_capability(target)
     fast_decode = fast_decode_at(capability) and kv_kind(problem.cache_dtype) != KV_16BIT
-    return fast_decode, fp8_dot(problem.q_dtype, problem.cache_dtype,
+    return fast_decode, fp8_dot(problem.q_dtype, problem.cache_dtype, problem.head_dim,
                                 tensor_cores=fp8_tensor_cores_at(capability) and e4m3_mma is not False)
 
 
@@ -133,7 +133,7 @@ def compile_selection_kernel(kernel: str, target: str, block_topk: int = 512, co
         signature = {"logits_ptr": "*fp32", "vis_ptr": "*i32", "out_ptr": "*i32", "buf_ptr": "*i32",
                      "pos_ptr": f"*{index_dtype}", "ctx_ptr": f"*{index_dtype}", "t2r_ptr": f"*{index_dtype}",
                      "tok_ptr": "*i32", "logits_stride": "i32", "out_stride": "i32", "buf_stride": "i32",
-                     "num_requests": "i32", "tok_stride": "i32"}
+                     "num_requests": "i32", "tok_stride": "i32", "num_columns": "i32"}
         fused = expand.constexprs(compress_ratio, block_topk, block_topk * compress_ratio)
         constexprs = topk.constexprs(block_topk, cfg, fused, columns=32768)
         aligned = _pointers(signature) + ["logits_stride", "out_stride", "tok_stride"]

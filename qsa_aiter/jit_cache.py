@@ -59,7 +59,7 @@ from triton.runtime.cache import FileCacheManager
 
 from .kernels.common import interpreting
 from .log import log_once
-from .settings import QsaSettings, get_settings
+from .settings import ConfigurationError, QsaSettings, get_settings
 
 FORMAT = 1
 #: ``jit/`` of a source checkout (it holds the README that marks it); a wheel has none.
@@ -103,7 +103,8 @@ def jit_root(settings: QsaSettings | None = None) -> Path:
     if settings.jit_dir:
         path = Path(settings.jit_dir).expanduser()
         if path.exists() and not path.is_dir():
-            raise ValueError(f"QSA_AITER_JIT_DIR: {path} is not a directory")
+            raise ConfigurationError(f"environment variable QSA_AITER_JIT_DIR={settings.jit_dir!r} is invalid: {path} "
+                                     "is not a directory")
         return path
     if (CHECKOUT_JIT_DIR / "README.md").is_file() and writable(CHECKOUT_JIT_DIR):
         return CHECKOUT_JIT_DIR

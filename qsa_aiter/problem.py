@@ -17,6 +17,12 @@ from .cache_formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
 PHASES = ("prefill", "verify", "draft", "decode")
 #: Above this many query rows a call without a phase hint is treated as prefill (SPEC section 4).
 MAX_DECODE_ROWS = 256
+#: Token indices are int32 (selection's output): expansion keeps tokens below ``min(context_len, 2**31)``, so an
+#: int64 context that long cuts its tokens at or past 2**31 like tokens past the context.
+TOKEN_INDEX_LIMIT = 2**31
+#: The most tokens of context a call's columns may stand for (``num_columns * R``): the kernels clamp positions and
+#: context lengths to 32 bits, which changes no visible count only below it.
+MAX_CONTEXT_TOKENS = 2**31 - 1
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _CACHE_DTYPE_TEXT = "bf16, fp16 (like q), float8_e4m3fn, float8_e4m3fnuz or float4_e2m1fn_x2"
@@ -187,6 +193,10 @@ def validate_scoring_call(
     capacity = width * block_size
     num_columns = (capacity if max_columns is None
                    else check_int("max_columns", max_columns, minimum=0, maximum=capacity))
+    if num_columns * ratio > MAX_CONTEXT_TOKENS:
+        _fail(ValueError, "page_table" if max_columns is None else "max_columns",
+              f"at most {MAX_CONTEXT_TOKENS} tokens of columns (columns x compress_ratio {ratio})",
+              f"{num_columns} columns")
     if row_starts is not None:
         check_tensor("row_starts", row_starts, ndim=1, dtypes=_INDEX_DTYPES, device=device)
         if row_starts.numel() != tokens:

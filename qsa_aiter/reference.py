@@ -11,6 +11,7 @@ import math
 import torch
 
 from .cache_formats import FP8_DTYPES, dequantize_cache
+from .problem import TOKEN_INDEX_LIMIT
 
 
 def visible_groups(token_to_request, query_positions, context_lens, compress_ratio: int, num_columns: int):
@@ -27,6 +28,35 @@ def visible_groups(token_to_request, query_positions, context_lens, compress_rat
                         torch.div(ctx, compress_ratio, rounding_mode="floor"))
     vis = vis.clamp(min=0, max=num_columns)
     return torch.where(valid, vis, torch.zeros_like(vis)).to(torch.int32)
+
+
+def head_summed_scores(q: torch.Tensor, k: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``sum_h relu(q[n, h] . k[c]) / divisor``: ``[n, C]`` from ``q`` ``[n, H, D]`` and keys ``k`` ``[C, D]`` (one
+    float dtype, the accumulation's).
+
+    Every (row, column) value is computed by the same operations in the same order, whatever the shapes: products
+    elementwise, summed over head_dim by a fixed pairwise tree (zero-padded to a power of two), heads added in order.
+    A matmul's summation order changes with the shapes and the library's kernel choice, so identical keys could
+    score differently by column or by how many rows share the call, and exact ties would not break to the lower
+    group (SPEC section 1).
+    """
+    n, heads, dim = q.shape
+    width = 1 << max(0, (dim - 1).bit_length())
+    terms = q[:, :, None, :] * k[None, None, :, :]  # [n, H, C, D]
+    if width != dim:
+        terms = torch.nn.functional.pad(terms, (0, width - dim))
+    while terms.shape[-1] > 1:
+        half = terms.shape[-1] // 2
+        terms = terms[..., :half] + terms[..., half:]
+    dots = terms[..., 0]  # [n, H, C]
+    total = dots[:, 0].clamp_min(0)
+    for h in range(1, heads):
+        total = total + dots[:, h].clamp_min(0)
+    return total / divisor
+
+
+#: Bound on the ``[rows, heads, columns, head_dim]`` products ``head_summed_scores`` holds at a time (elements).
+TERMS_PER_STEP = 1 << 23
 
 
 def reference_paged_mqa_logits(
@@ -50,7 +80,9 @@ def reference_paged_mqa_logits(
     q: ``[tokens, heads, head_dim]``; compressed_k_cache: ``[pages, page_size, 1, head_dim]`` of any float dtype (read
     as is), or a quantised cache (fp8, MXFP4) with its ``k_scale``, whose gathered keys are dequantised exactly
     (``qsa_aiter.cache_formats``). Columns in ``[0, visible)`` hold scores or ``-inf``
-    where the page id is outside ``[0, pages)``; every other column is ``-inf``. Accumulates in ``accum_dtype``.
+    where the page id is outside ``[0, pages)``; every other column is ``-inf``. Accumulates in ``accum_dtype``, in
+    a fixed order per (row, column) (``head_summed_scores``): the result does not depend on ``row_chunk``,
+    ``col_chunk`` (keys gathered at a time) or on which other rows share the call.
     """
     tokens, heads, head_dim = q.shape
     num_pages, page_size = compressed_k_cache.shape[:2]
@@ -93,11 +125,14 @@ def reference_paged_mqa_logits(
             for r0 in range(0, rows.numel(), row_chunk):
                 sub = rows[r0 : r0 + row_chunk]
                 qs = q[sub].to(accum_dtype)  # [n, H, D]
-                scores = torch.einsum("nhd,cd->nhc", qs, k).clamp_min(0).sum(dim=1) / divisor
-                scores = torch.where(page_ok[None, :], scores, torch.full_like(scores, float("-inf")))
-                in_view = cols[None, :] < vis[sub].long()[:, None]
-                block = logits[sub, c0 : c0 + cols.numel()]
-                logits[sub, c0 : c0 + cols.numel()] = torch.where(in_view, scores.float(), block)
+                step = max(1, TERMS_PER_STEP // (sub.numel() * heads * head_dim))
+                for s0 in range(0, cols.numel(), step):
+                    part = slice(s0, min(s0 + step, cols.numel()))
+                    scores = head_summed_scores(qs, k[part], divisor)
+                    scores = torch.where(page_ok[None, part], scores, torch.full_like(scores, float("-inf")))
+                    in_view = cols[None, part] < vis[sub].long()[:, None]
+                    span = slice(c0 + part.start, c0 + part.stop)
+                    logits[sub, span] = torch.where(in_view, scores.float(), logits[sub, span])
     return logits, vis
 
 
@@ -107,13 +142,13 @@ def reference_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk
     Row ``t`` ranks its columns ``[0, visible[t])`` by ``(-score, index)`` (ties to the lower group; ``-inf`` scores of
     bad pages rank last but are still groups), keeps the first ``block_topk`` (all of them when ``visible <=
     block_topk``, without looking at the scores), and lists the kept groups in ascending order, ``-1`` after them.
-    Columns at or past ``visible`` are never read.
+    Columns at or past ``visible`` are never read; ``visible`` is clamped to ``[0, columns]``.
     """
     tokens = logits.shape[0]
     out = torch.full((tokens, block_topk), -1, dtype=torch.int32)
     scores, vis = logits.detach().float().cpu(), visible.cpu().long()
     for t in range(tokens):
-        n = int(vis[t])
+        n = min(max(int(vis[t]), 0), scores.shape[1])
         if n <= block_topk:
             chosen = list(range(n))
         else:
@@ -129,7 +164,8 @@ def reference_expand_block_indices(block_indices: torch.Tensor, query_positions:
     """The oracle of expansion: int32 ``[tokens, token_topk + R - 1]``, row by row.
 
     For row ``t`` (request ``r``, position ``p``): the tokens ``g*R .. g*R+R-1`` of each selected group ``g >= 0`` in
-    the order given, then the causal tail ``((p+1)//R)*R .. p``, keeping only tokens ``< context_lens[r]``, and ``-1``
+    the order given, then the causal tail ``((p+1)//R)*R .. p``, keeping only tokens ``< context_lens[r]`` (and below
+    ``TOKEN_INDEX_LIMIT``: the indices are int32), and ``-1``
     in every remaining slot. Padded rows (request outside ``[0, requests)``) are all ``-1``.
     """
     tokens, width = block_indices.shape[0], token_topk + compress_ratio - 1
@@ -140,7 +176,7 @@ def reference_expand_block_indices(block_indices: torch.Tensor, query_positions:
         r = int(req[t])
         if r < 0 or r >= ctx.numel():
             continue
-        limit, p = int(ctx[r]), int(pos[t])
+        limit, p = min(int(ctx[r]), TOKEN_INDEX_LIMIT), int(pos[t])
         kept = [g * compress_ratio + j for g in groups[t].tolist() if g >= 0 for j in range(compress_ratio)]
         kept += list(range((p + 1) // compress_ratio * compress_ratio, p + 1))
         kept = [tok for tok in kept if 0 <= tok < limit][:width]

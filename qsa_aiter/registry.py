@@ -4,7 +4,8 @@ Each candidate answers "do you serve this problem?" with a list of human-readabl
 ordered table says which is preferred. ``select`` walks the order and takes the first candidate with no reasons,
 returning a ``Decision`` that records why every other candidate was passed over; ``explain`` prints it. A forced
 backend (``QSA_AITER_BACKEND``) goes through the same reasons. A candidate that raises while compiling or launching
-is marked broken for the problem's specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` raises).
+is marked broken for the problem's specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` raises); a
+configuration error (``settings.ConfigurationError``: a bad variable or tuned-config file) is always raised.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .kernels.common import describe_key_reading, e4m3_mma_serves, triton_runs_o
 from .log import log_once
 from .problem import ScoreProblem
 from .reference import reference_paged_mqa_logits
-from .settings import QsaSettings, get_settings
+from .settings import ConfigurationError, QsaSettings, get_settings
 
 KV_DTYPES = ("bf16", "fp8", "fp4")
 BLOCK_SIZES = (16, 64)
@@ -223,7 +224,8 @@ def _tile_note(problem: ScoreProblem, chosen: str | None, settings: QsaSettings)
         return ""
     device = torch.device("cuda") if problem.device_type == "cuda" else torch.device("cpu")
     arch = tuned.device_arch(device)
-    e4m3 = chosen == "stacked" and e4m3_mma_serves(problem.q_dtype, problem.cache_dtype, device, settings.fp8_mma)
+    e4m3 = chosen == "stacked" and e4m3_mma_serves(problem.q_dtype, problem.cache_dtype, problem.head_dim, device,
+                                                   settings.fp8_mma)
     cfg, row = tuned.resolve(chosen, problem, arch, _TILE_MODULES[chosen].default_config(problem, e4m3),
                              tuple(settings.tuned_config))
     keys = f"\n  keys: {describe_key_reading(chosen, problem, e4m3, settings.fp8_mma)}"
@@ -235,8 +237,10 @@ def _tile_note(problem: ScoreProblem, chosen: str | None, settings: QsaSettings)
 def run(problem: ScoreProblem, args, settings: QsaSettings | None = None) -> str:
     """Run the chosen candidate, falling back past ones that raise. Returns the name of the kernel that ran."""
     settings = settings or get_settings()
-    # This library's Triton kernels launch inside the JIT cache's scope (docs/jit_and_configs.md). Opened before the
-    # loop: a bad QSA_AITER_JIT_DIR is the caller's error, not a kernel failure to fall back from.
+    # Configuration is read before any kernel runs, on every path (the torch one too): a bad QSA_AITER_TUNED_CONFIG
+    # file or QSA_AITER_JIT_DIR is the caller's error (ConfigurationError), not a kernel failure to fall back from.
+    tuned.load_tables(tuple(settings.tuned_config))
+    # This library's Triton kernels launch inside the JIT cache's scope (docs/jit_and_configs.md).
     jit = jit_cache.scope(args.q.device, settings)
     failed: tuple[str, ...] = ()
     while True:
@@ -250,6 +254,8 @@ def run(problem: ScoreProblem, args, settings: QsaSettings | None = None) -> str
             with jit if name in _TILE_MODULES else contextlib.nullcontext():
                 CANDIDATES[name].run(problem, args)
             return name
+        except ConfigurationError:
+            raise
         except Exception as err:  # compile or launch failure: fall back unless strict
             if settings.strict or decision.forced:
                 raise

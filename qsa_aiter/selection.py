@@ -24,22 +24,28 @@ from .kernels import expand, topk
 from .kernels.common import triton_runs_on
 from .log import log_once
 from .ops import describe_call, qsa_paged_mqa_logits
-from .problem import check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument
-from .settings import get_settings
+from .problem import (
+    TOKEN_INDEX_LIMIT, check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument,
+)
+from .settings import ConfigurationError, get_settings
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _run_triton_or(fallback, triton_call, what: str, device: torch.device) -> None:
     """Run ``triton_call``; if it fails to compile or launch, log once and run ``fallback`` (unless strict)."""
+    settings = get_settings()  # a bad variable is a ConfigurationError on every path, raised before any work
     if not triton_runs_on(device.type):
         fallback()
         return
+    jit = jit_cache.scope(device, settings)  # warmed variants load from the JIT cache, new ones are recorded in it
     try:
-        with jit_cache.scope(device):  # warmed variants load from the JIT cache, new ones are recorded in it
+        with jit:
             triton_call()
+    except ConfigurationError:
+        raise
     except Exception as err:  # compile or launch failure: the torch path serves every shape
-        if get_settings().strict:
+        if settings.strict:
             raise
         message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
         log_once(logging.WARNING, ("selection-broken", what), f"{what} Triton kernel failed, using torch: {message}")
@@ -76,7 +82,8 @@ def qsa_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int,
 
     Args:
         logits: fp32 ``[tokens, columns]`` (last dim contiguous); only ``[0, visible)`` of each row is read.
-        visible: int32 ``[tokens]``, each ``<= columns`` (as ``qsa_paged_mqa_logits`` returns it).
+        visible: int32 ``[tokens]`` (as ``qsa_paged_mqa_logits`` returns it); read clamped to ``[0, columns]``, so no
+            value makes a kernel read past its row.
         block_topk: groups to keep per row (``token_topk // R``).
         out: optional int32 ``[tokens, block_topk]`` (last dim contiguous).
 
@@ -126,10 +133,11 @@ def torch_expand_block_indices(block_indices, query_positions, context_lens, tok
     req = token_to_request.long()
     ok = (req >= 0) & (req < context_lens.shape[0])
     limit = torch.where(ok, context_lens.long()[req.clamp(0, max(context_lens.shape[0] - 1, 0))], 0)
+    limit = limit.clamp_max(TOKEN_INDEX_LIMIT)
     pos = query_positions.long()
     g = block_indices.long()
     tok = g[:, :, None] * ratio + torch.arange(ratio, device=device)[None, None, :]  # [T, G, R]
-    keep = (g[:, :, None] >= 0) & (tok < limit[:, None, None])
+    keep = (g[:, :, None] >= 0) & (g[:, :, None] < limit[:, None, None]) & (tok < limit[:, None, None])
     kept = keep.sum(dim=2)
     first = torch.cumsum(kept, dim=1) - kept  # [T, G]
     total = kept.sum(dim=1)

@@ -2,7 +2,8 @@
 
 This module is the only reader of the library's environment variables. Values are parsed at first use (never at
 import) and re-parsed whenever one of the variables changes, so a test or an engine that flips a variable sees the new
-behaviour on the next call. A bad value raises ``ValueError`` naming the variable, the value and what is allowed.
+behaviour on the next call. A bad value raises ``ConfigurationError`` (a ``ValueError``) naming the variable, the
+value and what is allowed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ BOOL_WORDS = _TRUE + _FALSE
 #: Kernel names that ``QSA_AITER_BACKEND`` may force (besides ``auto``). Kept here, not imported from the registry,
 #: so that reading settings never imports Triton.
 BACKEND_NAMES = ("rowwise", "stacked", "tiled", "torch", "aiter", "flydsl")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigurationError(ValueError):
+    """A bad environment variable or tuned-config file. Raised at the first call that reads it, on every path, and
+    never absorbed by the registry's fallback: the fallback is for kernels that fail to compile or launch."""
 
 
 def _parse_bool(value: object) -> object:
@@ -74,7 +81,7 @@ class QsaSettings(BaseSettings):
         description="`:`-separated CSV files of tuned tile configs, read after the shipped `configs/` tables; their "
         "rows replace shipped rows with the same key and buckets (docs/jit_and_configs.md).",
     )
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
+    log_level: Literal[LOG_LEVELS] = Field(
         "warning",
         alias="QSA_AITER_LOG_LEVEL",
         description="Level of the `qsa_aiter` logger; `info` logs each new dispatch decision once.",
@@ -114,13 +121,19 @@ class QsaSettings(BaseSettings):
 
     @field_validator("log_level", mode="before")
     @classmethod
-    def _lower_level(cls, value: object) -> object:
-        return str(value).strip().lower()
+    def _known_level(cls, value: object) -> object:
+        text = str(value).strip().lower()
+        if text not in LOG_LEVELS:
+            raise ValueError("allowed: " + ", ".join(LOG_LEVELS) + " (any case)")
+        return text
 
     @field_validator("jit_dir", mode="before")
     @classmethod
-    def _strip_dir(cls, value: object) -> object:
-        return str(value).strip()
+    def _directory(cls, value: object) -> object:
+        text = str(value).strip()
+        if text and os.path.exists(os.path.expanduser(text)) and not os.path.isdir(os.path.expanduser(text)):
+            raise ValueError("allowed: a directory, or a path where one can be created (this names a file)")
+        return text
 
 
 ENV_NAMES = tuple(field.alias for field in QsaSettings.model_fields.values())
@@ -144,7 +157,7 @@ def get_settings() -> QsaSettings:
     try:
         settings = QsaSettings()
     except ValidationError as err:
-        raise ValueError(_explain_error(err)) from None
+        raise ConfigurationError(_explain_error(err)) from None
     _cache = (snapshot, settings)
     return settings
 
@@ -158,10 +171,11 @@ def _check_aliases() -> None:
                 try:
                     values[var] = _parse_bool(os.environ[var])
                 except ValueError as err:
-                    raise ValueError(f"environment variable {var}={os.environ[var]!r} is invalid: {err}") from None
+                    raise ConfigurationError(
+                        f"environment variable {var}={os.environ[var]!r} is invalid: {err}") from None
             if values[name] != values[alias]:
-                raise ValueError(f"environment variables {name}={os.environ[name]!r} and {alias}={os.environ[alias]!r} "
-                                 "disagree; set one of them")
+                raise ConfigurationError(f"environment variables {name}={os.environ[name]!r} and "
+                                         f"{alias}={os.environ[alias]!r} disagree; set one of them")
 
 
 def _explain_error(err: ValidationError) -> str:

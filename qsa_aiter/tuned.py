@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .log import log_once
-from .settings import get_settings
+from .settings import ConfigurationError, get_settings
 
 #: The shipped tables.
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -135,12 +135,20 @@ def read_table(path: Path) -> list[TunedRow]:
 def load_tables(extra: tuple[str, ...]) -> dict[tuple, list[TunedRow]]:
     """Shipped rows, then the rows of ``extra`` files (same key and buckets: the later row wins), by key."""
     merged: dict[tuple, TunedRow] = {}
-    for path in [CONFIG_DIR / name for name in SHIPPED] + [Path(p) for p in extra]:
+    shipped = [CONFIG_DIR / name for name in SHIPPED]
+    for path in shipped + [Path(p) for p in extra]:
+        # Errors name the variable (or the shipped file) and are ConfigurationErrors: never a kernel failure.
+        where = ("shipped tuned table" if path in shipped
+                 else f"environment variable QSA_AITER_TUNED_CONFIG={':'.join(extra)!r} is invalid:")
         if not path.is_file():
-            if path.parent == CONFIG_DIR:
+            if path in shipped:
                 continue  # a source checkout without configs/: nothing shipped
-            raise ValueError(f"QSA_AITER_TUNED_CONFIG: {path} is not a file")
-        for row in read_table(path):
+            raise ConfigurationError(f"{where} {path} is not a file")
+        try:
+            rows = read_table(path)
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ConfigurationError(f"{where} {err}") from None
+        for row in rows:
             merged[row.key() + (row.rows, row.context)] = row
     table: dict[tuple, list[TunedRow]] = {}
     for row in merged.values():

@@ -152,7 +152,8 @@ class _TargetLaunch(ScoreLaunch):
 
     @property
     def fp8_dot(self) -> bool:
-        return fp8_dot(self.q.dtype, self.k_cache.dtype, self.fp8_mma and fp8_tensor_cores_at(self.capability))
+        return fp8_dot(self.q.dtype, self.k_cache.dtype, self.q.shape[2],
+                       self.fp8_mma and fp8_tensor_cores_at(self.capability))
 
 
 def _cache(name: str, pages: int, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:

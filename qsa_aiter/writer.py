@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from .cache_formats import FP4_BLOCK, cache_kind, cache_width, scale_layout, write_reference
+from .cache_formats import FP4_BLOCK, cache_kind, cache_width, last_writer_slots, scale_layout, write_reference
 from .kernels.common import triton_runs_on
 from .kernels.dequant import kernel_view
 from .problem import fail_argument
+from .settings import get_settings
 
 
 def _fail(kind: type[Exception], name: str, expected: str, got: object) -> None:
@@ -20,13 +21,15 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
 
     Args:
         keys: ``[tokens, 1, D]`` or ``[tokens, D]``, bf16/fp16/fp32, last dim contiguous.
-        slot_mapping: ``[tokens]`` int32/int64. Slots outside ``[0, pages * page_size)`` write nothing.
+        slot_mapping: ``[tokens]`` int32/int64. Slots outside ``[0, pages * page_size)`` write nothing; a slot named
+            more than once takes the last of its keys (``cache_formats.last_writer_slots``).
         cache: ``[pages, P, 1, D]`` bf16/fp16/``float8_e4m3fn``/``float8_e4m3fnuz``, or ``[pages, P, 1, D // 2]``
             ``float4_e2m1fn_x2``; contiguous.
         k_scale: fp32 ``[pages, P]`` for fp8; ``float8_e8m0fnu`` ``[pages, P, 1, D // 32]`` for fp4; None otherwise.
 
-    The Triton kernel runs on GPU tensors (and under ``TRITON_INTERPRET=1``); CPU tensors otherwise take the torch
-    reference, which writes the same bytes.
+    16-bit caches take the keys rounded to nearest-even (fp32 keys into a bf16 cache included). The Triton kernel
+    runs on GPU tensors (and under ``TRITON_INTERPRET=1``); CPU tensors otherwise take the torch reference, which
+    writes the same bytes.
     """
     if not isinstance(keys, torch.Tensor):
         _fail(TypeError, "keys", "a torch.Tensor", type(keys).__name__)
@@ -76,6 +79,7 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
                   f"{k_scale.dtype} {tuple(k_scale.shape)}")
         if k_scale.device != keys.device:
             _fail(ValueError, "k_scale", f"on {keys.device} like `keys`", k_scale.device)
+    settings = get_settings()  # a bad variable is a ConfigurationError on every path, raised before any work
     if keys.shape[0] == 0:
         return
     if not triton_runs_on(keys.device.type):
@@ -85,6 +89,6 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     from .kernels import cache_writer
 
     name = cache_writer.kind_of(cache, kind)
-    with jit_cache.scope(keys.device):  # compiled once into the JIT cache (docs/jit_and_configs.md)
-        cache_writer.launch(keys, slot_mapping, kernel_view(cache), kernel_view(k_scale), name, head_dim,
-                            pages * page_size)
+    slots = last_writer_slots(slot_mapping)  # the kernel's programs run in any order: no slot is written twice
+    with jit_cache.scope(keys.device, settings):  # compiled once into the JIT cache (docs/jit_and_configs.md)
+        cache_writer.launch(keys, slots, kernel_view(cache), kernel_view(k_scale), name, head_dim, pages * page_size)

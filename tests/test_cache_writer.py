@@ -162,3 +162,42 @@ def test_gpu_writer_matches_reference_bytes(kind, fp8_dtype):
     assert torch.equal(_bytes(got).cpu(), _bytes(want))
     if got_scale is not None:
         assert torch.equal(_bytes(got_scale).cpu(), _bytes(want_scale))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kind,fp8_dtype", FORMATS, ids=["bf16", "fp16", "fp8", "fp8_fnuz", "fp4"])
+def test_a_slot_written_twice_takes_the_last_key(rng, kind, fp8_dtype, device):
+    """Duplicate slots in one call: the later key wins, in the Triton writer and the reference alike."""
+    keys = torch.randn(40, 128, generator=rng).to(torch.bfloat16)
+    slots = torch.randint(0, 12, (40,), generator=rng)  # 40 keys into 12 slots: most slots named several times
+    slots[[3, 17]] = -1
+    cache, scale = _alloc(kind, fp8_dtype, device=device)
+    qsa_write_index_cache(keys.to(device), slots.to(device), cache, scale)
+    ref_cache, ref_scale = _alloc(kind, fp8_dtype)
+    write_reference(keys, slots, ref_cache, ref_scale)
+    # The oracle: one key at a time, in call order.
+    seq_cache, seq_scale = _alloc(kind, fp8_dtype)
+    for i in range(40):
+        write_reference(keys[i : i + 1], slots[i : i + 1], seq_cache, seq_scale)
+    assert torch.equal(_bytes(ref_cache), _bytes(seq_cache))
+    assert torch.equal(_bytes(cache).cpu(), _bytes(seq_cache))
+    if scale is not None:
+        assert torch.equal(_bytes(ref_scale), _bytes(seq_scale))
+        assert torch.equal(_bytes(scale).cpu(), _bytes(seq_scale))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("key_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_wider_keys_round_to_nearest_even_into_a_bf16_cache(rng, key_dtype, device):
+    keys = torch.randn(64, 128, generator=rng).to(key_dtype)
+    if key_dtype == torch.float32:
+        # Exact ties (bf16 ulp halves) both ways, the largest finite values (round to infinity), a subnormal, NaN.
+        keys[0, :4] = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 1.5 + 2.0**-9])
+        keys[1, :4] = torch.tensor([3.4028235e38, -3.4028235e38, 1e-40, float("nan")])
+    cache, _ = _alloc("bf16", None, device=device)
+    qsa_write_index_cache(keys.to(device), torch.arange(64, device=device), cache)
+    expected = keys.to(torch.bfloat16)
+    got = cache.view(-1, 128)[:64].cpu()
+    assert torch.equal(got.isnan(), expected.isnan())
+    same = got.view(torch.int16) == expected.view(torch.int16)
+    assert bool((same | expected.isnan()).all()), f"{int((~same).sum())} elements not rounded to nearest-even"

@@ -589,7 +589,7 @@ def test_jit_dir_setting(monkeypatch, tmp_path):
     assert jit_cache.jit_root() == tmp_path / "cache"
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("QSA_AITER_JIT_DIR", str(tmp_path / "file"))
-    with pytest.raises(ValueError, match="QSA_AITER_JIT_DIR: .*file is not a directory"):
+    with pytest.raises(ValueError, match="QSA_AITER_JIT_DIR=.*file'? is invalid: allowed: a directory"):
         jit_cache.jit_root()
 
 

@@ -273,3 +273,14 @@ def test_quantised_problem_records_kind_and_bytes(quantised_call):
     assert problem.kv_dtype == ("fp4" if cache.dtype == torch.float4_e2m1fn_x2 else "fp8")
     assert problem.cache_dtype == cache.dtype and problem.head_dim == quantised_call["q"].shape[2]
     assert problem.cache_bytes == cache.numel() * cache.element_size() + scale.numel() * scale.element_size()
+
+
+def test_columns_standing_for_2_to_31_tokens_are_refused(call):
+    """The kernels clamp positions and context lengths to 32 bits, exact while ``columns x R < 2**31``: a table whose
+    columns stand for more tokens is refused on the host (``problem.MAX_CONTEXT_TOKENS``), naming the argument."""
+    wide = torch.zeros((2, 2**31 // (4 * PAGE)), dtype=torch.int32)  # exactly 2**31 tokens of columns at R 4
+    with pytest.raises(ValueError, match="`page_table` must be at most 2147483647 tokens of columns"):
+        describe_call(**dict(call, page_table=wide, out=None))
+    with pytest.raises(ValueError, match="`max_columns` must be at most"):
+        describe_call(**dict(call, page_table=wide, out=None, max_columns=2**29))
+    assert describe_call(**dict(call, page_table=wide, out=None, max_columns=2**29 - 1)).num_columns == 2**29 - 1

@@ -73,6 +73,17 @@ def test_quantised_kernel_matrix(monkeypatch, rng, cache, page_size, phase, back
     check_forced(monkeypatch, backend, batch, hints, label=f"{backend}/{phase}/{cache}/page{page_size}", tol=TOL)
 
 
+@pytest.mark.parametrize("backend", ("tiled", "stacked"))
+@pytest.mark.parametrize("page_size", (5, 33, 100))
+@pytest.mark.parametrize("cache", QUANTISED)
+def test_quantised_odd_page_sizes(monkeypatch, rng, cache, page_size, backend):
+    """Page sizes that divide no key tile, on the kernels whose tiles may read page ids as scalars (the e4m3 MMA
+    path of the stacked scorer included)."""
+    phase = "prefill" if backend == "tiled" else "verify"
+    batch, hints = quantised_batch(phase, cache, page_size, rng)
+    check_forced(monkeypatch, backend, batch, hints, label=f"{backend}/{cache}/page{page_size}", tol=TOL)
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("phase", ("prefill", "verify", "decode"))
 @pytest.mark.parametrize("cache", ("fp8", "fp4"))
@@ -137,6 +148,16 @@ def launch_args(batch, fp8_mma: bool) -> ScoreLaunch:
     visible = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
     return ScoreLaunch(q, batch.compressed_k_cache, batch.page_table, batch.token_to_request, batch.query_positions,
                        batch.context_lens, logits, visible, 1, 4, 1.0, batch.k_scale, fp8_mma)
+
+
+def test_a_head_dim_below_32_is_decoded_not_sent_to_e4m3_mmas(monkeypatch, rng):
+    """e4m3 MMAs step head_dim by 32: at head_dim 16 the stacked scorer decodes e4m3fn keys (on the H200 the e4m3
+    path failed to compile there), and ``explain`` says why."""
+    batch, hints = quantised_batch("verify", "fp8", 16, rng, head_dim=16)
+    assert not launch_args(batch, True).fp8_dot
+    keys = qsa_aiter.explain(*batch.args(), **hints).splitlines()[-1]
+    assert "head_dim 16 < 32" in keys, keys
+    check_forced(monkeypatch, "stacked", batch, hints, label="stacked/fp8/head_dim 16", tol=TOL)
 
 
 @pytest.mark.parametrize("cache", ("fp8", "fp4"))

@@ -90,7 +90,7 @@ def test_nearest_bucket_and_merging(tmp_path, monkeypatch):
 
 def test_a_missing_file_is_named(monkeypatch, tmp_path):
     use_tables(monkeypatch, tmp_path / "nowhere.csv")
-    with pytest.raises(ValueError, match="QSA_AITER_TUNED_CONFIG: .*nowhere.csv"):
+    with pytest.raises(ValueError, match="QSA_AITER_TUNED_CONFIG=.* is invalid: .*nowhere.csv is not a file"):
         tuned.lookup("cpu", "stacked", _problem())
 
 

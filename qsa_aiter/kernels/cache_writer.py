@@ -40,6 +40,16 @@ def _rne(x):
 
 
 @triton.jit
+def _bf16_rne(x):
+    """fp32 ``x`` rounded to the nearest bf16, ties to even, by integer rounding of its bits (NaN stays a quiet NaN):
+    the same value as a GPU's conversion, and the interpreter's conversion truncates instead."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _fp8_codes(v, FNUZ: tl.constexpr):
     """e4m3 codes (uint8) of fp32 ``v`` already clamped to the format's range; nearest-even."""
     BIAS: tl.constexpr = 8 if FNUZ else 7
@@ -96,7 +106,11 @@ def _write_index_cache_kernel(
             ok = d < HEAD_DIM
             k = tl.load(src + d, mask=ok, other=0.0)
             if KIND == 0:
-                tl.store(cache_ptr + slot * HEAD_DIM + d, k.to(cache_ptr.dtype.element_ty), mask=ok)
+                if (cache_ptr.dtype.element_ty == tl.bfloat16) and (keys_ptr.dtype.element_ty != tl.bfloat16):
+                    value = _bf16_rne(k.to(tl.float32))  # fp16 widens exactly, then one rounding
+                else:
+                    value = k.to(cache_ptr.dtype.element_ty)
+                tl.store(cache_ptr + slot * HEAD_DIM + d, value, mask=ok)
             else:
                 kf = k.to(tl.float32)
                 scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(kf), axis=0), 1.0e-4), FP8_MAX)

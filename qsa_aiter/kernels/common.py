@@ -16,9 +16,9 @@ import triton.language as tl
 from .. import tuned
 
 from .dequant import (
-    KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, e4m3_row_scale, fast_decode, fp4_block_order, fp4_e4m3_block, fp8_dot,
-    fp8_tensor_cores, kernel_view, kv_kind, load_fp4_key_tile, load_key_tile, key_slots, split_e4m3, split_query_e4m3,
-    tile_slots,
+    E4M3_MIN_HEAD_DIM, KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, e4m3_row_scale, fast_decode, fp4_block_order,
+    fp4_e4m3_block, fp8_dot, fp8_tensor_cores, kernel_view, kv_kind, load_fp4_key_tile, load_key_tile, key_slots,
+    split_e4m3, split_query_e4m3, tile_slots,
 )
 
 
@@ -112,7 +112,7 @@ class ScoreLaunch:
     def fp8_dot(self) -> bool:
         """e4m3fn or MXFP4 keys go to e4m3 tensor cores against a split q (``e4m3_mma_serves``); the interpreter
         emulates it."""
-        return e4m3_mma_serves(self.q.dtype, self.k_cache.dtype, self.q.device, self.fp8_mma)
+        return e4m3_mma_serves(self.q.dtype, self.k_cache.dtype, self.q.shape[2], self.q.device, self.fp8_mma)
 
     @property
     def scale_words(self) -> bool:
@@ -141,12 +141,13 @@ class ScoreLaunch:
         )
 
 
-def e4m3_mma_serves(q_dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device, enabled: bool) -> bool:
+def e4m3_mma_serves(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, device: torch.device,
+                    enabled: bool) -> bool:
     """Whether the stacked scorer reads the keys with e4m3 tensor-core MMAs (``FP8_DOT``): ``enabled``
     (``QSA_AITER_FP8_MMA``), an e4m3fn or MXFP4 cache with bf16 queries (``dequant.fp8_dot``), and e4m3 tensor cores
     on ``device`` (``dequant.fp8_tensor_cores``) or the interpreter, which emulates them with exact fp32 dots."""
     hardware = interpreting() or fp8_tensor_cores(device)
-    return fp8_dot(q_dtype, cache_dtype, enabled and hardware)
+    return fp8_dot(q_dtype, cache_dtype, head_dim, enabled and hardware)
 
 
 def describe_key_reading(kernel: str, problem, e4m3_mma: bool, enabled: bool) -> str:
@@ -171,6 +172,8 @@ def describe_key_reading(kernel: str, problem, e4m3_mma: bool, enabled: bool) ->
         why = "fp16 queries: two e4m3 terms cannot hold them"
     elif kind not in (KV_FP8_E4M3FN, KV_FP4):
         why = "an e4m3fnuz cache"
+    elif problem.head_dim < E4M3_MIN_HEAD_DIM:
+        why = f"head_dim {problem.head_dim} < {E4M3_MIN_HEAD_DIM}: e4m3 MMAs step head_dim by 32"
     else:
         why = "no e4m3 tensor cores on this device"
     return f"decoded to {dtype} in registers ({why})"
@@ -200,19 +203,35 @@ def common_signature(q_dtype: str, index_dtype: str, kv: int = KV_16BIT) -> dict
     return {name: kind.format(q=q_dtype, idx=index_dtype, k=k, ks=ks) for name, kind in COMMON_SIGNATURE.items()}
 
 
+#: Largest position and context length the visibility rule needs: past them every count is ``num_columns`` anyway,
+#: because the host refuses ``num_columns * R >= 2**31`` (``problem.MAX_CONTEXT_TOKENS``).
+_POS_MAX = tl.constexpr(2**31 - 2)
+_CTX_MAX = tl.constexpr(2**31 - 1)
+
+
 @triton.jit
 def row_visibility(t2r_ptr, pos_ptr, ctx_ptr, rows, num_tokens, num_requests, num_columns, RATIO: tl.constexpr):
-    """Request id and visible group count of ``rows`` (scalar or vector). Padded rows give ``(-1, 0)``."""
+    """Request id and visible group count of ``rows`` (scalar or vector), both int32. Padded rows give ``(-1, 0)``.
+
+    The metadata is compared and clamped in its own dtype before it is narrowed: int64 request ids, positions and
+    context lengths past 2**31 are honoured, never wrapped, and ``p + 1`` cannot overflow. The clamps change no count
+    (a position or context past them sees all ``num_columns``). The arithmetic after them is 32-bit, and the int64
+    context clamp is compiled only for int64 metadata: with int32 metadata the kernels build exactly as before (a
+    clamp there moved the row-wise kernel's scalars off the uniform datapath, which measured slower)."""
     in_range = rows < num_tokens
-    req = tl.load(t2r_ptr + rows, mask=in_range, other=-1).to(tl.int32)
-    pos = tl.load(pos_ptr + rows, mask=in_range, other=-1).to(tl.int32)
+    req = tl.load(t2r_ptr + rows, mask=in_range, other=-1)
+    pos = tl.load(pos_ptr + rows, mask=in_range, other=-1)
     req_ok = (req >= 0) & (req < num_requests)
-    ctx = tl.load(ctx_ptr + req, mask=req_ok, other=0).to(tl.int32)
-    # Negative operands only arise for padded or empty rows and clamp to 0 below, so C-style division is fine.
+    ctx = tl.load(ctx_ptr + req, mask=req_ok, other=0)
+    if ctx.dtype == tl.int64:
+        ctx = tl.minimum(tl.maximum(ctx, 0), _CTX_MAX)
+    pos = tl.minimum(tl.maximum(pos, -1), _POS_MAX).to(tl.int32)
+    ctx = ctx.to(tl.int32)  # an int32 context needs no clamp: a negative one clamps the count to 0 below
+    # Negative positions give 0 (C-style division) and clamp to 0 below.
     vis = tl.minimum((pos + 1) // RATIO, ctx // RATIO)
     vis = tl.minimum(tl.maximum(vis, 0), num_columns)
     vis = tl.where(req_ok, vis, 0)
-    req = tl.where(req_ok, req, -1)
+    req = tl.where(req_ok, req, -1).to(tl.int32)
     return req, vis
 
 
@@ -300,8 +319,9 @@ def key_tile_slots(pt_row_ptr, tile, valid, num_pages, BLOCK_N: tl.constexpr, PA
     """Cache slots ``[BLOCK_N]`` int64 and ``page_ok`` of key tile ``tile`` (columns ``tile * BLOCK_N + [0,
     BLOCK_N)``, those ``< valid`` wanted) of one request. The tile's page ids are read as scalars (``tile_slots``)
     with ``SCALAR_PAGES``, else as one vector (``key_slots``): a tile setting, which is faster depends on the kernel
-    and cache kind."""
-    if SCALAR_PAGES:
+    and cache kind. Scalar page ids need tiles and pages that nest (one divides the other); any other page size
+    reads them as a vector whatever ``SCALAR_PAGES`` says."""
+    if SCALAR_PAGES and ((BLOCK_N % PAGE_SIZE == 0) or (PAGE_SIZE % BLOCK_N == 0)):
         slot, page_ok = tile_slots(pt_row_ptr, tile, valid, num_pages, BLOCK_N, PAGE_SIZE)
     else:
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -118,12 +118,18 @@ def key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE: tl.constexpr):
     return page.to(tl.int64) * PAGE_SIZE + (cols % PAGE_SIZE), page_ok
 
 
-def fp8_dot(q_dtype: torch.dtype, cache_dtype: torch.dtype, tensor_cores: bool) -> bool:
+#: e4m3 MMAs take head_dim in K-steps of 32: a smaller head_dim cannot be one.
+E4M3_MIN_HEAD_DIM = 32
+
+
+def fp8_dot(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, tensor_cores: bool) -> bool:
     """Whether the tensor-core kernels score the keys with e4m3 MMAs (``FP8_DOT``): an e4m3fn cache (the stored
     bytes are the operand) or an MXFP4 cache (each e2m1 nibble becomes an exact e4m3 byte, ``fp4_e4m3_block``), bf16
-    queries (8 significant bits: two e4m3 terms hold them, ``split_query_e4m3``) and e4m3 tensor cores
-    (``fp8_tensor_cores``; the interpreter emulates them with fp32 dots of the same terms)."""
-    return kv_kind(cache_dtype) in (KV_FP8_E4M3FN, KV_FP4) and q_dtype == torch.bfloat16 and tensor_cores
+    queries (8 significant bits: two e4m3 terms hold them, ``split_query_e4m3``), a head_dim of at least
+    ``E4M3_MIN_HEAD_DIM`` and e4m3 tensor cores (``fp8_tensor_cores``; the interpreter emulates them with fp32 dots
+    of the same terms)."""
+    return (kv_kind(cache_dtype) in (KV_FP8_E4M3FN, KV_FP4) and q_dtype == torch.bfloat16
+            and head_dim >= E4M3_MIN_HEAD_DIM and tensor_cores)
 
 
 @triton.jit
@@ -180,7 +186,8 @@ def split_query_e4m3(q):
 @triton.jit
 def tile_slots(pt_row_ptr, tile, valid, num_pages, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """``key_slots`` of key tile ``tile`` (columns ``tile * BLOCK_N + [0, BLOCK_N)``, those ``< valid`` wanted; the
-    tile must start below ``valid``), with the page ids of the tile read as scalars and selected per column.
+    tile must start below ``valid``), with the page ids of the tile read as scalars and selected per column. Tiles
+    and pages must nest: ``PAGE_SIZE`` a multiple of ``BLOCK_N``, or ``BLOCK_N`` a multiple of ``PAGE_SIZE``.
 
     Same result as ``key_slots``; no vector of page ids is loaded, so nothing has to be moved between the layouts
     of the key gather and of the MMA result (each such move costs a shared-memory round trip and a barrier).

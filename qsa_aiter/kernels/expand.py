@@ -3,7 +3,8 @@
 One program per row. Each selected group ``g >= 0`` contributes the tokens ``g*R .. g*R+R-1`` that are below the
 request's context length (a prefix of the group: the tokens ascend); an exclusive prefix sum over the groups gives
 each its first output slot, so skipped groups (``-1``) and cut tokens leave no holes. The causal tail
-``((p+1)//R)*R .. p`` (capped by the context length) follows, then ``-1``. The three regions are disjoint, so the
+``((p+1)//R)*R .. p`` (capped by the context length) follows, then ``-1``. Indices are int32: tokens at or past
+2**31 (an int64 context that long) are cut like tokens past the context. The three regions are disjoint, so the
 stores need no ordering between them.
 """
 
@@ -13,7 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..problem import TOKEN_INDEX_LIMIT
 from .common import next_pow2
+
+TOKEN_LIMIT = tl.constexpr(TOKEN_INDEX_LIMIT)
 
 
 @triton.jit
@@ -22,17 +26,18 @@ def expand_row(t, blk_row, pos_ptr, ctx_ptr, t2r_ptr, out_row, num_requests,
                WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
     """Expand row ``t``: its ``GROUPS`` groups at ``blk_row`` (any int dtype, ``-1`` skipped) to ``WIDTH`` int32
     token indices at ``out_row``. Also called by the top-k kernel to fuse the expansion into its launch."""
-    req = tl.load(t2r_ptr + t).to(tl.int32)
+    req = tl.load(t2r_ptr + t)  # compared in its own dtype: an int64 id past 2**31 is out of range, not wrapped
     ok = (req >= 0) & (req < num_requests)
     limit = tl.load(ctx_ptr + tl.where(ok, req, 0), mask=ok, other=0).to(tl.int64)
-    limit = tl.where(ok, limit, 0)
+    limit = tl.minimum(tl.where(ok, limit, 0), TOKEN_LIMIT)
     pos = tl.load(pos_ptr + t).to(tl.int64)
 
     i = tl.arange(0, BLOCK_G)
     g = tl.load(blk_row + i, mask=i < GROUPS, other=-1).to(tl.int64)
     j = tl.arange(0, BLOCK_R)
     tokens = g[:, None] * RATIO + j[None, :]
-    keep = (g[:, None] >= 0) & (j[None, :] < RATIO) & (tokens < limit)
+    # g < limit first: a huge group id would wrap g * R; limit <= 2**31 keeps the product in range.
+    keep = (g[:, None] >= 0) & (g[:, None] < limit) & (j[None, :] < RATIO) & (tokens < limit)
     kept = tl.sum(keep.to(tl.int32), axis=1)
     first = tl.cumsum(kept, axis=0) - kept
     total = tl.sum(kept, axis=0)

@@ -129,7 +129,7 @@ def default_config(problem, e4m3_mma: bool | None = None) -> StackedConfig:
     rows = min(max(rows, 16 // problem.num_heads, 1), 16)
     kind = kv_kind(problem.cache_dtype)
     if e4m3_mma is None:
-        e4m3_mma = fp8_dot(problem.q_dtype, problem.cache_dtype, True)
+        e4m3_mma = fp8_dot(problem.q_dtype, problem.cache_dtype, problem.head_dim, True)
     if kind == KV_FP4 and e4m3_mma:
         # MXFP4 on e4m3 MMAs: each 32-element block has its own fp32 accumulator [BLOCK_N, M], all live until
         # they are scaled and summed, so registers grow with M = rows x heads (and the block count). 64-key tiles

@@ -193,16 +193,17 @@ def collect_candidates(src, n, n_vec, floor, buf_row, CAPACITY: tl.constexpr, SC
     return kept
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_columns"])
 def _block_topk_kernel(
     logits_ptr, vis_ptr, out_ptr, buf_ptr, pos_ptr, ctx_ptr, t2r_ptr, tok_ptr,
-    logits_stride, out_stride, buf_stride, num_requests, tok_stride,
+    logits_stride, out_stride, buf_stride, num_requests, tok_stride, num_columns,
     K: tl.constexpr, BLOCK_K: tl.constexpr, CAPACITY: tl.constexpr, TILE: tl.constexpr, SCAN: tl.constexpr,
     CHUNK: tl.constexpr, PAST_END_OK: tl.constexpr,
     EXPAND: tl.constexpr, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     row = tl.program_id(0)
-    n = tl.load(vis_ptr + row)
+    # The visible count is device data: clamped to the row, so no value makes the kernel read past it.
+    n = tl.minimum(tl.maximum(tl.load(vis_ptr + row), 0), num_columns)
     out_row = out_ptr + row.to(tl.int64) * out_stride
     if n <= K:
         # Short rows take every visible group, scores unread.
@@ -268,7 +269,7 @@ def constexprs(block_topk: int, cfg: TopkConfig, expansion: dict | None = None, 
 def launch(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
            cfg: TopkConfig | None = None, expand_into: tuple | None = None) -> None:
     """Fill ``out`` (int32 ``[tokens, block_topk]``, last dim contiguous) from fp32 ``logits`` ``[tokens, columns]``
-    (last dim contiguous) and int32 ``visible`` ``[tokens]`` (each ``<= columns``).
+    (last dim contiguous) and int32 ``visible`` ``[tokens]`` (read clamped to ``[0, columns]``).
 
     ``expand_into = (query_positions, context_lens, token_to_request, tokens_out, compress_ratio, token_topk)`` also
     writes each row's token indices (``qsa_expand_block_indices`` of ``out``) into ``tokens_out`` (int32
@@ -287,7 +288,7 @@ def launch(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block
         expansion = expand.constexprs(ratio, block_topk, token_topk)
     _block_topk_kernel[(tokens,)](
         logits, visible, out, candidates, pos, ctx, t2r, tok, logits.stride(0), out.stride(0), candidates.stride(0),
-        num_requests, tok_stride, **constexprs(block_topk, cfg, expansion, logits.shape[1]),
+        num_requests, tok_stride, logits.shape[1], **constexprs(block_topk, cfg, expansion, logits.shape[1]),
         num_warps=cfg.num_warps,
     )
 

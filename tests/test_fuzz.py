@@ -1,0 +1,55 @@
+"""Seeded fuzzing over random metadata (``qsa_aiter.fuzz``): every path against its oracle, outputs poisoned, exactly
+``[0, visible)`` compared. CI runs a couple of hundred cases per path under the interpreter; ``python -m qsa_aiter
+fuzz --cases N`` runs more (on the GPU where there is one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qsa_aiter import fuzz
+
+#: Cases per path in the suite: the kernels', fewer for ``auto`` (it runs one of them) and more for the cheap paths.
+CASES = {"tiled": 200, "stacked": 200, "rowwise": 200, "torch": 200, "auto": 60, "topk": 200, "topk_torch": 200,
+         "expand": 300, "expand_torch": 300}
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("path", fuzz.PATHS)
+def test_fuzz_path_matches_its_oracle(path):
+    # Each path draws its own cases (seeds offset by path), so the suite covers more metadata than one shared draw.
+    seed = 1000 * fuzz.PATHS.index(path)
+    (result,) = fuzz.run((path,), CASES[path], seed, DEVICE)
+    assert result.cases == CASES[path]
+    assert not result.mismatches, "\n".join([result.line()] + result.mismatches[:5])
+    if path in ("tiled", "stacked"):
+        # Their reasons refuse some shapes (head counts, head dims), not most of them.
+        assert result.refused < result.cases * 3 // 4, result.line()
+
+
+def test_cases_replay_from_their_seed():
+    first, again = fuzz.scoring_case(7, torch.device("cpu")), fuzz.scoring_case(7, torch.device("cpu"))
+    assert first.label == again.label
+    assert all(torch.equal(a, b) for a, b in zip(first.args[:6], again.args[:6]))
+
+
+def test_the_draws_reach_the_edges():
+    """The metadata the issue lists is drawn: odd page sizes, int64 values past 2**31, bad and huge page ids,
+    positions past the context, ties, every cache format."""
+    cases = [fuzz.scoring_case(seed, torch.device("cpu")) for seed in range(150)]
+    pages = {c.args[1].shape[1] for c in cases}
+    assert {1, 5, 33, 100} <= pages
+    assert {c.args[1].dtype for c in cases} >= {torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                                 torch.float8_e4m3fnuz, torch.float4_e2m1fn_x2}
+    assert any(int(c.args[4].max()) > 2**31 for c in cases)  # a position past 2**31
+    assert any(int(c.args[5].max()) > 2**31 for c in cases)  # a context past 2**31
+    assert any(int(c.args[2].max()) > 2**31 for c in cases)  # a page id past 2**31
+    assert any(int(c.args[3].max()) >= c.args[2].shape[0] for c in cases)  # a request id past the table
+    assert any(bool(c.tied.any()) for c in cases)
+    assert any(c.args[2].dtype == torch.int32 for c in cases) and any(c.args[2].dtype == torch.int64 for c in cases)
+
+
+def test_the_command_line_reports_each_path(capsys):
+    assert fuzz.main(["--cases", "2", "--paths", "torch", "expand", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "torch: 2 cases" in out and "expand: 2 cases" in out and "0 mismatches" in out
