@@ -6,12 +6,16 @@ import argparse
 import re
 import sys
 
+from .cli_args import positive_int
 from .problem import PHASES
+
+
+_TOKENS = r"\s*(\d+)\s*([kKmM]?)\s*"
 
 
 def _tokens(text: str) -> int:
     """``65536``, ``64K`` or ``64k`` -> tokens."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    match = re.fullmatch(_TOKENS, text)
     if not match:
         raise argparse.ArgumentTypeError(f"expected a token count such as 65536 or 64K; got {text!r}")
     value, unit = int(match.group(1)), match.group(2).lower()
@@ -19,13 +23,12 @@ def _tokens(text: str) -> int:
 
 
 def _context(text: str) -> tuple[int, int]:
-    """``64K`` -> (64K, 64K); ``64K-128K`` -> a range spread over the requests."""
-    parts = text.split("-")
-    if len(parts) == 1:
-        n = _tokens(parts[0])
-        return n, n
-    if len(parts) == 2:
-        lo, hi = _tokens(parts[0]), _tokens(parts[1])
+    """``64K`` -> (64K, 64K); ``64K-128K`` -> a range spread over the requests. Anything else (a negative count
+    included) is rejected with the whole value in the message."""
+    match = re.fullmatch(f"{_TOKENS}(?:-{_TOKENS})?", text)
+    if match:
+        lo = _tokens(text.split("-")[0])
+        hi = _tokens(text.split("-")[1]) if "-" in text else lo
         if lo <= hi:
             return lo, hi
     raise argparse.ArgumentTypeError(f"expected a context such as 64K or a range such as 64K-128K; got {text!r}")
@@ -39,16 +42,6 @@ def _cache_dir(text: str):
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is not a directory")
     return path
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return value
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -73,18 +66,18 @@ def _build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("explain", help="print which kernel would serve a workload, and why the others do not",
                         description="Build a synthetic batch with qsa_aiter.workloads.make_batch and print "
                                     "qsa_aiter.explain() for it.")
-    ex.add_argument("--requests", type=_positive, default=9, help="number of requests (default 9)")
-    ex.add_argument("--rows-per-request", type=_positive, default=4,
+    ex.add_argument("--requests", type=positive_int, default=9, help="number of requests (default 9)")
+    ex.add_argument("--rows-per-request", type=positive_int, default=4,
                     help="query rows per request: 4 for MTP verify, 1 for decode (default 4)")
     ex.add_argument("--context", type=_context, default=(64 * 1024, 128 * 1024),
                     help="context length in tokens, or a range spread over the requests (default 64K-128K)")
-    ex.add_argument("--page-size", type=_positive, default=64,
+    ex.add_argument("--page-size", type=positive_int, default=64,
                     help="compressed groups per page of the index cache (default 64)")
     ex.add_argument("--phase", choices=PHASES, default=None,
                     help="phase hint passed to the op (default: none, the dispatcher infers it)")
-    ex.add_argument("--heads", type=_positive, default=4, help="index heads (default 4)")
-    ex.add_argument("--head-dim", type=_positive, default=128, help="index head dim (default 128)")
-    ex.add_argument("--compress-ratio", type=_positive, default=4, help="tokens per compressed group (default 4)")
+    ex.add_argument("--heads", type=positive_int, default=4, help="index heads (default 4)")
+    ex.add_argument("--head-dim", type=positive_int, default=128, help="index head dim (default 128)")
+    ex.add_argument("--compress-ratio", type=positive_int, default=4, help="tokens per compressed group (default 4)")
     ex.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="q and cache dtype (default bf16)")
     ex.add_argument("--cache", choices=("16bit", "fp8", "fp8_fnuz", "fp4"), default="16bit",
                     help="index-cache format (default 16bit: like --dtype)")
@@ -140,7 +133,7 @@ def _choices(allowed: tuple[str, ...]):
 
 
 def _positive_list(text: str) -> tuple[int, ...]:
-    values = tuple(_positive(v) for v in text.split(",") if v.strip())
+    values = tuple(positive_int(v) for v in text.split(",") if v.strip())
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers; got {text!r}")
     return values
@@ -202,6 +195,9 @@ def _explain(opts: argparse.Namespace) -> int:
     device = opts.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but this machine has no CUDA device (use --device cpu or auto)", file=sys.stderr)
+        return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
     batch = make_batch(contexts, opts.rows_per_request, heads=opts.heads, head_dim=opts.head_dim,
                        page_size=opts.page_size, compress_ratio=opts.compress_ratio, dtype=dtype, cache=opts.cache,

@@ -1,4 +1,4 @@
-"""Benchmark of every scoring kernel at the SPEC section 7 work points (``python -m qsa_aiter bench``).
+"""Benchmark of every scoring kernel at the work points of docs/benchmarks.md (``python -m qsa_aiter bench``).
 
 Method: each kernel is forced through the registry, the call is captured in a CUDA graph over several input sets
 (rotated so that the working set exceeds L2), the graph is replayed many times between CUDA events and the median
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import registry
+from .cli_args import positive_int
 from .kernels.common import ScoreLaunch
 from .ops import describe_call, qsa_paged_mqa_logits
 from .selection import qsa_select_paged_tokens
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench_out", help="output folder (CSV, PNG)")
     parser.add_argument("--pages", default="64,16", help="page sizes, comma-separated")
     parser.add_argument("--points", default="", help="substring filter on work-point names")
-    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--replays", type=positive_int, default=50)
     parser.add_argument("--quick", action="store_true", help="skip the 16K-row prefill")
     parser.add_argument("--kv", default="bf16", help="index-cache formats, comma-separated: bf16, fp8, fp4")
     parser.add_argument("--kernels", default="", help="kernels to time, comma-separated (default: each point's)")

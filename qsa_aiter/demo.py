@@ -19,6 +19,7 @@ import torch
 
 from . import explain, qsa_paged_mqa_logits, qsa_select_paged_tokens, reference_paged_mqa_logits, selected_kernel
 from .bench import floor_bytes, time_graph
+from .cli_args import positive_int
 from .kernels.common import interpreting
 from .selection import torch_block_topk, torch_expand_block_indices
 from .workloads import CACHES, make_batch
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Score an MTP-verify batch and a prefill chunk on this machine, check them against the reference "
                     "and time them.",
     )
-    parser.add_argument("--iters", type=int, default=50, help="timed calls per phase on a GPU (default 50)")
+    parser.add_argument("--iters", type=positive_int, default=50, help="timed calls per phase on a GPU (default 50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches (default 0)")
     parser.add_argument("--cache", choices=CACHES, default="16bit",
                         help="index-cache format: 16bit (bf16, default), fp8, fp8_fnuz or fp4 (MXFP4); quantised "
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"Triton {triton.__version__}); if the kernels fail below, pip install 'numpy<2.4'")
 
     phases = gpu_phases() if use_gpu else cpu_phases()
-    results = [run_phase(phase, device, max(1, opts.iters), opts.seed + i, opts.cache)
+    results = [run_phase(phase, device, opts.iters, opts.seed + i, opts.cache)
                for i, phase in enumerate(phases)]
     failed = [p.name for p, ok in zip(phases, results) if not ok]
     print("\n" + (f"FAILED: {', '.join(failed)}" if failed else f"all {len(phases)} checks passed"))

@@ -34,6 +34,7 @@ import torch
 
 from . import registry
 from .cache_formats import allocate_index_cache, write_reference
+from .cli_args import positive_int
 from .kernels.common import interpreting
 from .ops import describe_call, qsa_paged_mqa_logits
 from .reference import reference_block_topk, reference_expand_block_indices, reference_paged_mqa_logits
@@ -385,16 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m qsa_aiter fuzz",
         description="Fuzz the scoring, top-k and expansion ops against the torch oracles over random metadata "
                     "(seeded; a mismatch prints the seed that replays it).")
-    parser.add_argument("--cases", type=int, default=200, help="cases per path (default 200)")
+    parser.add_argument("--cases", type=positive_int, default=200, help="cases per path (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first case (default 0)")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), metavar="PATH",
                         help="paths to fuzz (default all): " + ", ".join(PATHS))
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the tensors live (default: cuda if available and not interpreting, else cpu)")
-    parser.add_argument("--show", type=int, default=5, help="mismatches printed per path (default 5)")
+    parser.add_argument("--show", type=positive_int, default=5, help="mismatches printed per path (default 5)")
     opts = parser.parse_args(argv)
-    if opts.cases < 1:
-        parser.error(f"--cases must be >= 1; got {opts.cases}")
     if opts.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but no CUDA device is available", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from . import registry
 from .kernels.common import ScoreLaunch
 from .problem import ScoreProblem, validate_scoring_call
 from .settings import get_settings
+from .traced import through_custom_op
 
 
 def _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
@@ -19,6 +20,7 @@ def _prepare(q, compressed_k_cache, page_table, token_to_request, query_position
     )
 
 
+@through_custom_op
 def qsa_paged_mqa_logits(
     q: torch.Tensor,
     compressed_k_cache: torch.Tensor,
@@ -56,6 +58,8 @@ def qsa_paged_mqa_logits(
         out: optional fp32 ``[tokens, num_columns]`` (last dim contiguous) to write the logits into.
         phase: optional host-side hint: ``prefill``, ``verify``, ``draft`` or ``decode``.
         max_query_len: optional host int: the most query rows any request has in this call.
+
+    Traced by ``torch.compile`` the call goes through the custom op (``qsa_aiter.traced``).
 
     Returns:
         ``(logits, visible_groups)``: fp32 ``[tokens, num_columns]`` whose columns ``[0, visible)`` hold

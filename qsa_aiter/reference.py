@@ -38,7 +38,7 @@ def head_summed_scores(q: torch.Tensor, k: torch.Tensor, divisor: float) -> torc
     elementwise, summed over head_dim by a fixed pairwise tree (zero-padded to a power of two), heads added in order.
     A matmul's summation order changes with the shapes and the library's kernel choice, so identical keys could
     score differently by column or by how many rows share the call, and exact ties would not break to the lower
-    group (SPEC section 1).
+    group (docs/kernels.md).
     """
     n, heads, dim = q.shape
     width = 1 << max(0, (dim - 1).bit_length())

@@ -28,6 +28,7 @@ from .problem import (
     TOKEN_INDEX_LIMIT, check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument,
 )
 from .settings import ConfigurationError, get_settings
+from .traced import through_custom_op
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -76,6 +77,7 @@ def torch_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: in
     out[:, take:] = -1
 
 
+@through_custom_op
 def qsa_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Block top-k of scored rows: int32 ``[tokens, block_topk]``.
@@ -153,6 +155,7 @@ def torch_expand_block_indices(block_indices, query_positions, context_lens, tok
     out.copy_(result.to(torch.int32))
 
 
+@through_custom_op
 def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch.Tensor, context_lens: torch.Tensor,
                              token_to_request: torch.Tensor, compress_ratio: int, token_topk: int,
                              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -223,6 +226,7 @@ def selection_problem(q, compressed_k_cache, page_table, token_to_request, query
     return dataclasses.replace(problem, num_columns=max_columns)  # nothing else in it depends on the columns
 
 
+@through_custom_op
 def qsa_select_paged_tokens(
     q: torch.Tensor,
     compressed_k_cache: torch.Tensor,

@@ -1,7 +1,7 @@
 """Oracle comparisons shared by the test suite and the fuzzer (``qsa_aiter.fuzz``): poisoned outputs, the exact
 ``[0, visible)`` region, and tolerances scaled by the terms each score sums.
 
-Columns at or past a row's visible count are never compared: kernels need not write them (SPEC section 1).
+Columns at or past a row's visible count are never compared: kernels need not write them (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .log import log_once
 from .settings import ConfigurationError, get_settings
 
-#: The shipped tables.
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+#: The shipped tables: the package's ``configs`` (in a source checkout a link to the top-level ``configs/``, their
+#: source; a wheel carries the files themselves). Read only: tuned rows of one's own go to files of one's own.
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 SHIPPED = ("scoring.csv",)
 
 

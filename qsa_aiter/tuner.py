@@ -1,5 +1,6 @@
-"""The tuner (``python -m qsa_aiter tune``): measures candidate tile configs of each scoring kernel at the SPEC work
-points on the present GPU and writes the best one per point as a tuned-config row (``qsa_aiter.tuned``).
+"""The tuner (``python -m qsa_aiter tune``): measures candidate tile configs of each scoring kernel at the benchmark's
+work points (docs/benchmarks.md) on the present GPU and writes the best one per point as a tuned-config row
+(``qsa_aiter.tuned``).
 
 A sweep is one (kernel, work point, kv dtype, page size). Its candidates are the product of the kernel's grid
 (``GRIDS``, or ``--grid`` axes) plus the kernel's default config; the default is always timed, so every row records
@@ -28,6 +29,8 @@ import os
 from pathlib import Path
 
 from tqdm import tqdm
+
+from .cli_args import positive_int
 
 #: Which work points each kernel is tuned at, and in which phase (SPEC section 4: the phase that kernel serves).
 PLAN: dict[str, tuple[tuple[str, str], ...]] = {
@@ -286,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--points", default="", help="substrings of work-point names (default: the kernel's plan)")
     parser.add_argument("--grid", nargs="*", default=None, metavar="FIELD=V1,V2",
                         help="candidate axes instead of the kernel's grid (one kernel at a time)")
-    parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--jobs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
+    parser.add_argument("--replays", type=positive_int, default=20)
+    parser.add_argument("--jobs", type=positive_int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
                         help="compile worker processes")
     parser.add_argument("--csv", default="", help="table to write the best row of each sweep into")
     parser.add_argument("--results", default="", help="CSV of every timing")

@@ -9,12 +9,14 @@ from .kernels.common import triton_runs_on
 from .kernels.dequant import kernel_view
 from .problem import fail_argument
 from .settings import get_settings
+from .traced import through_custom_op
 
 
 def _fail(kind: type[Exception], name: str, expected: str, got: object) -> None:
     fail_argument(kind, name, expected, got, op="qsa_write_index_cache")
 
 
+@through_custom_op
 def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor,
                           k_scale: torch.Tensor | None = None) -> None:
     """Write ``keys`` into ``cache`` at ``slot_mapping`` (``slot = page * page_size + offset``; ``-1`` skips).

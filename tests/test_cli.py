@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from qsa_aiter.__main__ import main
+from qsa_aiter.demo import main as demo_main
 
 
 def test_explain_prints_the_decision(capsys):
@@ -41,3 +45,25 @@ def test_cache_choices_match_the_workload_formats():
     explain = _build_parser()._subparsers._group_actions[0].choices["explain"]
     choices = next(a.choices for a in explain._actions if a.dest == "cache")
     assert tuple(choices) == CACHES
+
+
+def test_explain_on_cuda_without_a_gpu_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["explain", "--device", "cuda", "--requests", "2", "--context", "1K"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "no CUDA device" in err and "Traceback" not in err
+
+
+def test_a_negative_context_is_quoted_whole(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", "--context", "-5"])
+    assert exit_info.value.code == 2
+    assert "got '-5'" in capsys.readouterr().err
+
+
+def test_demo_rejects_a_non_positive_iteration_count(capsys):
+    for value in ("-1", "0", "x"):
+        with pytest.raises(SystemExit) as exit_info:
+            demo_main(["--iters", value])
+        assert exit_info.value.code == 2
+        assert f"--iters: expected a positive integer; got '{value}'" in capsys.readouterr().err

@@ -185,16 +185,22 @@ def test_writer_op_writes_the_cache_and_scales_in_place(rng):
 
 
 class Indexer(torch.nn.Module):
-    """Score -> block top-k -> expansion, beside the fused selection written into a caller's buffer."""
+    """Score -> block top-k -> expansion, beside the fused selection written into a caller's buffer, through ``api``:
+    ``custom_ops``, or the plain public functions (``qsa_aiter``), which become the custom ops when traced."""
+
+    def __init__(self, api=custom_ops):
+        super().__init__()
+        self.api = api
 
     def forward(self, q, cache, page_table, token_to_request, positions, context_lens, selected, row_starts):
+        api = self.api
         q = q.view(q.shape[0], -1).view(q.shape)  # glue the graph must carry around the ops
-        logits, visible = custom_ops.qsa_paged_mqa_logits(q, cache, page_table, token_to_request, positions,
-                                                          context_lens, R, None, None, row_starts)
-        groups = custom_ops.qsa_block_topk(logits, visible, TOPK // R)
-        tokens = custom_ops.qsa_expand_block_indices(groups, positions, context_lens, token_to_request, R, TOPK)
-        custom_ops.qsa_select_paged_tokens(q, cache, page_table, token_to_request, positions, context_lens, TOPK, R,
-                                           out=selected, phase="verify", max_query_len=4)
+        logits, visible = api.qsa_paged_mqa_logits(q, cache, page_table, token_to_request, positions, context_lens,
+                                                   R, None, None, row_starts)
+        groups = api.qsa_block_topk(logits, visible, TOPK // R)
+        tokens = api.qsa_expand_block_indices(groups, positions, context_lens, token_to_request, R, TOPK)
+        api.qsa_select_paged_tokens(q, cache, page_table, token_to_request, positions, context_lens, TOPK, R,
+                                    out=selected, phase="verify", max_query_len=4)
         return visible, tokens
 
 
@@ -204,11 +210,11 @@ def indexer_inputs(batch):
             torch.full((tokens,), 3, dtype=torch.int32, device=batch.q.device))
 
 
-def check_compiled_indexer(batch, **compile_kwargs):
+def check_compiled_indexer(batch, api=custom_ops, **compile_kwargs):
     torch._dynamo.reset()
     eager_inputs, compiled_inputs = indexer_inputs(batch), indexer_inputs(batch)
-    eager = Indexer()(*eager_inputs)
-    compiled = torch.compile(Indexer(), fullgraph=True, **compile_kwargs)(*compiled_inputs)
+    eager = Indexer(api)(*eager_inputs)
+    compiled = torch.compile(Indexer(api), fullgraph=True, **compile_kwargs)(*compiled_inputs)
     for got, want in zip(compiled, eager):
         assert torch.equal(got, want)
     assert torch.equal(compiled_inputs[6], eager_inputs[6]), "the selection is written into `selected`"
@@ -220,6 +226,25 @@ def check_compiled_indexer(batch, **compile_kwargs):
 def test_compiled_indexer_has_no_graph_breaks_and_matches_eager(rng):
     # Views only around the ops: inductor then needs no C++ kernel build, which would add ~40 s on a CI CPU.
     check_compiled_indexer(small_batch(rng))
+
+
+def test_the_plain_public_functions_compile_with_fullgraph(rng):
+    """Engines compile model code that calls ``qsa_aiter.qsa_*`` by name: traced, each becomes its custom op."""
+    batch = small_batch(rng)
+    check_compiled_indexer(batch, api=qsa_aiter)
+    args = batch.args()[:6]
+    torch._dynamo.reset()
+    score = torch.compile(lambda *a: qsa_aiter.qsa_paged_mqa_logits(*a, 4), fullgraph=True)
+    (logits, visible), (want_logits, want_visible) = score(*args), qsa_aiter.qsa_paged_mqa_logits(*args, 4)
+    region = visible_mask(want_visible, want_logits.shape[1])  # columns past visible are not written
+    assert torch.equal(visible, want_visible) and torch.equal(logits[region], want_logits[region])
+    keys = torch.randn(6, 64, generator=rng).to(torch.bfloat16)
+    slots = torch.tensor([0, 5, -1, 31, 12, 5])
+    expected, cache = allocate_index_cache("fp8", 2, 16, 64), allocate_index_cache("fp8", 2, 16, 64)
+    qsa_aiter.qsa_write_index_cache(keys, slots, *expected)
+    torch.compile(lambda *a: qsa_aiter.qsa_write_index_cache(*a), fullgraph=True)(keys, slots, *cache)
+    for got, want in zip(cache, expected):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------------------------------------

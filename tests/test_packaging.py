@@ -1,0 +1,50 @@
+"""A built wheel is complete: installed on its own it reads the shipped tuned rows from inside itself, and using it
+writes nothing into the installed package."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from qsa_aiter import tuned
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run against the installed wheel alone: -S skips the environment's .pth files, so the source checkout's editable
+# install cannot shadow the wheel; the environment's packages (torch, triton, pydantic, ...) stay importable.
+PROBE = """
+import torch, qsa_aiter
+from qsa_aiter import jit_cache, tuned
+from qsa_aiter.workloads import make_batch
+rows = sum(len(v) for v in tuned.load_tables(()).values())
+batch = make_batch([300, 200], 2, head_dim=32, page_size=16)
+qsa_aiter.qsa_paged_mqa_logits(*batch.args(), max_query_len=2)
+print(tuned.CONFIG_DIR, rows, jit_cache.jit_root())
+"""
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def test_a_built_wheel_ships_the_tuned_tables_and_stays_unwritten(tmp_path):
+    dist, site = tmp_path / "dist", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(ROOT)], check=True)
+    wheel = next(dist.glob("qsa_aiter-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(site),
+                    str(wheel)], check=True)
+    installed = _files(site)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]),
+               PYTHONDONTWRITEBYTECODE="1", HOME=str(tmp_path / "home"))
+    env.pop("TRITON_INTERPRET", None)  # the CPU call takes the torch path: no compiled kernel to cache
+    result = subprocess.run([sys.executable, "-S", "-c", PROBE], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    config_dir, rows, jit_root = result.stdout.split()
+    assert Path(config_dir) == site / "qsa_aiter" / "configs"
+    shipped = sum(len(tuned.read_table(ROOT / "configs" / name)) for name in tuned.SHIPPED)
+    assert int(rows) == shipped > 0
+    assert not Path(jit_root).is_relative_to(site), jit_root  # compiled kernels go to the user's cache
+    assert _files(site) == installed, "using the wheel wrote into the installed package"
