@@ -13,12 +13,11 @@ from dataclasses import replace
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from .kernels.common import common_signature, interpreting
 from .kernels.dequant import KV_16BIT, fast_decode_at, fp8_dot, fp8_tensor_cores_at, kv_kind
 from .problem import ScoreProblem
+from .triton_compat import ASTSource, GPUTarget
 
 TARGETS = {
     "sm_90": GPUTarget("cuda", 90, 32),

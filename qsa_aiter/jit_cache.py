@@ -54,12 +54,15 @@ import filelock
 import torch
 import triton
 from pydantic import BaseModel, ConfigDict, Field
-from triton.compiler.compiler import ASTSource, CompiledKernel, make_backend
-from triton.runtime.cache import FileCacheManager
 
 from .kernels.common import interpreting
 from .log import log_once
 from .settings import ConfigurationError, QsaSettings, get_settings
+from .triton_compat import (
+    ASTSource, CompiledKernel, FileCacheManager, JITFunction, compute_cache_key, convert_to_tuple_if_list,
+    create_function_from_signature, driver, get_cache_invalidating_env_vars, knobs, make_backend,
+    resolves_placeholders, serialize_specialization,
+)
 
 FORMAT = 1
 #: ``jit/`` of a source checkout (it holds the README that marks it); a wheel has none.
@@ -122,8 +125,6 @@ def kernel_sources_hash() -> str:
 
 def _triton_env() -> dict[str, str]:
     """Triton's cache-invalidating environment variables (its own file cache keys builds by them too)."""
-    from triton._C.libtriton import get_cache_invalidating_env_vars
-
     return {str(k): str(v) for k, v in get_cache_invalidating_env_vars().items()}
 
 
@@ -489,7 +490,7 @@ class Store:
         if device in self._placed:
             return 0
         self._placed.add(device)
-        if self.rebuild or not _resolves_placeholders():
+        if self.rebuild or not resolves_placeholders():
             return 0
         placed = 0
         sources, env = kernel_sources_hash(), _triton_env()
@@ -513,8 +514,6 @@ class Store:
         _install_triton_hooks()
         activation = _Activation(self)
         if device is not None and device not in self._placed:
-            from triton.runtime import driver
-
             driver.active.get_current_target()  # Triton's driver stubs: built or found where Triton keeps them
             with activation:
                 self.place(device)
@@ -524,7 +523,6 @@ class Store:
 def _source(fn, specialization: str) -> ASTSource:
     """The ``ASTSource`` of a recorded variant (as ``JITFunction.preload`` rebuilds it from the same data)."""
     import triton.language as tl
-    from triton.runtime.jit import convert_to_tuple_if_list
 
     data = json.loads(specialization)
     if data["name"] != _full_name(fn):
@@ -543,19 +541,9 @@ def _source(fn, specialization: str) -> ASTSource:
     return ASTSource(fn, signature, constants, attrs)
 
 
-@lru_cache(maxsize=1)
-def _resolves_placeholders() -> bool:
-    """Whether Triton's launch path resolves a cached object's ``result()`` (it came with asynchronous compilation,
-    ``triton.runtime._async_compile``; Triton 3.6 has it). Without it entries still serve, through Triton's own cache
-    lookups in this directory (no compilation, but Triton's per-process key computation)."""
-    return importlib.util.find_spec("triton.runtime._async_compile") is not None
-
-
 def _jit_function(name: str):
     """The ``@triton.jit`` function of this library named ``name``, or None (another package's, renamed, or
     interpreted: only compiled kernels have in-memory caches)."""
-    from triton.runtime.jit import JITFunction
-
     module, _, attr = name.rpartition(".")
     if not module.startswith("qsa_aiter."):
         return None
@@ -708,8 +696,6 @@ def _install_triton_hooks() -> None:
     global _installed
     if _installed:
         return
-    from triton import knobs
-
     with _install_lock:
         if _installed:
             return
@@ -757,7 +743,7 @@ _import_triton_launch_modules()
 def _triton_driver_ready() -> None:
     """Create Triton's GPU driver object now (it probes the platform; the rest of Triton's first-launch set-up,
     the specialiser's imports, was done at import)."""
-    triton.runtime.driver.active.get_current_device()
+    driver.active.get_current_device()
 
 
 def load(device: torch.device | int | None = None, settings: QsaSettings | None = None) -> Store | None:
@@ -838,9 +824,6 @@ class Specialisation:
 def specialise(fn, target, args: tuple, kwargs: dict) -> Specialisation:
     """Specialise ``fn(*args, **kwargs)`` (a launch's arguments) for ``target`` (a ``GPUTarget``) with Triton's own
     binder and argument packing, as ``JITFunction.run`` does on that GPU, so the key is the one a launch computes."""
-    from triton import knobs
-    from triton.runtime.jit import compute_cache_key, create_function_from_signature
-
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     kwargs = dict(kwargs)
@@ -855,8 +838,6 @@ def specialise(fn, target, args: tuple, kwargs: dict) -> Specialisation:
 def build_for_target(store: Store, spec: Specialisation, wait: bool = True) -> Event:
     """Compile ``spec`` into ``store`` unless a usable build is recorded (under the variant's lock). Raises
     ``VariantBusy`` when another process holds the lock and not ``wait``."""
-    from triton.runtime.jit import serialize_specialization_data
-
     eid = spec.entry_id
     lock, found = store._claim(eid, wait)
     try:
@@ -868,8 +849,8 @@ def build_for_target(store: Store, spec: Specialisation, wait: bool = True) -> E
             with _Activation(store):
                 kernel = triton.compile(ASTSource(spec.fn, spec.signature, spec.constexprs, spec.attrs),
                                         target=spec.target, options=spec.options.__dict__)
-            data = serialize_specialization_data(_full_name(spec.fn), spec.signature, spec.constexprs, spec.attrs,
-                                                 spec.options, spec.key)
+            data = serialize_specialization(_full_name(spec.fn), spec.signature, spec.constexprs, spec.attrs,
+                                            spec.options, spec.key, spec.target)
             options = {"num_warps": spec.options.num_warps, "num_stages": spec.options.num_stages}
             event = store._record_build(spec.fn, spec.key, kernel, data, spec.constexprs, options,
                                         time.perf_counter() - start, "target", None)

@@ -37,6 +37,7 @@ from .kernels.dequant import KV_16BIT, fast_decode_at, fp8_dot, fp8_tensor_cores
 from .ops import describe_call
 from .problem import PHASES
 from .settings import QsaSettings, get_settings
+from .triton_compat import driver
 
 #: The model's shapes (SPEC section 1): 4 index heads, head_dim 128, R 4, token top-k 2048.
 MODEL = dict(heads=4, head_dim=128, compress_ratio=4, token_topk=2048)
@@ -368,8 +369,6 @@ def warmup(arch: str | None = None, *, root=None, matrix: Matrix | None = None, 
     on_gpu = arch == present
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     if on_gpu:
-        from triton.runtime import driver
-
         target = driver.active.get_current_target()
     else:
         target = TARGETS[arch]

@@ -198,7 +198,7 @@ _LAUNCH_PATH = r"""
 import json, sys
 from pathlib import Path
 import torch, triton
-from triton.compiler.compiler import ASTSource, CompiledKernel, make_backend
+from qsa_aiter.triton_compat import ASTSource, CompiledKernel, make_backend
 from qsa_aiter import jit_cache, warmup as w
 from qsa_aiter.aot import TARGETS
 

@@ -374,7 +374,8 @@ def ahead_slots(pt_row_ptr, tile, n_tiles, valid, num_pages, BLOCK_N: tl.constex
     (``n_tiles >= 1``): the last tile's slots, with nothing to read."""
     slot, ok = key_tile_slots(pt_row_ptr, tl.minimum(tile, n_tiles - 1), valid, num_pages, BLOCK_N, PAGE_SIZE,
                               SCALAR_PAGES)
-    return slot, ok & (tile < n_tiles)
+    # tl.where, not `ok & (tile < n_tiles)`: Triton 3.9's interpreter rejects a vector & scalar mask.
+    return slot, tl.where(tile < n_tiles, ok, False)
 
 
 @triton.jit
