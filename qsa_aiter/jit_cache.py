@@ -59,9 +59,9 @@ from .kernels.common import interpreting
 from .log import log_once
 from .settings import ConfigurationError, QsaSettings, get_settings
 from .triton_compat import (
-    ASTSource, CompiledKernel, FileCacheManager, JITFunction, compute_cache_key, convert_to_tuple_if_list,
-    create_function_from_signature, driver, get_cache_invalidating_env_vars, knobs, make_backend,
-    resolves_placeholders, serialize_specialization,
+    ASTSource, CompiledKernel, FileCacheManager, JITFunction, compile_into_cache, convert_to_tuple_if_list, driver,
+    get_cache_invalidating_env_vars, install_compile_hooks, kernel_backend, kernel_cache, make_backend,
+    resolves_placeholders, serialize_specialization, specialize_launch,
 )
 
 FORMAT = 1
@@ -465,7 +465,7 @@ class Store:
     def after_launch_compile(self, fn, key: str, info: dict) -> None:
         lock, found, start = self._pending.pop((threading.get_ident(), _full_name(fn), key), (None, None, None))
         try:
-            kernel = fn.device_caches[info["device"]][0].get(key)
+            kernel = kernel_cache(fn, info["device"]).get(key)
             if isinstance(kernel, CompiledKernel) and start is not None:
                 options = {"num_warps": info.get("num_warps"), "num_stages": info.get("num_stages")}
                 self.events.append(self._record_build(fn, key, kernel, info["specialization_data"], info["constants"],
@@ -500,7 +500,7 @@ class Store:
             fn = _jit_function(entry.function)
             if fn is None:
                 continue
-            cache = fn.device_caches[device][0]
+            cache = kernel_cache(fn, device)
             if entry.runtime_key not in cache:
                 cache[entry.runtime_key] = _Placeholder(self, eid, entry, fn, device)
                 placed += 1
@@ -587,19 +587,18 @@ class _Placeholder:
                      f"JIT cache entry {self.eid} ({self.entry.kernel} {self.entry.summary()}) is {err}; "
                      "rebuilding it")
             kernel = self._rebuild()
-        self.fn.device_caches[self.device][0][self.entry.runtime_key] = kernel
+        kernel_cache(self.fn, self.device)[self.entry.runtime_key] = kernel
         return kernel
 
     def _rebuild(self) -> CompiledKernel:
         """Compile the variant again through Triton's own compile path for this device's cache (as a launch that
         missed would), with the cache's hooks: its lock is taken, the bad build removed, the new one recorded."""
-        backend = self.fn.device_caches[self.device][3]
+        backend = kernel_backend(self.fn, self.device)
         src = _source(self.fn, self.entry.specialization)
         options = json.loads(self.entry.specialization)["options"]
         options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
         with self.store.activate() if self.store.writable() else _NULL:
-            built = self.fn._do_compile(self.entry.runtime_key, src.signature, self.device, src.constants, options,
-                                        src.attrs, warmup=True)
+            built = compile_into_cache(self.fn, self.entry.runtime_key, src, self.device, options)
         entry = self.store.read().entries.get(self.eid)  # the new record (the old one, if recording failed)
         if entry is not None:
             with contextlib.suppress(EntryUnusable):
@@ -699,10 +698,8 @@ def _install_triton_hooks() -> None:
     with _install_lock:
         if _installed:
             return
-        _RoutedCacheManager.previous = knobs.cache.manager_class or FileCacheManager
-        knobs.cache.manager_class = _RoutedCacheManager  # a class: Triton writes no environment variable for it
-        knobs.runtime.jit_cache_hook = _chain(_before_compile, knobs.runtime.jit_cache_hook)
-        knobs.runtime.jit_post_compile_hook = _chain(_after_compile, knobs.runtime.jit_post_compile_hook)
+        _RoutedCacheManager.previous = install_compile_hooks(_RoutedCacheManager, _before_compile, _after_compile,
+                                                             _chain)
         _installed = True
 
 
@@ -824,14 +821,7 @@ class Specialisation:
 def specialise(fn, target, args: tuple, kwargs: dict) -> Specialisation:
     """Specialise ``fn(*args, **kwargs)`` (a launch's arguments) for ``target`` (a ``GPUTarget``) with Triton's own
     binder and argument packing, as ``JITFunction.run`` does on that GPU, so the key is the one a launch computes."""
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs = dict(kwargs)
-    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug  # as JITFunction.run adds them
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    bound_args, specialization, options = binder(*args, **kwargs)
-    key = compute_cache_key({}, specialization, options)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    key, options, signature, constexprs, attrs = specialize_launch(fn, make_backend(target), args, kwargs)
     return Specialisation(fn, target, key, signature, constexprs, attrs, options)
 
 

@@ -20,7 +20,6 @@ back to the end of the queue, then waited for).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import math
@@ -37,7 +36,7 @@ from .kernels.dequant import KV_16BIT, fast_decode_at, fp8_dot, fp8_tensor_cores
 from .ops import describe_call
 from .problem import PHASES
 from .settings import QsaSettings, get_settings
-from .triton_compat import driver
+from .triton_compat import capture_launches, driver
 
 #: The model's shapes (SPEC section 1): 4 index heads, head_dim 128, R 4, token top-k 2048.
 MODEL = dict(heads=4, head_dim=128, compress_ratio=4, token_topk=2048)
@@ -281,27 +280,6 @@ def _thunks(matrix: Matrix, arch: str, device, launch_cls, extra: dict, settings
                 yield f"expand {n} requests {index_name}", lambda n=n, i=idx: _expand_launch(n, i, device)
 
 
-@contextlib.contextmanager
-def _capturing():
-    """Collect the launches of this library's kernels instead of running them: a launcher's ``fn[grid](...)`` calls
-    ``fn.run``, which an instance attribute overrides for as long as this lasts (on every thread)."""
-    captured: list[tuple] = []
-    functions = [_module(name).KERNEL for name in KERNELS]
-
-    def recorder(fn):
-        def run(*args, grid, warmup, **kwargs):
-            captured.append((fn, grid, args, kwargs))
-        return run
-
-    for fn in functions:
-        fn.run = recorder(fn)
-    try:
-        yield captured
-    finally:
-        for fn in functions:
-            vars(fn).pop("run", None)
-
-
 def launches(matrix: Matrix, arch: str, device: torch.device, settings: QsaSettings | None = None) -> list[Launch]:
     """Every launch of ``matrix`` for ``arch``, built on ``device`` (the GPU of that arch; or the CPU, which makes
     the launches a GPU of ``arch`` would make: its tuned rows, decoders and tensor-core choices)."""
@@ -311,7 +289,7 @@ def launches(matrix: Matrix, arch: str, device: torch.device, settings: QsaSetti
                          else (ScoreLaunch, {}))
     result = []
     for label, call in _thunks(matrix, arch, device, launch_cls, extra, settings):
-        with _capturing() as captured:
+        with capture_launches([_module(name).KERNEL for name in KERNELS]) as captured:
             call()
         for fn, grid, args, kwargs in captured:
             kernel = fn.fn.__module__.rsplit(".", 1)[-1]
