@@ -33,13 +33,14 @@ from typing import Callable
 import torch
 
 from . import registry
-from .cache_formats import allocate_index_cache, write_reference
+from .cache_formats import write_reference
 from .cli_args import positive_int
 from .kernels.common import interpreting
 from .ops import describe_call, qsa_paged_mqa_logits
 from .reference import reference_block_topk, reference_expand_block_indices, reference_paged_mqa_logits
 from .selection import qsa_block_topk, qsa_expand_block_indices, torch_block_topk, torch_expand_block_indices
 from .testing import assert_matches_reference, magnitude_bound, mma_atol, poisoned_logits
+from .workloads import make_batch
 
 SCORING_PATHS = ("tiled", "stacked", "rowwise", "torch", "auto")
 SELECTION_PATHS = ("topk", "topk_torch", "expand", "expand_torch")
@@ -92,7 +93,8 @@ def _page_entry(draw: Draw, pages: int, dtype: torch.dtype) -> int:
 
 
 def scoring_case(seed: int, device: torch.device) -> ScoringCase:
-    """A random scoring call on ``device`` (see the module docstring for what it mixes)."""
+    """A random scoring call on ``device`` (see the module docstring for what it mixes): a ``make_batch`` batch whose
+    metadata is then pushed to the edges."""
     draw = Draw(seed)
     ratio = draw.pick((4, 4, 4, 1, 2, 8))
     page_size = draw.pick(PAGE_SIZES)
@@ -105,72 +107,58 @@ def scoring_case(seed: int, device: torch.device) -> ScoringCase:
     # Contexts of 0-3000 tokens, most of them short: the interpreter's time grows with the columns scored.
     contexts = [draw.int(0, draw.pick((64, 600, 600, 3000))) for _ in range(requests)]
     rows = [draw.int(0, 4) for _ in range(requests)]
-    pages_needed = [-(-(c // ratio) // page_size) for c in contexts]
-    width = max(max(pages_needed), 1) + draw.int(0, 3)
-    num_pages = sum(pages_needed) + draw.int(1, 3)
+    width = max(max(1, -(-(c // ratio) // page_size)) for c in contexts) + draw.int(0, 3)
+    padded = max(draw.int(0, 2), int(sum(rows) == 0))
+    batch = make_batch(contexts, rows, heads=heads, head_dim=head_dim, page_size=page_size, compress_ratio=ratio,
+                       dtype=q_dtype, cache="16bit" if kind in ("bf16", "fp16") else kind,
+                       spare_pages=draw.int(1, 3), padded_rows=padded, table_width=width, generator=draw.gen)
+    num_pages = batch.compressed_k_cache.shape[0]
 
     table_dtype, t2r_dtype, pos_dtype, ctx_dtype = (draw.index_dtype() for _ in range(4))
-    table = torch.full((requests, width), -1, dtype=torch.int64)
-    perm = torch.randperm(num_pages, generator=draw.gen)
-    at = 0
-    for r, n in enumerate(pages_needed):
-        table[r, :n] = perm[at : at + n]
-        at += n
+    table, t2r = batch.page_table.to(table_dtype), batch.token_to_request.to(t2r_dtype)
+    pos, ctx = batch.query_positions.to(pos_dtype), batch.context_lens.to(ctx_dtype)
     for _ in range(draw.int(0, 3)):
         table[draw.int(0, requests - 1), draw.int(0, width - 1)] = _page_entry(draw, num_pages, table_dtype)
-
-    t2r, pos = [], []
-    for r, (ctx, n) in enumerate(zip(contexts, rows)):
+    row = 0
+    for c, n in zip(contexts, rows):  # each request's rows: at the context's end, before it, past it or negative
         mode = draw.pick(("tail", "tail", "tail", "before", "past", "negative"))
-        for i in range(n):
-            if mode == "tail":
-                p = ctx - n + i
-            elif mode == "before":
-                p = draw.int(0, max(ctx, 0))
+        for i in range(row, row + n):
+            if mode == "before":
+                pos[i] = draw.int(0, max(c, 0))
             elif mode == "past":
-                p = ctx + draw.int(1, 5000)
-            else:
-                p = draw.pick((-1, -7))
-            t2r.append(r)
-            pos.append(p)
-    for _ in range(draw.int(0, 2)):  # padded rows, or request ids past the table
-        t2r.append(draw.pick((-1, -1, requests) + ((2**32,) if t2r_dtype == torch.int64 else ())))
-        pos.append(-1)
-    if not t2r:
-        t2r, pos = [-1], [-1]
+                pos[i] = c + draw.int(1, 5000)
+            elif mode == "negative":
+                pos[i] = draw.pick((-1, -7))
+        row += n
+    for i in range(row, row + padded):  # padded rows, or request ids past the table
+        t2r[i] = draw.pick((-1, -1, requests) + ((2**32,) if t2r_dtype == torch.int64 else ()))
     if pos_dtype == torch.int64 and draw.chance(0.3):
-        pos[draw.int(0, len(pos) - 1)] = 2**32 + 3
+        pos[draw.int(0, pos.numel() - 1)] = 2**32 + 3
     if ctx_dtype == torch.int64 and draw.chance(0.3):
-        contexts[draw.int(0, requests - 1)] = 2**31 + 8
-    order = torch.randperm(len(t2r), generator=draw.gen) if draw.chance(0.3) else torch.arange(len(t2r))
-    tokens = len(t2r)
+        ctx[draw.int(0, requests - 1)] = 2**31 + 8
+    tokens = t2r.numel()
+    order = torch.randperm(tokens, generator=draw.gen) if draw.chance(0.3) else torch.arange(tokens)
 
-    keys = torch.randn(num_pages * page_size, head_dim, generator=draw.gen)
     tied = torch.zeros(num_pages * page_size, dtype=torch.bool)
     if draw.chance(0.4):  # one key in many slots: its columns must score bitwise-identically in each row
         tied = torch.rand(num_pages * page_size, generator=draw.gen) < 0.5
-        keys[tied] = torch.randn(head_dim, generator=draw.gen)
-    cache_dtype = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp8_fnuz": "fp8", "fp4": "fp4"}[kind]
-    fp8_dtype = torch.float8_e4m3fnuz if kind == "fp8_fnuz" else torch.float8_e4m3fn
-    cache, k_scale = allocate_index_cache(cache_dtype, num_pages, page_size, head_dim, fp8_dtype=fp8_dtype)
-    write_reference(keys.to(q_dtype if k_scale is None else torch.float32), torch.arange(keys.shape[0]), cache,
-                    k_scale)
-    q = torch.randn(tokens, heads, head_dim, generator=draw.gen).to(q_dtype)[order]
+        slots = torch.nonzero(tied).flatten()
+        key = torch.randn(1, head_dim, generator=draw.gen).expand(slots.numel(), head_dim)
+        write_reference(key.to(q_dtype if batch.k_scale is None else torch.float32), slots,
+                        batch.compressed_k_cache, batch.k_scale)
 
-    capacity = width * page_size
-    kwargs = {} if k_scale is None else {"k_scale": k_scale.to(device)}
+    kwargs = {} if batch.k_scale is None else {"k_scale": batch.k_scale.to(device)}
     if draw.chance(0.2):
-        kwargs["max_columns"] = draw.int(0, capacity)
+        kwargs["max_columns"] = draw.int(0, width * page_size)
     if draw.chance(0.5):
         kwargs["phase"] = draw.pick(("prefill", "verify", "draft", "decode"))
     if draw.chance(0.5):
         kwargs["max_query_len"] = max(rows + [1])
-    args = (q.to(device), cache.to(device), table.to(table_dtype).to(device),
-            torch.tensor(t2r, dtype=t2r_dtype)[order].to(device), torch.tensor(pos, dtype=pos_dtype)[order].to(device),
-            torch.tensor(contexts, dtype=ctx_dtype).to(device), ratio)
+    args = (batch.q[order].contiguous().to(device), batch.compressed_k_cache.to(device), table.to(device),
+            t2r[order].to(device), pos[order].to(device), ctx.to(device), ratio)
     label = (f"seed {seed}: {kind} cache, q {str(q_dtype).removeprefix('torch.')}, page {page_size}, heads {heads}, "
-             f"head_dim {head_dim}, R {ratio}, contexts {contexts}, rows {rows}, width {width}, "
-             f"{sum(int(t) < 0 for t in t2r)} padded, index dtypes "
+             f"head_dim {head_dim}, R {ratio}, contexts {ctx.tolist()}, rows {rows}, width {width}, "
+             f"{int((t2r < 0).sum())} padded, index dtypes "
              f"{[str(d).removeprefix('torch.') for d in (table_dtype, t2r_dtype, pos_dtype, ctx_dtype)]}, "
              f"{kwargs.get('phase')}, max_columns {kwargs.get('max_columns')}, {int(tied.sum())} tied slots")
     return ScoringCase(label, args, kwargs, tied.to(device))

@@ -82,6 +82,13 @@ def check_call(args: tuple, *, rtol=1e-5, atol=1e-5, label: str = "", **kwargs):
     return logits, visible
 
 
+def check_forced_call(monkeypatch, backend: str, args: tuple, **hints):
+    """Force ``backend`` (skip where it does not serve) and compare the call ``args`` with the reference."""
+    force_backend(monkeypatch, backend)
+    skip_unless_serves(backend, args, **hints)
+    return check_call(args, **hints)
+
+
 def phase_batch(phase: str, page_size: int, gen, *, dtype=torch.bfloat16, cache: str = "16bit", heads=4, head_dim=64,
                 device="cpu"):
     """A small batch of the kind each phase sees, and the host hints the engine would pass (``k_scale`` included)."""

@@ -17,8 +17,8 @@ from qsa_aiter.ops import describe_call
 from qsa_aiter.workloads import make_batch
 
 from helpers import (
-    BACKENDS, KERNELS, assert_matches_reference, check_call, check_forced, force_backend, phase_batch,
-    poisoned_out, reference_of, run_poisoned, skip_unless_serves, visible_bits,
+    BACKENDS, KERNELS, assert_matches_reference, check_call, check_forced, check_forced_call, force_backend,
+    phase_batch, poisoned_out, reference_of, run_poisoned, skip_unless_serves, visible_bits,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -303,11 +303,8 @@ def test_int64_index_tensors(monkeypatch, rng, backend):
     # Page ids that only an int64 table can hold: truncated to 32 bits they would look valid (0 and 1).
     table[1, 1] = 2**40
     table[1, 2] = -(2**40) + 1
-    args = (q, cache, table, t2r, pos, ctx)
     hints = dict(max_query_len=4)
-    force_backend(monkeypatch, backend)
-    skip_unless_serves(backend, args, **hints)
-    logits, visible = check_call(args, **hints)
+    logits, visible = check_forced_call(monkeypatch, backend, (q, cache, table, t2r, pos, ctx), **hints)
     assert torch.isneginf(logits[1:5, 64:128]).all()
     # Mixed index dtypes in one call.
     check_call((q, cache, batch.page_table, t2r, pos.int(), ctx), label="mixed index dtypes", **hints)

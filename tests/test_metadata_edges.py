@@ -17,7 +17,7 @@ from qsa_aiter.reference import reference_block_topk, reference_expand_block_ind
 from qsa_aiter.selection import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.workloads import make_batch
 
-from helpers import KERNELS, check_call, force_backend, skip_unless_serves
+from helpers import KERNELS, check_forced_call
 
 CHOICES = KERNELS + ("torch", "auto")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -42,11 +42,7 @@ def test_int64_values_past_2_to_31_are_not_truncated(monkeypatch, rng, backend, 
     t2r[-1] = 2**32  # truncated: request 0; honoured: out of range, a padded row
     table[2, 0] = 2**32 + 1  # truncated: page 1, a good page; honoured: a bad page (-inf)
     table[2, 1] = -(2**32) + 2
-    args = (q, cache, table, t2r, pos, ctx)
-    hints = dict(max_query_len=3)
-    force_backend(monkeypatch, backend)
-    skip_unless_serves(backend, args, **hints)
-    logits, visible = check_call(args, **hints)
+    logits, visible = check_forced_call(monkeypatch, backend, (q, cache, table, t2r, pos, ctx), max_query_len=3)
     columns = table.shape[1] * 16
     assert int(visible[0]) == 700 // 4
     assert visible[2:5].tolist() == [(1300 - 3) // 4, (1300 - 2) // 4, columns]
@@ -66,11 +62,7 @@ def test_int32_values_at_the_top_of_their_range(monkeypatch, rng, backend, devic
     t2r[-1] = top
     table[2, 0] = top
     table[2, 1] = -(2**31)
-    args = (q, cache, table, t2r, pos, ctx)
-    hints = dict(max_query_len=3)
-    force_backend(monkeypatch, backend)
-    skip_unless_serves(backend, args, **hints)
-    logits, visible = check_call(args, **hints)
+    logits, visible = check_forced_call(monkeypatch, backend, (q, cache, table, t2r, pos, ctx), max_query_len=3)
     assert int(visible[0]) == 700 // 4
     assert int(visible[4]) == table.shape[1] * 16 and int(visible[-1]) == 0
     rows_of_2 = torch.nonzero(batch.token_to_request.cpu() == 2).flatten()
