@@ -10,8 +10,8 @@ import os
 import torch
 
 import qsa_aiter
-from qsa_aiter.bench import KV_CACHES, work_points
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.tools.bench import KV_CACHES, work_points
+from qsa_aiter.tools.workloads import make_batch
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--kernel", required=True)

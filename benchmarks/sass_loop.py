@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 import triton
 
-from qsa_aiter.aot import compile_kernel, example_problem, kernel_config
+from qsa_aiter.jit.aot import compile_kernel, kernel_config
+from qsa_aiter.scoring.base import example_problem
 
 CACHES = {"bf16": {}, "fp8": dict(cache_dtype=torch.float8_e4m3fn, kv_dtype="fp8"),
           "fp4": dict(cache_dtype=torch.float4_e2m1fn_x2, kv_dtype="fp4")}

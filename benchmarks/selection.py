@@ -2,7 +2,7 @@
 
     python benchmarks/selection.py [--points 9x4,64x4@98K,128x1@98K] [--page 64] [--kv bf16] [--replays 30]
 
-Each call is timed with the benchmark's CUDA-graph replay (``qsa_aiter.bench.time_graph``: compilation before the
+Each call is timed with the benchmark's CUDA-graph replay (``qsa_aiter.tools.bench.time_graph``: compilation before the
 capture, median over ``--replays``). Scoring reads the keys from HBM (the caches are larger than L2); the top-k
 steps read logits that scoring has just written, as they do inside ``qsa_select_paged_tokens``. Ratios: selection /
 scoring, and (torch.topk + sort) / Triton top-k.
@@ -15,8 +15,8 @@ import argparse
 import torch
 
 import qsa_aiter
-from qsa_aiter.bench import KV_CACHES, selection_inputs, time_graph, work_points
-from qsa_aiter.selection import torch_block_topk
+from qsa_aiter.tools.bench import KV_CACHES, selection_inputs, time_graph, work_points
+from qsa_aiter.selection.ops import torch_block_topk
 
 
 def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:

@@ -26,9 +26,10 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from qsa_aiter import registry
-from qsa_aiter.bench import copy_bandwidth, point_inputs, points_named, time_launcher
-from qsa_aiter.kernels import stacked
-from qsa_aiter.kernels.common import block_request, key_tile_slots, row_visibility, target_programs
+from qsa_aiter.tools.bench import copy_bandwidth, point_inputs, points_named, time_launcher
+from qsa_aiter.scoring import stacked
+from qsa_aiter.platform import Platform
+from qsa_aiter.scoring.tiles import block_request, key_tile_slots, row_visibility
 
 
 @triton.jit
@@ -83,12 +84,13 @@ def launch_traffic(problem, args, tile: Tile) -> None:
     scale_words = 0 if args.k_scale is None else 1  # fp8: one fp32; MXFP4 (D = 128): four e8m0 bytes
     if scale_words and args.k_scale[0, 0].numel() * args.k_scale.element_size() != 4:
         raise ValueError(f"k_scale: one 4-byte word per group expected (head_dim {args.q.shape[2]})")
-    cfg = stacked.StackedConfig(block_rows=stacked.default_config(problem).block_rows, block_n=tile.block_n,
-                                num_stages=tile.stages, programs_per_sm=tile.programs_per_sm,
+    platform = Platform.of(args.q.device)
+    cfg = stacked.StackedConfig(block_rows=stacked.SPEC.default_config(problem, platform).block_rows,
+                                block_n=tile.block_n, num_stages=tile.stages, programs_per_sm=tile.programs_per_sm,
                                 scalar_pages=tile.scalar_pages)
-    grid = stacked.grid(problem, cfg, target_programs(args.q.device, cfg.programs_per_sm))
+    grid = stacked.SPEC.grid(problem, platform, cfg)
     _traffic_kernel[grid](
-        *args.common_args(), RATIO=problem.compress_ratio, KEY_WORDS=key_bytes // 4, SCALE_WORDS=scale_words,
+        *args.kernel_args(), RATIO=problem.compress_ratio, KEY_WORDS=key_bytes // 4, SCALE_WORDS=scale_words,
         PAGE_SIZE=problem.block_size, BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n,
         SCALAR_PAGES=bool(cfg.scalar_pages), STAGES=cfg.num_stages, num_warps=tile.num_warps,
     )
@@ -128,7 +130,8 @@ def main() -> None:
         if best is None:
             print(f"{point.name:12s} {kv:4s} {page:4d} no tile of the grid fits in shared memory")
             continue
-        scorer = time_launcher(inputs, registry.CANDIDATES["stacked"].run, a.replays)
+        scorer = time_launcher(inputs, lambda p, args: registry.plan_for(
+            stacked.SPEC, p, Platform.of(args.q.device)).launch(*args.kernel_args()), a.replays)
         pct = lambda us: 100 * inputs.nbytes / (us * 1e-6) / copy_bps  # noqa: E731
         print(f"{point.name:12s} {kv:4s} {page:4d} {best[0]:9.2f} {pct(best[0]):6.1f} {scorer:10.2f} "
               f"{pct(scorer):6.1f} {scorer / best[0]:13.3f}  {best[1]}")

@@ -1,10 +1,10 @@
 """qsa_aiter: GPU kernels for the QSA indexer (sparse-attention key-group scoring) of Qwen3.8-Flash-Next."""
 
-from .cache_formats import allocate_index_cache, dequantize_cache
-from .ops import explain, qsa_paged_mqa_logits, selected_kernel
-from .reference import reference_block_topk, reference_expand_block_indices, reference_paged_mqa_logits
-from .selection import qsa_block_topk, qsa_expand_block_indices, qsa_select_paged_tokens
-from .writer import qsa_write_index_cache
+from .quant.formats import allocate_index_cache, dequantize_cache
+from .scoring.op import explain, qsa_paged_mqa_logits, selected_kernel
+from .scoring.reference import reference_block_topk, reference_expand_block_indices, reference_paged_mqa_logits
+from .selection.ops import qsa_block_topk, qsa_expand_block_indices, qsa_select_paged_tokens
+from .cache.op import qsa_write_index_cache
 from . import custom_ops  # noqa: F401  (registers the torch.ops.qsa_aiter custom ops)
 
 __all__ = [

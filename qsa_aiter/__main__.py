@@ -57,7 +57,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", add_help=False,
                    help="score an MTP-verify batch and a prefill chunk on this machine, check and time them")
     sub.add_parser("bench", add_help=False,
-                   help="run the benchmark (arguments go to qsa_aiter.bench; `bench --help` lists them)")
+                   help="run the benchmark (arguments go to qsa_aiter.tools.bench; `bench --help` lists them)")
     sub.add_parser("tune", add_help=False,
                    help="measure tile configs at the work points and write tuned rows (`tune --help` lists options)")
     sub.add_parser("fuzz", add_help=False,
@@ -84,8 +84,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="where the batch lives (default: cuda if available, else cpu)")
 
-    from .aot import TARGETS
-    from .warmup import CACHES, INDEX_DTYPES, KERNELS
+    from .jit.aot import TARGETS
+    from .jit.warmup import CACHES, INDEX_DTYPES, KERNELS
 
     wu = sub.add_parser("warmup", help="compile every kernel variant into the JIT cache (with a progress bar)",
                         description="Compile the variant matrix (the model's shapes x kernels x index-cache dtypes x "
@@ -140,14 +140,14 @@ def _positive_list(text: str) -> tuple[int, ...]:
 
 
 def _jit_root(opts: argparse.Namespace):
-    from .jit_cache import jit_root
+    from .jit import jit_root
 
     return opts.jit_dir or jit_root()
 
 
 def _warmup(opts: argparse.Namespace) -> int:
     from .registry import BLOCK_SIZES
-    from .warmup import Matrix, warmup
+    from .jit.warmup import Matrix, warmup
 
     matrix = Matrix(kernels=opts.kernels, caches=opts.caches, page_sizes=opts.page_sizes or BLOCK_SIZES,
                     index_dtypes=opts.index_dtypes)
@@ -161,7 +161,7 @@ def _warmup(opts: argparse.Namespace) -> int:
 
 
 def _jit(opts: argparse.Namespace) -> int:
-    from .jit_cache import clear, describe
+    from .jit import clear, describe
 
     try:
         root = _jit_root(opts)
@@ -183,7 +183,7 @@ def _explain(opts: argparse.Namespace) -> int:
     import torch
 
     from . import explain
-    from .workloads import make_batch
+    from .tools.workloads import make_batch
 
     lo, hi = opts.context
     n = opts.requests
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = parser.parse_args(argv)
         command, rest = opts.command, []
     from .settings import ConfigurationError, get_settings
-    from .tuned import load_tables
+    from .tuning.table import load_tables
 
     try:  # a bad environment switch or tuned-config file is reported once, plainly, before any work
         load_tables(tuple(get_settings().tuned_config))
@@ -228,19 +228,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if command == "demo":
-        from .demo import main as demo_main
+        from .tools.demo import main as demo_main
 
         return demo_main(rest)
     if command == "bench":
-        from .bench import main as bench_main
+        from .tools.bench import main as bench_main
 
         return bench_main(rest)
     if command == "tune":
-        from .tuner import main as tune_main
+        from .tuning.tuner import main as tune_main
 
         return tune_main(rest)
     if command == "fuzz":
-        from .fuzz import main as fuzz_main
+        from .tools.fuzz import main as fuzz_main
 
         return fuzz_main(rest)
     if command == "warmup":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
+from .quant.formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
 
 PHASES = ("prefill", "verify", "draft", "decode")
 #: Above this many query rows a call without a phase hint is treated as prefill (SPEC section 4).
@@ -49,6 +49,8 @@ class ScoreProblem:
     phase_source: str  # "hint" or "inferred: <why>"
     max_query_len: int | None
     cache_bytes: int  # the cache plus its scale tensor
+    fp8_mma: bool = True  # QSA_AITER_FP8_MMA as read for the call: e4m3 tensor cores may score e4m3fn/MXFP4 keys
+    scale_aligned: bool = True  # an MXFP4 scale tensor's address is a multiple of a key's exponent bytes
 
     def summary(self) -> str:
         return (
@@ -143,6 +145,7 @@ def validate_scoring_call(
     phase,
     max_query_len,
     stacked_enabled: bool,
+    fp8_mma: bool = True,
 ) -> tuple[ScoreProblem, float]:
     """Check every argument; return the problem description and the score divisor. Raises before anything is written."""
     check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), contiguous=True)
@@ -237,6 +240,9 @@ def validate_scoring_call(
         phase_source=source,
         max_query_len=max_query_len,
         cache_bytes=cache.numel() * cache.element_size() + scale_bytes,
+        fp8_mma=fp8_mma,
+        # One integer load per key's exponents needs the scale tensor aligned to them (a view may not be).
+        scale_aligned=k_scale is None or kv != "fp4" or k_scale.data_ptr() % max(1, head_dim // 32) == 0,
     )
     return problem, divisor
 

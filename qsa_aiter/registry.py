@@ -1,84 +1,65 @@
 """Kernel registry: ``(kv_dtype, block_size, phase)`` -> ordered candidates, and the choice among them.
 
-Each candidate answers "do you serve this problem?" with a list of human-readable reasons (empty = serves); the
-ordered table says which is preferred. ``select`` walks the order and takes the first candidate with no reasons,
-returning a ``Decision`` that records why every other candidate was passed over; ``explain`` prints it. A forced
-backend (``QSA_AITER_BACKEND``) goes through the same reasons. A candidate that raises while compiling or launching
-is marked broken for the problem's specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` raises); a
-configuration error (``settings.ConfigurationError``: a bad variable or tuned-config file) is always raised.
+The candidates are the scoring kernels' specs (``scoring.SPECS``), the ROCm libraries' scorers and the torch
+reference; each declares its rank per phase, and the table orders them by it. Each candidate answers "do you serve
+this problem?" with a list of human-readable reasons (empty = serves). ``select`` walks the order and takes the
+first candidate with no reasons, returning a ``Decision`` that records why every other candidate was passed over;
+``explain`` prints it with the chosen kernel's ``LaunchPlan``. A forced backend (``QSA_AITER_BACKEND``) goes through
+the same reasons. A candidate that raises while compiling or launching is marked broken for the problem's
+specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` raises); a configuration error
+(``settings.ConfigurationError``: a bad variable or tuned-config file) is always raised.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
-from . import jit_cache, rocm, tuned
-from .kernels import rowwise, stacked, tiled
-from .kernels.common import describe_key_reading, e4m3_mma_serves, triton_runs_on
+from .backends import rocm
+from .jit import scope as jit_scope
 from .log import log_once
+from .platform import Platform
 from .problem import ScoreProblem
-from .reference import reference_paged_mqa_logits
+from .scoring import SPECS
+from .scoring.base import KV_DTYPES, ScoreArgs
+from .scoring.reference import reference_paged_mqa_logits
 from .settings import ConfigurationError, QsaSettings, get_settings
+from .spec import KernelSpec, LaunchPlan
+from .tuning import table as tuned
 
-KV_DTYPES = ("bf16", "fp8", "fp4")
 BLOCK_SIZES = (16, 64)
+PHASES = ("prefill", "verify", "draft", "decode")
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One kernel that may serve a scoring call."""
+    """One way to serve a scoring call: a kernel spec, a ROCm library, or the torch reference."""
 
     name: str
     description: str
-    reasons: Callable[..., list[str]]  # reasons(problem, settings=None) -> list of sentences; empty = serves
-    run: Callable  # run(problem, launch_args) -> None
+    reasons: Callable[[ScoreProblem, Platform, QsaSettings], list[str]]  # empty: serves
+    run: Callable[[ScoreProblem, ScoreArgs, QsaSettings], None]
+    ranks: dict  # phase -> rank in the order (lower first)
+    universal: bool = False  # in the order of page sizes outside the table
+    spec: KernelSpec | None = None
 
 
-def _device_reasons(problem: ScoreProblem) -> list[str]:
-    if triton_runs_on(problem.device_type):
-        return []
-    return [f"Triton kernels need a CUDA/HIP tensor or TRITON_INTERPRET=1 (tensors are on {problem.device_type})"]
+def _spec_candidate(spec) -> Candidate:
+    def reasons(problem, platform, settings):
+        found = spec.reasons(problem, platform)
+        if spec.switch and not getattr(settings, spec.switch):
+            variable = QsaSettings.model_fields[spec.switch].alias
+            found.insert(len(found) - bool(spec.shape_reason(problem)), f"disabled by {variable}=0")
+        return found
+
+    def run(problem, args, settings):
+        plan_for(spec, problem, Platform.of(args.q.device), settings).launch(*args.kernel_args())
+
+    return Candidate(spec.name, spec.description, reasons, run, spec.ranks, spec.universal, spec)
 
 
-def _common_reasons(problem: ScoreProblem, kv_dtypes: tuple[str, ...]) -> list[str]:
-    reasons = _device_reasons(problem)
-    if problem.kv_dtype not in kv_dtypes:
-        reasons.append(f"kv dtype {problem.kv_dtype} is not served (serves {', '.join(kv_dtypes)})")
-    return reasons
-
-
-def _rowwise_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
-    return _common_reasons(problem, KV_DTYPES)
-
-
-def _stacked_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
-    reasons = _common_reasons(problem, KV_DTYPES)
-    if not (settings or get_settings()).stacked_decode_scorer:
-        reasons.append("disabled by ATOM_QSA_STACKED_DECODE_SCORER=0")
-    why = stacked.unsupported_reason(problem)
-    if why:
-        reasons.append(why)
-    return reasons
-
-
-def _tiled_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
-    reasons = _common_reasons(problem, KV_DTYPES)
-    why = tiled.unsupported_reason(problem)
-    if why:
-        reasons.append(why)
-    return reasons
-
-
-def _torch_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
-    return []
-
-
-def _run_torch(problem, args) -> None:
+def _run_torch(problem, args, settings) -> None:
     logits, vis = reference_paged_mqa_logits(
         args.q, args.k_cache, args.page_table, args.token_to_request, args.query_positions, args.context_lens,
         args.compress_ratio, 1.0 / args.scale, args.num_columns, k_scale=args.k_scale,
@@ -87,48 +68,70 @@ def _run_torch(problem, args) -> None:
     args.visible.copy_(vis)
 
 
-CANDIDATES: dict[str, Candidate] = {
-    c.name: c
-    for c in (
-        Candidate("tiled", "tiled tensor-core prefill scorer (rows x keys tiles)", _tiled_reasons, tiled.launch),
-        Candidate("stacked", "stacked verify/draft scorer (rows x heads in one M operand)", _stacked_reasons,
-                  stacked.launch),
-        Candidate("rowwise", "row-wise CUDA-core scorer (universal fallback)", _rowwise_reasons,
-                  rowwise.launch),
-        Candidate("torch", "torch reference (CPU, or last resort)", _torch_reasons, _run_torch),
-        # ROCm libraries (qsa_aiter/rocm.py): each imports its library only where everything else says it serves.
-        Candidate("aiter", rocm.AITER_DESCRIPTION, rocm.aiter_reasons, rocm.run_aiter),
-        Candidate("flydsl", rocm.FLYDSL_DESCRIPTION, rocm.flydsl_reasons, rocm.run_flydsl),
-    )
-}
-#: The candidates that wrap ROCm libraries rather than this project's kernels.
-ROCM_CANDIDATES = ("aiter", "flydsl")
-
 # FlyDSL leads prefill because it is opt-in (ROCM_QSA_FLYDSL): asking for it means preferring it. AITER's op scores
 # every column of the page table, so it follows the row-wise scorer: it runs when forced, or on a ROCm stack where
 # this project's kernels failed and were marked broken.
-_PHASE_ORDER = {
-    "prefill": ("flydsl", "tiled", "rowwise", "aiter", "torch"),
-    "verify": ("stacked", "rowwise", "aiter", "torch"),
-    "draft": ("stacked", "rowwise", "aiter", "torch"),
-    "decode": ("rowwise", "aiter", "torch"),
-}
+_OTHERS = (
+    Candidate("torch", "torch reference (CPU, or last resort)", lambda problem, platform, settings: [],
+              _run_torch, dict.fromkeys(PHASES, 90), universal=True),
+    Candidate("aiter", rocm.AITER_DESCRIPTION, lambda problem, platform, settings: rocm.aiter_reasons(problem, settings),
+              lambda problem, args, settings: rocm.run_aiter(problem, args), dict.fromkeys(PHASES, 40),
+              universal=True),
+    Candidate("flydsl", rocm.FLYDSL_DESCRIPTION,
+              lambda problem, platform, settings: rocm.flydsl_reasons(problem, settings),
+              lambda problem, args, settings: rocm.run_flydsl(problem, args), {"prefill": 10}),
+)
+CANDIDATES: dict[str, Candidate] = {c.name: c for c in tuple(map(_spec_candidate, SPECS)) + _OTHERS}
+#: The candidates that wrap ROCm libraries rather than this project's kernels.
+ROCM_CANDIDATES = ("aiter", "flydsl")
+
+
+def _order(phase: str | None) -> tuple[str, ...]:
+    ranked = [c for c in CANDIDATES.values() if (phase in c.ranks if phase else c.universal)]
+    return tuple(c.name for c in sorted(ranked, key=lambda c: c.ranks[phase] if phase else min(c.ranks.values())))
+
+
 #: The registry table. Every kv dtype and block size the project ships has a row per phase.
 TABLE: dict[tuple[str, int, str], tuple[str, ...]] = {
-    (kv, bs, phase): order for kv in KV_DTYPES for bs in BLOCK_SIZES for phase, order in _PHASE_ORDER.items()
+    (kv, bs, phase): _order(phase) for kv in KV_DTYPES for bs in BLOCK_SIZES for phase in PHASES
 }
-_TILE_MODULES = {"tiled": tiled, "stacked": stacked, "rowwise": rowwise}
-#: For page sizes outside the table: the universal scorer first.
-FALLBACK_ORDER = ("rowwise", "aiter", "torch")
+#: For page sizes outside the table: the universal candidates.
+FALLBACK_ORDER = _order(None)
 
 _broken: dict[tuple, str] = {}
 _decisions: dict[tuple, "Decision"] = {}
-_MAX_DECISIONS = 256
+_plans: dict[tuple, LaunchPlan] = {}
+_MAX_MEMO = 256
 
 
 def _broken_key(name: str, problem: ScoreProblem) -> tuple:
     return (name, problem.device_type, str(problem.cache_dtype), problem.block_size, problem.num_heads,
             problem.head_dim, problem.compress_ratio)
+
+
+def _remember(memo: dict, key, value):
+    if len(memo) >= _MAX_MEMO:
+        memo.pop(next(iter(memo)))  # oldest first: a bounded memo, not a cache of every shape
+    memo[key] = value
+    return value
+
+
+def plan_for(spec: KernelSpec, problem, platform: Platform, settings: QsaSettings | None = None) -> LaunchPlan:
+    """``spec``'s launch plan for ``problem`` on ``platform`` with the tuned tables of ``settings``: what the kernel
+    launch, ``explain``, warm-up and the benchmark use. Memoised; a shape with no tuned row is logged once."""
+    settings = settings or get_settings()
+    table = tuned.load_tables(tuple(settings.tuned_config))
+    key = (spec.name, problem, platform, table)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _remember(_plans, key, spec.plan(problem, platform, table))
+        if spec.tune_grid and table.lookup(platform.arch, spec.name, problem) is None:
+            log_once(logging.INFO, ("untuned", platform.arch, spec.name, problem.kv_dtype, problem.block_size,
+                                    problem.num_heads, problem.head_dim),
+                     f"no tuned {spec.name} config for arch={platform.arch} kv={problem.kv_dtype} "
+                     f"page={problem.block_size} heads={problem.num_heads} head_dim={problem.head_dim}: using the "
+                     "kernel's defaults")
+    return plan
 
 
 @dataclass
@@ -168,12 +171,33 @@ def candidate_order(problem: ScoreProblem) -> tuple[tuple[str, ...], str]:
     return FALLBACK_ORDER, f"no registry row for {key}: universal fallback order"
 
 
-def _reasons(name: str, problem: ScoreProblem, settings: QsaSettings) -> list[str]:
-    reasons = list(CANDIDATES[name].reasons(problem, settings))
+def _platform(problem: ScoreProblem) -> Platform:
+    """The platform ``problem`` runs on: the current GPU for GPU tensors (the interpreter's for a problem that only
+    says ``cuda``, as the tests build them on a machine without one)."""
+    import torch
+
+    on_gpu = problem.device_type == "cuda" and torch.cuda.is_available()
+    return Platform.of(torch.device("cuda") if on_gpu else torch.device("cpu"))
+
+
+def reasons(name: str, problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
+    """Why candidate ``name`` does not serve ``problem`` (empty: it serves), as ``select`` asks it, marks of a
+    kernel broken in this process included."""
+    settings = settings or get_settings()
+    found = list(CANDIDATES[name].reasons(problem, _platform(problem), settings))
     broken = _broken.get(_broken_key(name, problem))
     if broken:
-        reasons.append(f"marked broken in this process: {broken}")
-    return reasons
+        found.append(f"marked broken in this process: {broken}")
+    return found
+
+
+def _forced(settings: QsaSettings) -> str | None:
+    if settings.backend == "auto":
+        return None
+    if settings.backend not in CANDIDATES:
+        raise ConfigurationError(f"environment variable QSA_AITER_BACKEND={settings.backend!r} is invalid: allowed: "
+                                 "auto, " + ", ".join(CANDIDATES))
+    return settings.backend
 
 
 def select(problem: ScoreProblem, *, skip: tuple[str, ...] = (), settings: QsaSettings | None = None) -> Decision:
@@ -186,73 +210,66 @@ def select(problem: ScoreProblem, *, skip: tuple[str, ...] = (), settings: QsaSe
     key = (problem, settings)
     if not skip and key in _decisions:
         return _decisions[key]
-    forced = settings.backend != "auto"
-    order, note = ((settings.backend,), "") if forced else candidate_order(problem)
-    decision = Decision(problem, None, order, forced=forced, table_note=note)
+    forced = _forced(settings)
+    order, note = ((forced,), "") if forced else candidate_order(problem)
+    decision = Decision(problem, None, order, forced=forced is not None, table_note=note)
     for name in order:
-        reasons = _reasons(name, problem, settings)
+        why = reasons(name, problem, settings)
         if name in skip:
-            reasons.append("failed on this call")
-        if reasons:
-            decision.rejected[name] = reasons
+            why.append("failed on this call")
+        if why:
+            decision.rejected[name] = why
             continue
         decision.chosen = name
         break
     if not skip:
-        if len(_decisions) >= _MAX_DECISIONS:
-            _decisions.pop(next(iter(_decisions)))  # oldest first: a bounded memo, not a cache of every shape
-        _decisions[key] = decision
+        _remember(_decisions, key, decision)
     return decision
 
 
 def explain(problem: ScoreProblem) -> str:
-    """The full report for ``problem``: every candidate in order, with its reasons."""
+    """The full report for ``problem``: every candidate in order, with its reasons, and the chosen kernel's launch
+    plan (its config and where the config came from) and how it reads the keys."""
     settings = get_settings()
     decision = select(problem, settings=settings)
     full = Decision(problem, decision.chosen, decision.order, forced=decision.forced, table_note=decision.table_note)
     for name in decision.order:
         if name != decision.chosen:
-            full.rejected[name] = (_reasons(name, problem, settings)
+            full.rejected[name] = (reasons(name, problem, settings)
                                    or ["serves, but an earlier candidate is preferred"])
-    return full.report() + _tile_note(problem, decision.chosen, settings)
+    report = full.report()
+    spec = CANDIDATES[decision.chosen].spec if decision.chosen else None
+    if spec is None:
+        return report
+    platform = _platform(problem)
+    plan = plan_for(spec, problem, platform, settings)
+    return (report + f"\n  plan (arch {platform.arch}): grid {plan.grid}, {plan.config_source}: {plan.config}"
+            + f"\n  keys: {spec.key_reading(problem, platform)}")
 
 
-def _tile_note(problem: ScoreProblem, chosen: str | None, settings: QsaSettings) -> str:
-    """Where the chosen Triton kernel's tile settings come from (a tuned row, or its defaults), and how it reads the
-    keys (for quantised caches: e4m3 tensor cores or decoding, ``QSA_AITER_FP8_MMA``)."""
-    if chosen not in _TILE_MODULES:
-        return ""
-    device = torch.device("cuda") if problem.device_type == "cuda" else torch.device("cpu")
-    arch = tuned.device_arch(device)
-    e4m3 = chosen == "stacked" and e4m3_mma_serves(problem.q_dtype, problem.cache_dtype, problem.head_dim, device,
-                                                   settings.fp8_mma)
-    cfg, row = tuned.resolve(chosen, problem, arch, _TILE_MODULES[chosen].default_config(problem, e4m3),
-                             tuple(settings.tuned_config))
-    keys = f"\n  keys: {describe_key_reading(chosen, problem, e4m3, settings.fp8_mma)}"
-    if row is None:
-        return f"\n  tile (arch {arch}): {chosen} defaults {cfg}" + keys
-    return f"\n  tile (arch {arch}): tuned row rows={row.rows} context={row.context} ({row.source}): {cfg}" + keys
-
-
-def run(problem: ScoreProblem, args, settings: QsaSettings | None = None) -> str:
+def run(problem: ScoreProblem, args: ScoreArgs, settings: QsaSettings | None = None) -> str:
     """Run the chosen candidate, falling back past ones that raise. Returns the name of the kernel that ran."""
     settings = settings or get_settings()
     # Configuration is read before any kernel runs, on every path (the torch one too): a bad QSA_AITER_TUNED_CONFIG
     # file or QSA_AITER_JIT_DIR is the caller's error (ConfigurationError), not a kernel failure to fall back from.
     tuned.load_tables(tuple(settings.tuned_config))
     # This library's Triton kernels launch inside the JIT cache's scope (docs/jit_and_configs.md).
-    jit = jit_cache.scope(args.q.device, settings)
+    jit = jit_scope(args.q.device, settings)
     failed: tuple[str, ...] = ()
     while True:
         decision = select(problem, skip=failed, settings=settings)
         if decision.chosen is None:
             raise ValueError(decision.report())
         name = decision.chosen
+        candidate = CANDIDATES[name]
         if not failed:
             log_once(logging.INFO, ("dispatch", problem, name), decision.report)
         try:
-            with jit if name in _TILE_MODULES else contextlib.nullcontext():
-                CANDIDATES[name].run(problem, args)
+            if candidate.spec is not None:
+                with jit:
+                    candidate.run(problem, args, settings)
+            else:
+                candidate.run(problem, args, settings)
             return name
         except ConfigurationError:
             raise
@@ -271,4 +288,3 @@ def clear_broken() -> None:
     """Forget kernels marked broken (tests)."""
     _broken.clear()
     _decisions.clear()
-

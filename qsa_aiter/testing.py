@@ -11,10 +11,11 @@ import math
 import torch
 
 from . import registry
-from .cache_formats import dequantize_cache
-from .kernels.dequant import fp8_dot, fp8_tensor_cores
-from .ops import describe_call
-from .reference import reference_paged_mqa_logits
+from .quant.formats import dequantize_cache
+from .platform import Platform
+from .quant.dequant import fp8_dot
+from .scoring.op import describe_call
+from .scoring.reference import reference_paged_mqa_logits
 from .settings import get_settings
 
 #: What an output is filled with before a kernel writes it: a column the kernel should have written stays NaN.
@@ -42,7 +43,7 @@ def uses_fp8_mma(args: tuple, **kwargs) -> bool:
     stacked scorer on an e4m3fn or MXFP4 cache with bf16 queries (``fp8_dot``), ``QSA_AITER_FP8_MMA=1``."""
     q, cache = args[0], args[1]
     if not (q.is_cuda and get_settings().fp8_mma
-            and fp8_dot(q.dtype, cache.dtype, q.shape[2], fp8_tensor_cores(q.device))):
+            and fp8_dot(q.dtype, cache.dtype, q.shape[2], Platform.of(q.device).e4m3_tensor_cores)):
         return False
     return registry.select(describe_call(*args, **kwargs)).chosen == "stacked"
 

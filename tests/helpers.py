@@ -7,20 +7,22 @@ import torch
 
 import qsa_aiter
 from qsa_aiter import registry
-from qsa_aiter.ops import describe_call
-from qsa_aiter.reference import reference_paged_mqa_logits
+from qsa_aiter.scoring import SPECS
+from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.scoring.reference import reference_paged_mqa_logits
 from qsa_aiter.testing import (  # noqa: F401 (re-exported for the tests)
     FP8_MMA_TOL, POISON, assert_matches_reference, magnitude_args, magnitude_bound, mma_atol, poisoned_logits,
     uses_fp8_mma, visible_bits, visible_mask,
 )
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.tools.workloads import make_batch
 
-#: Triton kernels of the registry, by candidate name.
-KERNELS = ("tiled", "stacked", "rowwise")
+#: Triton kernels of the registry, by candidate name (every scoring spec).
+KERNELS = tuple(spec.name for spec in SPECS)
 #: What a test may force through ``QSA_AITER_BACKEND``: every candidate, plus ``auto`` (the registry decides).
 BACKENDS = KERNELS + ("torch", "auto")
-#: The kernel the registry prefers for each phase when every candidate can serve (SPEC section 4).
-PREFERRED = {"prefill": "tiled", "verify": "stacked", "draft": "stacked", "decode": "rowwise"}
+#: The kernel the registry prefers for each phase when every candidate can serve (SPEC section 4): the first scoring
+#: kernel of the phase's order.
+PREFERRED = {phase: next(n for n in registry.TABLE[("bf16", 64, phase)] if n in KERNELS) for phase in registry.PHASES}
 
 
 def write_new_lengths(gen, context_lens, query_positions, low: int, high: int, rows_per_request: int) -> None:
@@ -49,7 +51,7 @@ def skip_unless_serves(name: str, args: tuple, **kwargs):
     """
     problem = describe_call(*args, **kwargs)
     if name != "auto":
-        reasons = registry.CANDIDATES[name].reasons(problem)
+        reasons = registry.reasons(name, problem)
         if reasons:
             pytest.skip(f"{name} does not serve {problem.summary()}: " + "; ".join(reasons))
     return problem

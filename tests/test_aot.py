@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from qsa_aiter.aot import KERNEL_MODULES, TARGETS, compile_kernel
-from qsa_aiter.kernels.common import interpreting
+from qsa_aiter.jit.aot import SCORERS, TARGETS, compile_kernel
+from qsa_aiter.platform import interpreting
 
 ROOT = Path(__file__).resolve().parents[1]
 TENSOR_CORE_KERNELS = ("stacked", "tiled")
@@ -55,7 +55,8 @@ DECODED_BUILDS = [("stacked", "sm_90", "fp8"), ("stacked", "sm_90", "fp4")]
 _CHILD = r"""
 import json, sys
 import torch
-from qsa_aiter.aot import KERNEL_MODULES, TARGETS, compile_kernel, compile_selection_kernel, example_problem
+from qsa_aiter.jit.aot import SCORERS, TARGETS, compile_kernel, compile_selection_kernel
+from qsa_aiter.scoring.base import example_problem
 
 variants = json.loads(sys.argv[1])
 marks = json.loads(sys.argv[2])
@@ -72,7 +73,7 @@ for variant, (overrides, index_dtype, targets) in json.loads(sys.argv[4]).items(
         if key in overrides:
             overrides[key] = getattr(torch, overrides[key])
     problem = example_problem(**overrides)
-    for kernel in KERNEL_MODULES:
+    for kernel in SCORERS:
         for target in targets:
             name = f"{variant}/{kernel}/{target}"
             try:
@@ -120,7 +121,7 @@ def compiled():
 
 #: Every kernel x target x specialisation compiled by the ``compiled`` fixture.
 EVERY_BUILD = pytest.mark.parametrize(
-    "kernel,target,variant", list(itertools.product(KERNEL_MODULES, TARGETS, VARIANTS)))
+    "kernel,target,variant", list(itertools.product(SCORERS, TARGETS, VARIANTS)))
 
 
 def build(compiled: dict, kernel: str, target: str, variant: str) -> dict:
@@ -195,7 +196,7 @@ def test_unknown_kernel_or_target():
 
 def test_targets_and_kernels():
     assert set(TARGETS) == {"sm_90", "gfx942", "gfx950"}
-    assert set(KERNEL_MODULES) == {"rowwise", "stacked", "tiled"}
+    assert set(SCORERS) == {"rowwise", "stacked", "tiled"}
 
 
 @pytest.mark.skipif(not interpreting(), reason="only kernels decorated under TRITON_INTERPRET=1 are affected")
@@ -210,7 +211,7 @@ def test_compile_in_an_interpreted_process_says_why_not():
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kernel,target,variant", [(k, t, v) for v, (_, _, targets) in MATRIX_VARIANTS.items()
-                                                   for k in KERNEL_MODULES for t in targets])
+                                                   for k in SCORERS for t in targets])
 def test_matrix_variant_compiles_and_uses_matrix_cores(compiled, kernel, target, variant):
     result = build(compiled, kernel, target, variant)
     assert result["binary_bytes"] > 0

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from qsa_aiter.cache_formats import (
+from qsa_aiter.quant.formats import (
     E2M1_VALUES, allocate_index_cache, dequantize_cache, e2m1_codes, quantize_fp4, quantize_fp8, write_reference,
 )
-from qsa_aiter.writer import qsa_write_index_cache
+from qsa_aiter.cache.op import qsa_write_index_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = [("bf16", None), ("fp16", None), ("fp8", torch.float8_e4m3fn), ("fp8", torch.float8_e4m3fnuz),
@@ -130,7 +130,7 @@ def test_writer_validation_names_the_argument():
 
 
 _CHILD = r"""
-from qsa_aiter.aot import TARGETS, compile_cache_writer
+from qsa_aiter.jit.aot import TARGETS, compile_cache_writer
 for kind in ("bf16", "fp8_e4m3fn", "fp8_e4m3fnuz", "fp4"):
     for target in TARGETS:
         asm = compile_cache_writer(kind, target).asm

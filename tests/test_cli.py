@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qsa_aiter.__main__ import main
-from qsa_aiter.demo import main as demo_main
+from qsa_aiter.tools.demo import main as demo_main
 
 
 def test_explain_prints_the_decision(capsys):
@@ -40,7 +40,7 @@ def test_explain_on_a_quantised_cache(capsys):
 
 def test_cache_choices_match_the_workload_formats():
     from qsa_aiter.__main__ import _build_parser
-    from qsa_aiter.workloads import CACHES
+    from qsa_aiter.tools.workloads import CACHES
 
     explain = _build_parser()._subparsers._group_actions[0].choices["explain"]
     choices = next(a.choices for a in explain._actions if a.dest == "cache")

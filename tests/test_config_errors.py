@@ -9,15 +9,17 @@ runs again.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import qsa_aiter
 from qsa_aiter import registry
 from qsa_aiter.__main__ import main
-from qsa_aiter.ops import describe_call
+from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.settings import ConfigurationError
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.tools.workloads import make_batch
 
 from helpers import force_backend, phase_batch
 
@@ -76,13 +78,13 @@ def test_scoring_raises_and_marks_nothing_broken(monkeypatch, tmp_path, rng, cas
 
 def _launch_args(args, hints):
     """The launch arguments ``qsa_paged_mqa_logits`` builds for ``args`` (to see which kernel ``registry.run`` ran)."""
-    from qsa_aiter.kernels.common import ScoreLaunch
+    from qsa_aiter.scoring.base import ScoreArgs
 
     q, cache, table, t2r, pos, ctx, ratio = args
     columns = table.shape[1] * cache.shape[1]
     logits = torch.empty((q.shape[0], columns), device=q.device)
     visible = torch.empty((q.shape[0],), dtype=torch.int32, device=q.device)
-    return ScoreLaunch(q, cache, table, t2r, pos, ctx, logits, visible, columns, ratio, 1.0 / q.shape[2] ** 0.5,
+    return ScoreArgs(q, cache, table, t2r, pos, ctx, logits, visible, columns, ratio, 1.0 / q.shape[2] ** 0.5,
                        hints.get("k_scale"))
 
 
@@ -118,8 +120,7 @@ def test_a_kernel_failure_still_falls_back(monkeypatch, rng):
     def broken(*_):
         raise RuntimeError("compile failed")
 
-    monkeypatch.setitem(registry.CANDIDATES, "stacked",
-                        registry.Candidate("stacked", "broken", registry.CANDIDATES["stacked"].reasons, broken))
+    monkeypatch.setitem(registry.CANDIDATES, "stacked", dataclasses.replace(registry.CANDIDATES["stacked"], run=broken))
     registry.clear_broken()
     logits, _ = qsa_aiter.qsa_paged_mqa_logits(*args, max_query_len=2)
     assert any(key[0] == "stacked" for key in registry._broken)

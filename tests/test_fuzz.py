@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsa_aiter import fuzz
+from qsa_aiter.tools import fuzz
 
 #: Cases per path in the suite: the kernels', fewer for ``auto`` (it runs one of them) and more for the cheap paths.
 CASES = {"tiled": 200, "stacked": 200, "rowwise": 200, "torch": 200, "auto": 60, "topk": 200, "topk_torch": 200,

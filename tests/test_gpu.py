@@ -18,10 +18,10 @@ import torch
 
 import qsa_aiter
 from qsa_aiter import registry
-from qsa_aiter.bench import capture_graph
-from qsa_aiter.ops import describe_call
-from qsa_aiter.reference import reference_paged_mqa_logits, visible_groups
-from qsa_aiter.workloads import ScoringBatch, make_batch
+from qsa_aiter.tools.bench import capture_graph
+from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.scoring.reference import reference_paged_mqa_logits, visible_groups
+from qsa_aiter.tools.workloads import ScoringBatch, make_batch
 
 from helpers import (
     FP8_MMA_TOL, KERNELS, PREFERRED, assert_matches_reference, force_backend, magnitude_args,
@@ -396,5 +396,5 @@ def test_registry_reasons_are_empty_for_model_shapes():
         problem = describe_call(*b.args(), phase=phase)
         assert problem.device_type == "cuda"
         for name in KERNELS:
-            assert registry.CANDIDATES[name].reasons(problem) == [], name
+            assert registry.reasons(name, problem) == [], name
         assert registry.select(problem).chosen == PREFERRED[phase]

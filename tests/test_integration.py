@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter.bench import capture_graph
+from qsa_aiter.tools.bench import capture_graph
 from qsa_aiter.integrations import atom
-from qsa_aiter.reference import reference_block_topk, reference_expand_block_indices
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.scoring.reference import reference_block_topk, reference_expand_block_indices
+from qsa_aiter.tools.workloads import make_batch
 
 from helpers import assert_matches_reference, write_new_lengths
 

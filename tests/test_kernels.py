@@ -12,9 +12,9 @@ import torch
 
 import qsa_aiter
 from qsa_aiter import registry
-from qsa_aiter.kernels.common import interpreting
-from qsa_aiter.ops import describe_call
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.platform import interpreting
+from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.tools.workloads import make_batch
 
 from helpers import (
     BACKENDS, KERNELS, assert_matches_reference, check_call, check_forced, check_forced_call, force_backend,
@@ -229,7 +229,7 @@ def test_heads_not_power_of_two(monkeypatch, rng, heads):
     hints = dict(max_query_len=4)
     problem = describe_call(*args, **hints)
     assert problem.phase == "verify"
-    reasons = registry.CANDIDATES["stacked"].reasons(problem)
+    reasons = registry.reasons("stacked", problem)
     assert any("head count" in r and str(heads) in r for r in reasons), reasons
     # Automatic dispatch falls back to the row-wise scorer and stays correct.
     assert qsa_aiter.selected_kernel(*args, **hints) in ("rowwise", "torch")
@@ -238,7 +238,7 @@ def test_heads_not_power_of_two(monkeypatch, rng, heads):
     check_call(args, label="auto", **hints)
     # The tiled kernel has no head-count restriction.
     force_backend(monkeypatch, "tiled")
-    if not registry.CANDIDATES["tiled"].reasons(problem):
+    if not registry.reasons("tiled", problem):
         check_call(args, label="tiled", **hints)
     # Forcing the stacked scorer is an error that gives its reason.
     force_backend(monkeypatch, "stacked")
@@ -257,7 +257,7 @@ def test_head_dim_not_power_of_two(monkeypatch, rng, head_dim, phase):
     hints = dict(phase=phase, max_query_len=3)
     problem = describe_call(*args, **hints)
     for name in ("tiled", "stacked"):
-        reasons = registry.CANDIDATES[name].reasons(problem)
+        reasons = registry.reasons(name, problem)
         assert any("head_dim" in r and str(head_dim) in r for r in reasons), (name, reasons)
     if interpreting():
         # Automatic dispatch falls back to the row-wise scorer, whatever the phase.

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter.ops import describe_call
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.tools.workloads import make_batch
 
 from helpers import assert_matches_reference, reference_of
 

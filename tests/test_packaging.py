@@ -9,7 +9,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from qsa_aiter import tuned
+from qsa_aiter.tuning import table as tuned
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,12 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # install cannot shadow the wheel; the environment's packages (torch, triton, pydantic, ...) stay importable.
 PROBE = """
 import torch, qsa_aiter
-from qsa_aiter import jit_cache, tuned
-from qsa_aiter.workloads import make_batch
-rows = sum(len(v) for v in tuned.load_tables(()).values())
+from qsa_aiter import jit
+from qsa_aiter.tuning import table as tuned
+from qsa_aiter.tools.workloads import make_batch
+rows = sum(len(v) for v in tuned.load_tables(()).rows.values())
 batch = make_batch([300, 200], 2, head_dim=32, page_size=16)
 qsa_aiter.qsa_paged_mqa_logits(*batch.args(), max_query_len=2)
-print(tuned.CONFIG_DIR, rows, jit_cache.jit_root())
+print(tuned.CONFIG_DIR, rows, jit.jit_root())
 """
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsa_aiter.quality import selection_overlap
+from qsa_aiter.quant.quality import selection_overlap
 
 CASES = [
     ("fp8", {}, 0.96, 0.93),

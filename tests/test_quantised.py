@@ -13,18 +13,20 @@ magnitudes of the products, since random codes make large terms cancel.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 import qsa_aiter
-from qsa_aiter.cache_formats import E2M1_VALUES
-from qsa_aiter.kernels import stacked
-from qsa_aiter.kernels.common import ScoreLaunch
-from qsa_aiter.kernels.dequant import E2M1_TO_E4M3_ASM, fast_decode, fp4_block_order, fp4_e4m3_block, split_query_e4m3
-from qsa_aiter.ops import describe_call
-from qsa_aiter.reference import reference_paged_mqa_logits
+from qsa_aiter.quant.formats import E2M1_VALUES
+from qsa_aiter.scoring import stacked
+from qsa_aiter.platform import Platform
+from qsa_aiter.quant.dequant import E2M1_TO_E4M3_ASM, fp4_block_order, fp4_e4m3_block, split_query_e4m3
+from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.scoring.reference import reference_paged_mqa_logits
 
 from helpers import (
     BACKENDS, FP8_MMA_TOL, KERNELS, PREFERRED, check_call, check_forced, force_backend, magnitude_bound, phase_batch,
@@ -141,20 +143,18 @@ def test_bad_page_ids_and_padded_rows_on_a_quantised_cache(monkeypatch, rng):
             assert bool(torch.isneginf(logits[0, 16:32]).all())
 
 
-def launch_args(batch, fp8_mma: bool) -> ScoreLaunch:
-    """The launch arguments the op would build for ``batch`` (outputs unwritten), with ``QSA_AITER_FP8_MMA``."""
-    q = batch.q
-    logits = torch.empty(q.shape[0], 1, dtype=torch.float32, device=q.device)
-    visible = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
-    return ScoreLaunch(q, batch.compressed_k_cache, batch.page_table, batch.token_to_request, batch.query_positions,
-                       batch.context_lens, logits, visible, 1, 4, 1.0, batch.k_scale, fp8_mma)
+def stacked_plan(batch, hints: dict, fp8_mma: bool):
+    """The stacked scorer's launch plan for ``batch`` with ``QSA_AITER_FP8_MMA`` as ``fp8_mma`` (what it would
+    launch)."""
+    problem = dataclasses.replace(describe_call(*batch.args(), **hints), fp8_mma=fp8_mma)
+    return stacked.SPEC.plan(problem, Platform.of(batch.q.device))
 
 
 def test_a_head_dim_below_32_is_decoded_not_sent_to_e4m3_mmas(monkeypatch, rng):
     """e4m3 MMAs step head_dim by 32: at head_dim 16 the stacked scorer decodes e4m3fn keys (on the H200 the e4m3
     path failed to compile there), and ``explain`` says why."""
     batch, hints = quantised_batch("verify", "fp8", 16, rng, head_dim=16)
-    assert not launch_args(batch, True).fp8_dot
+    assert not stacked_plan(batch, hints, True).constexprs["FP8_DOT"]
     keys = qsa_aiter.explain(*batch.args(), **hints).splitlines()[-1]
     assert "head_dim 16 < 32" in keys, keys
     check_forced(monkeypatch, "stacked", batch, hints, label="stacked/fp8/head_dim 16", tol=TOL)
@@ -174,12 +174,13 @@ def test_keys_decoded_when_the_mma_switch_is_off(monkeypatch, rng, cache, phase,
     off = qsa_aiter.explain(*batch.args(), **hints).splitlines()[-1]
     assert off.startswith("  keys: decoded to ") and off.endswith("(QSA_AITER_FP8_MMA=0)"), off
     # The launch takes the decoding path (FP8_DOT off) and its own tile settings.
-    assert launch_args(batch, True).fp8_dot and not launch_args(batch, False).fp8_dot
+    assert stacked_plan(batch, hints, True).constexprs["FP8_DOT"]
+    assert not stacked_plan(batch, hints, False).constexprs["FP8_DOT"]
     problem = describe_call(*batch.args(), **hints)
-    rows = stacked.default_config(problem, True).block_rows
+    rows = stacked_plan(batch, hints, True).config.block_rows
     decoding = (stacked.StackedConfig(block_rows=rows, block_n=64, num_warps=2, programs_per_sm=16) if cache == "fp4"
                 else stacked.StackedConfig(block_rows=rows))
-    assert stacked.default_config(problem, False) == decoding
+    assert stacked_plan(batch, hints, False).config == decoding
     assert not uses_fp8_mma(batch.args(), **hints)
     check_forced(monkeypatch, "stacked", batch, hints, label=f"stacked/{phase}/{cache} decoded/page{page_size}",
                  tol=TOL)
@@ -224,7 +225,7 @@ def test_fp4_block_unpacks_every_byte_in_mma_order(fast):
     """``fp4_e4m3_block`` on all 256 bytes (every nibble as the low and as the high nibble): position ``p`` of a row
     holds element ``fp4_block_order[p]``, as the e4m3 byte of the rule (and, for the interpreter's emulation, its exact
     fp32 value). The PTX unpack runs on an NVIDIA GPU of compute capability 9.0+ only."""
-    if fast and not (ON_GPU and fast_decode(torch.device("cuda"))):
+    if fast and not (ON_GPU and Platform.of(torch.device("cuda")).fast_decode):
         pytest.skip("the PTX unpack needs an NVIDIA GPU of compute capability 9.0+ (no interpreter)")
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).to(DEVICE)
     got_bytes = torch.empty(16, 32, dtype=torch.uint8, device=DEVICE)
@@ -297,7 +298,7 @@ def test_fp4_mma_path_reads_unaligned_scales(monkeypatch, rng):
     shifted.copy_(raw)
     assert shifted.data_ptr() % 4 != 0
     batch.k_scale = shifted.view(torch.float8_e8m0fnu)
-    assert not launch_args(batch, True).scale_words
+    assert not stacked_plan(batch, hints, True).constexprs["SCALE_WORDS"]
     check_forced(monkeypatch, "stacked", batch, hints, label="stacked/fp4/unaligned scales", tol=TOL)
 
 
@@ -306,8 +307,7 @@ def test_fp4_mma_path_block_counts(monkeypatch, rng, head_dim):
     """One and eight 32-element blocks per key (the exponents as one byte and as one 64-bit integer per key); with
     eight, the accumulators take more registers and the default runs fewer programs per SM."""
     batch, hints = quantised_batch("verify", "fp4", 16, rng, head_dim=head_dim)
-    problem = describe_call(*batch.args(), **hints)
-    cfg = stacked.default_config(problem, True)
+    cfg = stacked_plan(batch, hints, True).config
     assert (cfg.block_n, cfg.programs_per_sm) == (64, 4 if head_dim == 32 else 2)
     check_forced(monkeypatch, "stacked", batch, hints, label=f"stacked/fp4/head_dim {head_dim}", tol=TOL)
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qsa_aiter.reference import reference_paged_mqa_logits, visible_groups
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.scoring.reference import reference_paged_mqa_logits, visible_groups
+from qsa_aiter.tools.workloads import make_batch
 
 NINF = float("-inf")
 

@@ -10,13 +10,13 @@ import torch
 
 import qsa_aiter
 from qsa_aiter import registry
-from qsa_aiter.aot import example_problem
-from qsa_aiter.kernels import common as kernels_common
-from qsa_aiter.kernels.common import interpreting
+from qsa_aiter.scoring.base import example_problem
+from qsa_aiter import platform as platform_module
+from qsa_aiter.platform import interpreting
 from qsa_aiter.log import reset_log_once
-from qsa_aiter.ops import describe_call
+from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.problem import MAX_DECODE_ROWS, PHASES
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.tools.workloads import make_batch
 
 from helpers import KERNELS, PREFERRED, check_call, force_backend, poisoned_out, reference_of
 
@@ -156,7 +156,7 @@ def test_stacked_switch_off_sends_verify_and_draft_to_rowwise(monkeypatch, rng, 
 def test_backend_forces_one_kernel_for_every_phase(monkeypatch, rng, phase, name):
     batch, hints = batch_for(phase, rng)
     problem = describe_call(*batch.args(), **hints)
-    if registry.CANDIDATES[name].reasons(problem):
+    if registry.reasons(name, problem):
         pytest.skip(f"{name} does not serve {problem.summary()}")
     force_backend(monkeypatch, name)
     assert qsa_aiter.selected_kernel(*batch.args(), **hints) == name
@@ -200,7 +200,7 @@ def failing(monkeypatch):
     calls: list = []
 
     def install(name: str) -> list:
-        def run(problem, args):
+        def run(problem, args, settings):
             calls.append(problem)
             raise SimulatedFailure(f"simulated launch failure of {name}\nsecond line of the error")
 
@@ -354,19 +354,19 @@ def test_explain_names_the_choice_and_the_others_reasons(rng):
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_cpu_without_interpreter_uses_torch(monkeypatch, phase):
-    monkeypatch.setattr(kernels_common, "interpreting", lambda: False)  # as triton_runs_on sees it
+    monkeypatch.setattr(platform_module, "interpreting", lambda: False)  # as triton_runs_on sees it
     problem = dataclasses.replace(example_problem(), device_type="cpu", phase=phase)
     for name in KERNELS:
-        reasons = registry.CANDIDATES[name].reasons(problem)
+        reasons = registry.reasons(name, problem)
         assert any("TRITON_INTERPRET" in r for r in reasons), (name, reasons)
-    assert registry.CANDIDATES["torch"].reasons(problem) == []
+    assert registry.reasons("torch", problem) == []
     decision = registry.select(problem)
     assert decision.chosen == "torch"
     assert "TRITON_INTERPRET" in registry.explain(problem)
 
 
 def test_cpu_without_interpreter_runs_the_reference(monkeypatch, rng):
-    monkeypatch.setattr(kernels_common, "interpreting", lambda: False)  # as triton_runs_on sees it
+    monkeypatch.setattr(platform_module, "interpreting", lambda: False)  # as triton_runs_on sees it
     batch, hints = batch_for("verify", rng)
     assert qsa_aiter.selected_kernel(*batch.args(), **hints) == "torch"
     out = poisoned_out(batch.args())
@@ -380,7 +380,7 @@ def test_cuda_problem_is_served_by_the_triton_kernels():
     for phase in PHASES:
         problem = example_problem(phase=phase)
         for name in KERNELS:
-            assert registry.CANDIDATES[name].reasons(problem) == [], name
+            assert registry.reasons(name, problem) == [], name
         assert registry.select(problem).chosen == PREFERRED[phase]
 
 

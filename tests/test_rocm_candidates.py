@@ -19,26 +19,27 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter import registry, rocm, tuned
-from qsa_aiter.aot import example_problem
-from qsa_aiter.kernels.common import ScoreLaunch, interpreting
-from qsa_aiter.ops import describe_call
-from qsa_aiter.reference import reference_block_topk, reference_paged_mqa_logits
+from qsa_aiter import registry
+from qsa_aiter.backends import rocm
+
+from qsa_aiter.scoring.base import example_problem
+from qsa_aiter.platform import Platform, interpreting
+from qsa_aiter.scoring.base import ScoreArgs
+from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.scoring.reference import reference_block_topk, reference_paged_mqa_logits
 from qsa_aiter.settings import get_settings
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.tools.workloads import make_batch
 
 from helpers import assert_matches_reference, poisoned_out
 
 FLYDSL_PROBLEM = example_problem(phase="prefill", block_size=16, num_tokens=512, num_requests=1, table_width=40,
                                  num_columns=640, num_pages=64, cache_bytes=64 * 16 * 128 * 2)
 
-
 def module(name: str, **attrs) -> types.ModuleType:
     m = types.ModuleType(name)
     m.__spec__ = importlib.machinery.ModuleSpec(name, None)
     m.__dict__.update(attrs)
     return m
-
 
 def aiter_scorer_standin(calls: list, *, old: bool = False):
     """Stand-in for ``aiter.ops.triton.attention.qsa`` with the real ``qsa_paged_mqa_logits`` signature."""
@@ -55,7 +56,6 @@ def aiter_scorer_standin(calls: list, *, old: bool = False):
                                               context_lens, compress_ratio, score_divisor, num_columns)
     return module(rocm.AITER_SCORER[0], qsa_paged_mqa_logits=qsa_paged_mqa_logits)
 
-
 def flydsl_scorer_standin(calls: list, *, raises: bool = False, page_size: int = 16):
     """Stand-in for ATOM's ``qsa_flydsl_layout`` (its constants and ``qsa_paged_mqa_logits_flydsl`` signature)."""
     def qsa_paged_mqa_logits_flydsl(q, compressed_k_cache, page_table, token_to_request, query_positions,
@@ -69,7 +69,6 @@ def flydsl_scorer_standin(calls: list, *, raises: bool = False, page_size: int =
         visible_groups.copy_(vis)
     return module(rocm.FLYDSL_SCORER[0], qsa_paged_mqa_logits_flydsl=qsa_paged_mqa_logits_flydsl, Q_HEADS=4,
                   HDIMS=128, PAGE_SIZE=page_size, COMPRESS_RATIO=4)
-
 
 def topk_standin(calls: list, *, stable: bool = True):
     """Stand-in for ``aiter.ops.topk.top_k_per_row_prefill``: the right groups, in a scrambled order (AITER does not
@@ -88,36 +87,31 @@ def topk_standin(calls: list, *, stable: bool = True):
             ranked(logits, row_starts, row_ends, indices, values, num_rows, stride0, stride1, k)
     return module(rocm.AITER_TOPK[0], top_k_per_row_prefill=top_k_per_row_prefill)
 
-
 @pytest.fixture
 def rocm_platform(monkeypatch):
     """Look like a gfx950 ROCm machine; forget import results before and after."""
     monkeypatch.setattr(rocm, "_rocm_runtime", lambda: "7.0.0")
     monkeypatch.setattr(rocm, "_gpu_arch", lambda: "gfx950")
-    monkeypatch.setattr(tuned, "device_arch", lambda device: "gfx950")  # explain's tile line
+    monkeypatch.setattr(registry, "_platform", lambda problem: Platform.named("gfx950"))  # explain's plan line
     rocm.reset()
     yield monkeypatch
     rocm.reset()
-
 
 def install(monkeypatch, *mods: types.ModuleType) -> None:
     for m in mods:
         monkeypatch.setitem(sys.modules, m.__name__, m)
 
-
 def flydsl_ready(monkeypatch, calls=None, **kw):
     monkeypatch.setenv("ROCM_QSA_FLYDSL", "1")
     install(monkeypatch, module(rocm.FLYDSL_PACKAGE), flydsl_scorer_standin([] if calls is None else calls, **kw))
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # This machine: nothing serves, and nothing is imported
 # ---------------------------------------------------------------------------------------------------------------
 
-
 def test_without_rocm_both_say_why_and_import_nothing(monkeypatch):
     rocm.reset()
-    monkeypatch.setattr(tuned, "device_arch", lambda device: "sm_90")  # explain's tile line, without a GPU
+    monkeypatch.setattr(registry, "_platform", lambda problem: Platform.named("sm_90"))  # explain, without a GPU
     monkeypatch.setenv("ROCM_QSA_FLYDSL", "1")
     for phase in ("prefill", "decode"):
         problem = dataclasses.replace(FLYDSL_PROBLEM, phase=phase)
@@ -129,17 +123,14 @@ def test_without_rocm_both_say_why_and_import_nothing(monkeypatch):
     assert "order flydsl > tiled > rowwise > aiter > torch" in text
     assert "- flydsl: needs a ROCm build of torch" in text and "* tiled: serves" in text
 
-
 def test_cpu_tensors_are_not_served(rng):
     batch = make_batch([300, 200], 2, head_dim=32, generator=rng)
     text = qsa_aiter.explain(*batch.args(), phase="decode")
     assert "- aiter: needs ROCm GPU tensors (tensors are on cpu)" in text
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # FlyDSL: every gate
 # ---------------------------------------------------------------------------------------------------------------
-
 
 def test_flydsl_serves_its_shape_and_leads_prefill(rocm_platform):
     flydsl_ready(rocm_platform)
@@ -147,7 +138,6 @@ def test_flydsl_serves_its_shape_and_leads_prefill(rocm_platform):
     decision = registry.select(FLYDSL_PROBLEM)
     assert decision.chosen == "flydsl" and decision.order[0] == "flydsl"
     assert "* flydsl: serves (FlyDSL" in registry.explain(FLYDSL_PROBLEM)
-
 
 @pytest.mark.parametrize("change,why", [
     (dict(phase="verify"), "prefill phase only"),
@@ -167,7 +157,6 @@ def test_flydsl_shape_and_phase_gates(rocm_platform, change, why):
     assert any(why in r for r in rocm.flydsl_reasons(problem)), rocm.flydsl_reasons(problem)
     assert registry.select(problem).chosen != "flydsl"
 
-
 def test_flydsl_is_off_unless_asked_for_and_reads_the_vllm_alias(rocm_platform):
     install(rocm_platform, module(rocm.FLYDSL_PACKAGE), flydsl_scorer_standin([]))
     assert rocm.flydsl_reasons(FLYDSL_PROBLEM) == ["off (ROCM_QSA_FLYDSL=1 or VLLM_ROCM_QSA_FLYDSL=1 enables it)"]
@@ -181,7 +170,6 @@ def test_flydsl_is_off_unless_asked_for_and_reads_the_vllm_alias(rocm_platform):
     rocm_platform.setenv("ROCM_QSA_FLYDSL", "on")
     assert get_settings().rocm_qsa_flydsl is True
 
-
 def test_a_bad_alias_value_names_the_alias(monkeypatch):
     monkeypatch.setenv("VLLM_ROCM_QSA_FLYDSL", "maybe")
     with pytest.raises(ValueError, match="VLLM_ROCM_QSA_FLYDSL='maybe' is invalid: allowed"):
@@ -190,7 +178,6 @@ def test_a_bad_alias_value_names_the_alias(monkeypatch):
     with pytest.raises(ValueError, match="VLLM_ROCM_QSA_FLYDSL='maybe' is invalid"):
         get_settings()
 
-
 @pytest.mark.parametrize("arch", ["gfx90a", "gfx1100"])
 def test_flydsl_needs_gfx942_or_gfx950(rocm_platform, arch):
     flydsl_ready(rocm_platform)
@@ -198,7 +185,6 @@ def test_flydsl_needs_gfx942_or_gfx950(rocm_platform, arch):
     assert f"needs gfx942 or gfx950 (this GPU is {arch})" in rocm.flydsl_reasons(FLYDSL_PROBLEM)
     rocm_platform.setattr(rocm, "_gpu_arch", lambda: "gfx942")
     assert rocm.flydsl_reasons(FLYDSL_PROBLEM) == []
-
 
 def test_flydsl_needs_the_package_and_the_kernel_module(rocm_platform):
     rocm_platform.setenv("ROCM_QSA_FLYDSL", "1")
@@ -212,7 +198,6 @@ def test_flydsl_needs_the_package_and_the_kernel_module(rocm_platform):
     install(rocm_platform, flydsl_scorer_standin([], page_size=64))  # a kernel built for another shape
     assert any("64 groups per page" in r for r in rocm.flydsl_reasons(FLYDSL_PROBLEM))
 
-
 def test_flydsl_rejection_is_logged_once_as_a_warning(rocm_platform, caplog):
     flydsl_ready(rocm_platform)
     rocm_platform.setattr(rocm, "_gpu_arch", lambda: "gfx90a")
@@ -223,11 +208,9 @@ def test_flydsl_rejection_is_logged_once_as_a_warning(rocm_platform, caplog):
     lines = [r.getMessage() for r in caplog.records if "flydsl does not serve" in r.getMessage()]
     assert len(lines) == 1 and "gfx90a" in lines[0]
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # AITER: gates, rank, forcing
 # ---------------------------------------------------------------------------------------------------------------
-
 
 def test_aiter_serves_bf16_but_ranks_after_the_rowwise_scorer(rocm_platform):
     install(rocm_platform, aiter_scorer_standin([]))
@@ -237,7 +220,6 @@ def test_aiter_serves_bf16_but_ranks_after_the_rowwise_scorer(rocm_platform):
     assert "- aiter: serves, but an earlier candidate is preferred" in registry.explain(problem)
     rocm_platform.setenv("QSA_AITER_BACKEND", "aiter")
     assert registry.select(problem).chosen == "aiter"
-
 
 def test_aiter_gates(rocm_platform):
     fp16 = example_problem(q_dtype=torch.float16, cache_dtype=torch.float16)
@@ -252,11 +234,9 @@ def test_aiter_gates(rocm_platform):
         "aiter.ops.triton.attention.qsa.qsa_paged_mqa_logits has no num_columns, score_divisor argument (an older "
         "aiter)"]
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Running them: argument mapping, results, fallback
 # ---------------------------------------------------------------------------------------------------------------
-
 
 def launch_for(batch, problem, **kwargs):
     """A GPU-marked problem for CPU tensors, and the launch arguments the op would build (logits poisoned)."""
@@ -264,9 +244,8 @@ def launch_for(batch, problem, **kwargs):
     problem = dataclasses.replace(problem, device_type="cuda")
     out = poisoned_out(args, problem.num_columns)
     visible = torch.full((args[0].shape[0],), -7, dtype=torch.int32)
-    launch = ScoreLaunch(*args[:6], out, visible, problem.num_columns, problem.compress_ratio, 1 / 11.5)
+    launch = ScoreArgs(*args[:6], out, visible, problem.num_columns, problem.compress_ratio, 1 / 11.5)
     return problem, launch
-
 
 def test_forced_aiter_runs_the_library_op_with_the_calls_arguments(rocm_platform, rng):
     calls = []
@@ -279,7 +258,6 @@ def test_forced_aiter_runs_the_library_op_with_the_calls_arguments(rocm_platform
     ref = reference_paged_mqa_logits(*batch.args()[:6], 4, 11.5, 400)
     assert_matches_reference(launch.logits, launch.visible, *ref, rtol=0, atol=0)
 
-
 def test_flydsl_runs_in_place_with_the_calls_arguments(rocm_platform, rng):
     calls = []
     flydsl_ready(rocm_platform, calls)
@@ -290,7 +268,6 @@ def test_flydsl_runs_in_place_with_the_calls_arguments(rocm_platform, rng):
     assert calls == [dict(compress_ratio=4, divisor=pytest.approx(11.5), row_starts=None)]
     assert_matches_reference(launch.logits, launch.visible,
                              *reference_paged_mqa_logits(*batch.args()[:6], 4, 11.5), rtol=0, atol=0)
-
 
 @pytest.mark.skipif(not interpreting(), reason="the fallback runs the tiled kernel on CPU tensors (interpreter)")
 def test_a_failing_flydsl_kernel_is_marked_broken_and_the_triton_kernel_serves(rocm_platform, rng, caplog):
@@ -309,11 +286,9 @@ def test_a_failing_flydsl_kernel_is_marked_broken_and_the_triton_kernel_serves(r
     with pytest.raises(RuntimeError, match="stand-in FlyDSL launch failure"):
         registry.run(problem, launch)
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # AITER's HIP top-k behind the qsa_block_topk contract
 # ---------------------------------------------------------------------------------------------------------------
-
 
 def test_aiter_block_topk_sorts_the_library_output_and_matches_the_oracle(rocm_platform, rng):
     calls = []
@@ -326,7 +301,6 @@ def test_aiter_block_topk_sorts_the_library_output_and_matches_the_oracle(rocm_p
     assert rocm.aiter_block_topk(logits, visible, 16, out=out) is out
     assert torch.equal(out, reference_block_topk(logits, visible, 16))
     assert calls == [dict(stable=True, num_rows=5, k=16, strides=(300, 1))]
-
 
 def test_aiter_block_topk_gates(rocm_platform):
     logits, visible = torch.zeros(2, 8), torch.zeros(2, dtype=torch.int32)
@@ -344,7 +318,6 @@ def test_aiter_block_topk_gates(rocm_platform):
     rocm.reset()
     install(rocm_platform, topk_standin([]))
     assert rocm.aiter_topk_reasons(gpu_logits) == []
-
 
 def test_selection_uses_aiter_topk_only_when_the_aiter_path_is_forced(rocm_platform, rng):
     """``qsa_block_topk`` and the top-k step of ``qsa_select_paged_tokens`` rank with AITER's HIP top-k when

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter.bench import capture_graph
-from qsa_aiter.reference import reference_block_topk, reference_expand_block_indices
-from qsa_aiter.selection import torch_block_topk, torch_expand_block_indices
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.tools.bench import capture_graph
+from qsa_aiter.scoring.reference import reference_block_topk, reference_expand_block_indices
+from qsa_aiter.selection.ops import torch_block_topk, torch_expand_block_indices
+from qsa_aiter.tools.workloads import make_batch
 
 from helpers import force_backend, write_new_lengths
 
@@ -225,7 +225,7 @@ def test_select_is_captured_once_and_replayed_with_new_inputs():
 def test_triton_topk_through_lane_maxima(rng, kind, config):
     """Rows longer than the candidate capacity (256 or 128 here): lane-maxima floor, candidate pass, and the
     whole-row fallback when more columns than the capacity reach the floor (ties, constant rows)."""
-    from qsa_aiter.kernels import topk
+    from qsa_aiter.selection import topk
 
     tokens, columns, block_topk = 6, 1400, 64
     if kind in ("ascending", "descending"):

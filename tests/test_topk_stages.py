@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from qsa_aiter.kernels import topk
+from qsa_aiter.selection import topk
 
 _SPEC = importlib.util.spec_from_file_location(
     "topk_stages", Path(__file__).resolve().parent.parent / "benchmarks" / "topk_stages.py")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qsa_aiter.kernels.common import ScoreLaunch
-from qsa_aiter.ops import describe_call
-from qsa_aiter.workloads import make_batch
+from qsa_aiter.scoring.base import ScoreArgs
+from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.tools.workloads import make_batch
 
 _SPEC = importlib.util.spec_from_file_location(
     "traffic_floor", Path(__file__).resolve().parent.parent / "benchmarks" / "traffic_floor.py")
@@ -47,7 +47,7 @@ def test_traffic_kernel_writes_the_scorers_cells(rng, cache, page_size, phase, r
     for block_n in (64, 128):
         logits = torch.full((batch.q.shape[0], problem.num_columns), float("nan"), device=device)
         visible = torch.full((batch.q.shape[0],), -5, dtype=torch.int32, device=device)
-        args = ScoreLaunch(batch.q, batch.compressed_k_cache, batch.page_table, batch.token_to_request,
+        args = ScoreArgs(batch.q, batch.compressed_k_cache, batch.page_table, batch.token_to_request,
                            batch.query_positions, batch.context_lens, logits, visible, problem.num_columns,
                            batch.compress_ratio, 1.0 / math.sqrt(batch.q.shape[2]), batch.k_scale)
         traffic_floor.launch_traffic(problem, args, traffic_floor.Tile(block_n, 2, 4, int(block_n <= page_size)))

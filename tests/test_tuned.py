@@ -9,15 +9,24 @@ import logging
 import pytest
 import torch
 
-from qsa_aiter import tuned
-from qsa_aiter.kernels import stacked
+from qsa_aiter import registry
 from qsa_aiter.log import reset_log_once
-from qsa_aiter.ops import describe_call
+from qsa_aiter.platform import Platform
+from qsa_aiter.scoring import stacked
+from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.settings import get_settings
+from qsa_aiter.tuning import table as tuned
 
 from helpers import check_forced, phase_batch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-ARCH = tuned.device_arch(DEVICE)  # the key of rows that launches on this machine read
+PLATFORM = Platform.of(DEVICE)
+ARCH = PLATFORM.arch  # the key of rows that launches on this machine read
+
+
+def lookup(arch: str, kernel: str, problem):
+    """The row a launch on ``arch`` would use, with the tuned files of the current settings."""
+    return tuned.load_tables(tuple(get_settings().tuned_config)).lookup(arch, kernel, problem)
 
 HEADER = ("arch,kernel,kv_dtype,page_size,heads,head_dim,rows,context,block_rows,block_m,block_n,d_chunk,num_warps,"
           "num_stages,programs_per_sm,column_programs,scalar_pages,us,measured,source\n")
@@ -35,7 +44,7 @@ def use_tables(monkeypatch, *paths) -> None:
 
 def test_shipped_tables_load():
     table = tuned.load_tables(())
-    rows = table[("gfx950", "stacked", "bf16", 64, 4, 128)]
+    rows = table.rows[("gfx950", "stacked", "bf16", 64, 4, 128)]
     assert rows[0].tile() == {"block_rows": 4, "block_n": 32, "num_warps": 2, "column_programs": 256}
     assert rows[0].measured is False
 
@@ -46,7 +55,7 @@ def test_shipped_tables_load():
 def test_the_h200_rows_cover_every_kernel_dtype_and_page(kernel, kv, page):
     """Measured sm_90 rows for each kernel x kv dtype x page size, by the tuner: each is at least as fast as the
     kernel's default at that point (the default is one of the candidates it timed)."""
-    rows = tuned.load_tables(()).get(("sm_90", kernel, kv, page, 4, 128), [])
+    rows = tuned.load_tables(()).rows.get(("sm_90", kernel, kv, page, 4, 128), [])
     assert len(rows) >= 2, f"no tuned H200 rows for {kernel} {kv} page {page}"
     for row in rows:
         assert row.measured and row.source.startswith("python -m qsa_aiter tune at ")
@@ -79,29 +88,31 @@ def test_nearest_bucket_and_merging(tmp_path, monkeypatch):
     def problem(rows: int, columns: int):
         return dataclasses.replace(_problem(), num_tokens=rows, num_columns=columns)
 
-    assert tuned.lookup("cpu", "stacked", problem(4, 1024)).source == "small"
-    assert tuned.lookup("cpu", "stacked", problem(48, 60000)).source == "large"
-    assert tuned.lookup("cpu", "stacked", problem(8, 2048)).source == "small"
-    assert tuned.lookup("sm_90", "stacked", problem(4, 1024)) is None
+    assert lookup("cpu", "stacked", problem(4, 1024)).source == "small"
+    assert lookup("cpu", "stacked", problem(48, 60000)).source == "large"
+    assert lookup("cpu", "stacked", problem(8, 2048)).source == "small"
+    assert lookup("sm_90", "stacked", problem(4, 1024)) is None
     use_tables(monkeypatch, base, override)
-    row = tuned.lookup("cpu", "stacked", problem(48, 60000))
+    row = lookup("cpu", "stacked", problem(48, 60000))
     assert row.source == "better" and row.block_n == 128
 
 
 def test_a_missing_file_is_named(monkeypatch, tmp_path):
     use_tables(monkeypatch, tmp_path / "nowhere.csv")
     with pytest.raises(ValueError, match="QSA_AITER_TUNED_CONFIG=.* is invalid: .*nowhere.csv is not a file"):
-        tuned.lookup("cpu", "stacked", _problem())
+        lookup("cpu", "stacked", _problem())
 
 
 def test_no_row_keeps_the_default_and_logs_once(monkeypatch, caplog):
     monkeypatch.delenv("QSA_AITER_TUNED_CONFIG", raising=False)
     monkeypatch.setenv("QSA_AITER_LOG_LEVEL", "info")
     reset_log_once()
-    default = stacked.StackedConfig()
+    cpu = Platform.of(torch.device("cpu"))
+    default = stacked.SPEC.default_config(_problem(), cpu)
     with caplog.at_level(logging.INFO, logger="qsa_aiter"):
         for _ in range(3):
-            assert tuned.config_for("stacked", _problem(), torch.device("cpu"), default) is default
+            plan = registry.plan_for(stacked.SPEC, _problem(), cpu)
+            assert plan.config == default and plan.config_source.startswith("defaults")
     messages = [r.getMessage() for r in caplog.records if "no tuned stacked config" in r.getMessage()]
     assert len(messages) == 1 and "arch=cpu kv=bf16 page=16 heads=4 head_dim=64" in messages[0]
 
@@ -112,9 +123,10 @@ def test_a_launch_uses_the_tuned_row(tmp_path, monkeypatch, rng):
     path = write_table(tmp_path, "tuned.csv", f"{ARCH},stacked,bf16,16,4,64,11,4096,4,,16,,2,,,3,1,,1,test")
     use_tables(monkeypatch, path)
     problem = describe_call(*batch.args(), **hints)
-    cfg = tuned.config_for("stacked", problem, DEVICE, stacked.default_config(problem))
+    plan = registry.plan_for(stacked.SPEC, problem, PLATFORM)
+    cfg = plan.config
     assert (cfg.block_n, cfg.num_warps, cfg.column_programs, cfg.scalar_pages) == (16, 2, 3, 1)
-    assert stacked.grid(problem, cfg, 64)[1] == 3
+    assert plan.grid[1] == 3 and plan.constexprs["BLOCK_N"] == 16 and plan.options["num_warps"] == 2
     check_forced(monkeypatch, "stacked", batch, hints, label="tuned stacked")
 
 
@@ -129,9 +141,10 @@ def test_explain_names_the_tile_source(tmp_path, monkeypatch, rng):
 
     batch, hints = phase_batch("verify", 16, rng, device=DEVICE)
     monkeypatch.delenv("QSA_AITER_TUNED_CONFIG", raising=False)
-    assert f"tile (arch {ARCH}): stacked defaults StackedConfig(" in qsa_aiter.explain(*batch.args(), **hints)
+    assert (f"plan (arch {ARCH}): grid (" in qsa_aiter.explain(*batch.args(), **hints)
+            and f"defaults (no tuned row for arch {ARCH}): StackedConfig(" in qsa_aiter.explain(*batch.args(), **hints))
     path = write_table(tmp_path, "tuned.csv", f"{ARCH},stacked,bf16,16,4,64,11,4096,,,16,,2,,,,,,1,my sweep")
     use_tables(monkeypatch, path)
     text = qsa_aiter.explain(*batch.args(), **hints)
-    assert f"tile (arch {ARCH}): tuned row rows=11 context=4096 (my sweep): StackedConfig(" in text
+    assert "tuned row rows=11 context=4096 (my sweep): StackedConfig(" in text
     assert "block_n=16" in text

@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from qsa_aiter import tuned, tuner
-from qsa_aiter.kernels import rowwise, stacked
-from qsa_aiter.ops import describe_call
+from qsa_aiter.catalog import tunable_specs
+from qsa_aiter.platform import Platform
+from qsa_aiter.tuning import table as tuned
+from qsa_aiter.tuning import tuner
+from qsa_aiter.scoring import rowwise
+from qsa_aiter.scoring import stacked
+from qsa_aiter.scoring.op import describe_call
 
 from helpers import phase_batch
 
@@ -32,7 +36,7 @@ def test_candidates_start_with_the_default_and_drop_duplicates():
     assert out[0] == default
     assert out == [default, stacked.StackedConfig(block_n=64, num_stages=3)]
     outside = stacked.StackedConfig(block_n=32)  # not in the grid: the grid's product, then the default
-    assert len(tuner.candidates("stacked", outside, tuner.GRIDS["stacked"])) == 2 * 3 * 2 * 3 + 1
+    assert len(tuner.candidates("stacked", outside, stacked.SPEC.tune_grid)) == 2 * 3 * 2 * 3 + 1
 
 
 def test_a_grid_field_the_kernel_lacks_is_named():
@@ -41,9 +45,9 @@ def test_a_grid_field_the_kernel_lacks_is_named():
 
 
 def test_every_grid_names_settings_of_its_kernel():
-    for kernel, grid in tuner.GRIDS.items():
-        default = tuner._module(kernel).default_config(_problem())
-        assert len(tuner.candidates(kernel, default, grid)) > 1
+    for spec in tunable_specs():
+        default = spec.default_config(_problem(), Platform.of(torch.device("cpu")))
+        assert len(tuner.candidates(spec.name, default, spec.tune_grid)) > 1
 
 
 def test_the_plan_covers_every_kernel_dtype_and_page_and_filters_points():
@@ -65,7 +69,7 @@ def _result(us: float, default_us: float, cfg) -> tuner.SweepResult:
 def test_rows_are_written_in_place_and_load_back(tmp_path):
     path = tmp_path / "tuned.csv"
     problem = _problem()
-    cfg = stacked.default_config(problem)
+    cfg = stacked.SPEC.default_config(problem, Platform.of(torch.device("cpu")))
     path.write_text("arch,kernel,kv_dtype,page_size,heads,head_dim,rows,context,block_n,measured,source\n"
                     "gfx950,stacked,bf16,64,4,128,36,131072,32,0,field report\n")
     tuner.merge_rows(path, [tuner.tuned_row(_result(12.5, 14.0, cfg), "sm_90")])
@@ -119,7 +123,7 @@ def test_a_small_sweep_times_the_default_and_writes_a_row(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = tuned.read_table(out)
-    assert row.arch == tuned.device_arch(torch.device("cuda")) and row.kernel == "rowwise" and row.measured
+    assert row.arch == Platform.of(torch.device("cuda")).arch and row.kernel == "rowwise" and row.measured
     assert row.us <= row.default_us
     timed = list(csv.DictReader(open(results)))
     assert len(timed) >= 2 and all(float(r["us"]) > 0 for r in timed if r["us"])

@@ -1,0 +1,206 @@
+"""Index-cache writer: quantise new keys and scatter them into a paged cache by slot (SPEC section 3).
+
+One program per new token: ``slot = page * P + offset`` (``-1``, or a slot outside the cache, writes nothing). The
+encodings are done with integer arithmetic (no hardware fp8/fp4 conversion), so the bytes are the same on every
+target and under the interpreter, and equal those of the torch reference (``cache.reference``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..platform import Platform
+from ..quant.dequant import KV_16BIT, KV_FP4, KV_FP8_E4M3FN, KV_FP8_E4M3FNUZ, kernel_view
+from ..quant.formats import allocate_index_cache
+from ..spec import KernelSpec, next_pow2
+
+# Kinds: 0 = 16-bit copy, 1 = fp8 e4m3fn, 2 = fp8 e4m3fnuz, 3 = fp4 (MXFP4): the scorers' ``KV_KIND`` codes.
+KIND_CODES = {"bf16": KV_16BIT, "fp8_e4m3fn": KV_FP8_E4M3FN, "fp8_e4m3fnuz": KV_FP8_E4M3FNUZ, "fp4": KV_FP4}
+
+
+@triton.jit
+def _pow2(e):
+    """``2**e`` as fp32 for integer ``e`` in [-126, 127], built from its bits (exact)."""
+    return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _floor_log2(a):
+    """Exact ``floor(log2(a))`` for positive finite fp32 ``a`` (subnormals scaled up by 2**64 first)."""
+    tiny = a < 1.0e-30
+    a = tl.where(tiny, a * 18446744073709551616.0, a)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.where(tiny, e - 64, e)
+
+
+@triton.jit
+def _rne(x):
+    """Round fp32 ``0 <= x < 2**22`` to the nearest integer, ties to even (the fp32 add does the rounding)."""
+    return (x + 8388608.0) - 8388608.0
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 ``x`` rounded to the nearest bf16, ties to even, by integer rounding of its bits (NaN stays a quiet NaN):
+    the same value as a GPU's conversion, and the interpreter's conversion truncates instead."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp8_codes(v, FNUZ: tl.constexpr):
+    """e4m3 codes (uint8) of fp32 ``v`` already clamped to the format's range; nearest-even."""
+    BIAS: tl.constexpr = 8 if FNUZ else 7
+    a = tl.abs(v)
+    exp = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 1 - BIAS)  # subnormals: min-normal quantum
+    m = _rne(a * _pow2(3 - exp)).to(tl.int32)  # 8..16 for normals (16 carries into the exponent), 0..8 below
+    code = ((exp + BIAS) << 3) + m - 8
+    if FNUZ:
+        code = tl.where((v < 0) & (code != 0), code | 0x80, code)  # fnuz has no negative zero (0x80 is NaN)
+    else:
+        code = tl.where(v < 0, code | 0x80, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def _e2m1_codes(x):
+    """Signed e2m1 codes (0..15) of fp32 ``x``: nearest-even between 0, 0.5, 1, 1.5, 2, 3, 4, 6; saturated at 6."""
+    a = tl.abs(x)
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    return tl.where((x < 0) & (code > 0), code | 8, code)
+
+
+@triton.jit
+def _write_index_cache_kernel(
+    keys_ptr, slot_ptr, cache_ptr, scale_ptr, num_slots, keys_stride,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, FP8_MAX: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if (slot >= 0) & (slot < num_slots):
+        src = keys_ptr + token.to(tl.int64) * keys_stride
+        if KIND == 3:
+            # MXFP4: [blocks of 32] x [16 element pairs] x (even, odd); one e8m0 exponent per block.
+            blk = tl.arange(0, N_BLOCKS)
+            pair = tl.arange(0, 16)
+            ok = (blk < HEAD_DIM // 32)[:, None]
+            elem = blk[:, None] * 32 + pair[None, :] * 2
+            even = tl.load(src + elem, mask=ok, other=0.0).to(tl.float32)
+            odd = tl.load(src + elem + 1, mask=ok, other=0.0).to(tl.float32)
+            amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)
+            exp = tl.where(amax > 0, _floor_log2(amax) - 2 + 127, 0)
+            exp = tl.minimum(tl.maximum(exp, 0), 254)
+            shift = 127 - exp  # in [-127, 127]; 2**-127 is applied as 2**-126 * 0.5
+            factor = _pow2(tl.maximum(shift, -126)) * tl.where(shift < -126, 0.5, 1.0)
+            lo = _e2m1_codes(even * factor[:, None])
+            hi = _e2m1_codes(odd * factor[:, None])
+            packed = (lo | (hi << 4)).to(tl.uint8)
+            tl.store(cache_ptr + slot * (HEAD_DIM // 2) + blk[:, None] * 16 + pair[None, :], packed, mask=ok)
+            tl.store(scale_ptr + slot * (HEAD_DIM // 32) + blk, exp.to(tl.uint8), mask=blk < HEAD_DIM // 32)
+        else:
+            d = tl.arange(0, BLOCK_D)
+            ok = d < HEAD_DIM
+            k = tl.load(src + d, mask=ok, other=0.0)
+            if KIND == 0:
+                if (cache_ptr.dtype.element_ty == tl.bfloat16) and (keys_ptr.dtype.element_ty != tl.bfloat16):
+                    value = _bf16_rne(k.to(tl.float32))  # fp16 widens exactly, then one rounding
+                else:
+                    value = k.to(cache_ptr.dtype.element_ty)
+                tl.store(cache_ptr + slot * HEAD_DIM + d, value, mask=ok)
+            else:
+                kf = k.to(tl.float32)
+                scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(kf), axis=0), 1.0e-4), FP8_MAX)
+                v = tl.minimum(tl.maximum(tl.math.div_rn(kf, scale), -FP8_MAX), FP8_MAX)
+                tl.store(cache_ptr + slot * HEAD_DIM + d, _fp8_codes(v, KIND == 2), mask=ok)
+                tl.store(scale_ptr + slot, scale)
+
+
+_FP8_DTYPES = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3fnuz": torch.float8_e4m3fnuz}
+
+
+def kind_of(cache: torch.Tensor, kind: str) -> str:
+    """The ``KIND_CODES`` key of ``cache``, whose ``quant.formats.cache_kind`` is ``kind`` (fp8 split by dtype)."""
+    if kind != "fp8":
+        return kind
+    return "fp8_e4m3fnuz" if cache.dtype == torch.float8_e4m3fnuz else "fp8_e4m3fn"
+
+
+def constexprs(kind: str, head_dim: int) -> dict:
+    """The kernel's specialisation for a cache ``kind`` (a ``KIND_CODES`` key) and ``head_dim``."""
+    fp8_max = float(torch.finfo(_FP8_DTYPES[kind]).max) if kind in _FP8_DTYPES else 1.0
+    return dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), KIND=KIND_CODES[kind], FP8_MAX=fp8_max,
+                N_BLOCKS=next_pow2(max(1, head_dim // 32)))
+
+
+@dataclass(frozen=True)
+class WriterProblem:
+    """A writer launch: ``tokens`` new keys of ``head_dim`` (``keys_dtype``) into a cache of ``kind`` (a
+    ``KIND_CODES`` key)."""
+
+    tokens: int
+    kind: str
+    head_dim: int
+    keys_dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    num_warps: int = 4
+
+
+#: ``allocate_index_cache`` kind and fp8 dtype of each ``KIND_CODES`` key, for example launches.
+_ALLOCATE = {"bf16": ("bf16", None), "fp8_e4m3fn": ("fp8", torch.float8_e4m3fn),
+             "fp8_e4m3fnuz": ("fp8", torch.float8_e4m3fnuz), "fp4": ("fp4", None)}
+
+
+class WriterSpec(KernelSpec):
+    name = "cache_writer"
+    family = "cache"
+    description = "index-cache writer: quantise new keys, scatter them by slot (one program per key)"
+    fn = _write_index_cache_kernel
+    Config = WriterConfig
+
+    def default_config(self, problem, platform) -> WriterConfig:
+        return WriterConfig()
+
+    def constexprs(self, problem: WriterProblem, platform, cfg) -> dict:
+        return constexprs(problem.kind, problem.head_dim)
+
+    def grid(self, problem: WriterProblem, platform, cfg) -> tuple[int]:
+        return (problem.tokens,)
+
+    def example_args(self, problem: WriterProblem, index_dtype, device) -> tuple:
+        kind, fp8 = _ALLOCATE[problem.kind]
+        if kind == "bf16" and problem.keys_dtype == torch.float16:
+            kind = "fp16"
+        extra = {"fp8_dtype": fp8} if fp8 is not None else {}
+        pages, page_size = 2, 16
+        cache, scale = allocate_index_cache(kind, pages, page_size, problem.head_dim, device=device, **extra)
+        keys = torch.zeros(problem.tokens, problem.head_dim, dtype=problem.keys_dtype, device=device)
+        slots = torch.arange(problem.tokens, dtype=index_dtype, device=device)
+        cache = kernel_view(cache)
+        return (keys, slots, cache, kernel_view(scale) if scale is not None else cache, pages * page_size,
+                keys.stride(0))
+
+    def warm_problems(self, context):
+        for name, keys_dtype, kind in context.writer_kinds():
+            yield f"cache_writer {name}", WriterProblem(4, kind, context.head_dim, keys_dtype)
+
+
+SPEC = WriterSpec()
+
+
+def launch(keys, slot_mapping, cache_bytes, scale, kind: str, head_dim: int, num_slots: int) -> None:
+    """keys: ``[tokens, D]`` (last dim contiguous); cache_bytes: the cache (uint8 view for fp8/fp4); scale: fp32
+    ``[pages, P]`` (fp8), uint8 ``[pages, P, 1, D // 32]`` (fp4) or None."""
+    problem = WriterProblem(keys.shape[0], kind, head_dim, keys.dtype)
+    SPEC.plan(problem, Platform.of(keys.device)).launch(
+        keys, slot_mapping, cache_bytes, scale if scale is not None else cache_bytes, num_slots, keys.stride(0))

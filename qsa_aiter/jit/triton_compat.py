@@ -1,0 +1,92 @@
+"""The Triton internals this library uses, in one place, with a branch where a release changed them.
+
+Tested on Triton 3.6 (the GPU machine's) and 3.9 (what current torch installs); ``pyproject.toml`` declares that
+range. The JIT cache (the ``jit`` package) and the ahead-of-time builds (``jit.aot``) import Triton's private names from here
+only, and reach a ``JITFunction``'s internals (its per-device caches, binder and argument packing, compile path and
+launch entry) and Triton's hooks through the functions here, so a new release is adapted in this module. The JIT
+cache's two subclasses of Triton's classes (``CompiledKernel``, ``FileCacheManager``) are the other contact.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from functools import lru_cache
+
+from triton import knobs  # noqa: F401 (re-exported)
+from triton._C.libtriton import get_cache_invalidating_env_vars  # noqa: F401
+from triton.backends.compiler import GPUTarget  # noqa: F401
+from triton.compiler.compiler import ASTSource, CompiledKernel, make_backend  # noqa: F401
+from triton.runtime import driver  # noqa: F401
+from triton.runtime.cache import FileCacheManager  # noqa: F401
+from triton.runtime.jit import (  # noqa: F401
+    JITFunction, compute_cache_key, convert_to_tuple_if_list, create_function_from_signature,
+    serialize_specialization_data as _serialize_specialization_data,
+)
+
+#: The Triton releases the CPU suite runs on (CI: the whole suite on the first, the compiler-facing tests on the
+#: second).
+TESTED_TRITON = ("3.6.0", "3.9.0")
+
+
+@lru_cache(maxsize=1)
+def _serialize_takes_target() -> bool:
+    # Triton 3.9 added the compile target to the specialisation data (3.6: name .. key only).
+    return "target" in inspect.signature(_serialize_specialization_data).parameters
+
+
+def serialize_specialization(name: str, signature: dict, constants: dict, attrs: dict, options, key: str,
+                             target) -> str:
+    """Triton's JSON of a specialisation (what ``JITFunction.preload`` reads back), for ``target`` (a ``GPUTarget``)
+    on releases that record it."""
+    if _serialize_takes_target():
+        return _serialize_specialization_data(name, signature, constants, attrs, options, key, target)
+    return _serialize_specialization_data(name, signature, constants, attrs, options, key)
+
+
+@lru_cache(maxsize=1)
+def resolves_placeholders() -> bool:
+    """Whether Triton's launch path resolves a cached object's ``result()`` (it came with asynchronous compilation,
+    ``triton.runtime._async_compile``; Triton 3.6 has it)."""
+    return importlib.util.find_spec("triton.runtime._async_compile") is not None
+
+
+def kernel_cache(fn: JITFunction, device: int) -> dict:
+    """A ``@triton.jit`` function's in-memory cache of compiled kernels for ``device``, keyed by launch key (made on
+    first access, as a launch's binder creation makes it)."""
+    return fn.device_caches[device][0]
+
+
+def kernel_backend(fn: JITFunction, device: int):
+    """The compiler backend of ``fn``'s cache for ``device``."""
+    return fn.device_caches[device][3]
+
+
+def compile_into_cache(fn: JITFunction, key: str, src: ASTSource, device: int, options) -> CompiledKernel:
+    """Compile ``src`` through ``fn``'s own compile path for ``device`` (hooks, file cache and all) as a launch that
+    missed its in-memory cache would, without launching."""
+    return fn._do_compile(key, src.signature, device, src.constants, options, src.attrs, warmup=True)
+
+
+def specialize_launch(fn: JITFunction, backend, args: tuple, kwargs: dict):
+    """``fn(*args, **kwargs)`` bound and specialised as ``JITFunction.run`` does for ``backend``: ``(key, options,
+    signature, constexprs, attrs)``, ``key`` being the launch key of Triton's in-memory cache."""
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug  # as JITFunction.run adds them
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    bound_args, specialization, options = binder(*args, **kwargs)
+    key = compute_cache_key({}, specialization, options)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return key, options, signature, constexprs, attrs
+
+
+def install_compile_hooks(manager_class: type, before_compile, after_compile, chain) -> type:
+    """Make ``manager_class`` Triton's file cache manager and ``before_compile`` / ``after_compile`` its pre- and
+    post-compile hooks, each chained (``chain(ours, previous)``) with any already set. Returns the manager class
+    Triton used before."""
+    previous = knobs.cache.manager_class or FileCacheManager
+    knobs.cache.manager_class = manager_class  # a class: Triton writes no environment variable for it
+    knobs.runtime.jit_cache_hook = chain(before_compile, knobs.runtime.jit_cache_hook)
+    knobs.runtime.jit_post_compile_hook = chain(after_compile, knobs.runtime.jit_post_compile_hook)
+    return previous

@@ -1,0 +1,99 @@
+"""What the kernels need to know about where they run, worked out once: ``Platform.of(device)`` for a live device
+(CPU tensors under ``TRITON_INTERPRET=1`` included), ``Platform.named("sm_90")`` for a build target without that
+GPU (ahead-of-time builds, warm-up for another arch).
+
+Every device-dependent choice of a launch plan reads it: the arch whose tuned rows apply, how many programs fill
+the device, whether quantised keys use the PTX decoders, whether e4m3 tensor cores exist, whether 16-bit operands
+are upcast (the interpreter computes bf16 on raw bits).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def triton_runs_on(device_type: str) -> bool:
+    """Whether the Triton kernels can run on tensors of ``device_type``: GPU tensors, or CPU tensors under the
+    interpreter."""
+    return device_type == "cuda" or (device_type == "cpu" and interpreting())
+
+
+#: The named build targets: (backend, NVIDIA compute capability or (0, 0), multiprocessors of the part the tuned
+#: rows were measured on: H200, MI300X, MI355X).
+NAMED = {
+    "sm_90": ("cuda", (9, 0), 132),
+    "gfx942": ("hip", (0, 0), 304),
+    "gfx950": ("hip", (0, 0), 256),
+}
+#: Programs a launch aims at under the interpreter (it runs them one after another).
+INTERPRETER_PROGRAMS = 64
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Facts of one device (or build target) that launch plans depend on."""
+
+    arch: str  # ``sm_90``, ``gfx942`` ...; ``cpu`` for the interpreter
+    backend: str  # ``cuda``, ``hip`` or ``cpu``
+    capability: tuple[int, int]  # NVIDIA compute capability; (0, 0) for anything else
+    multiprocessors: int  # SMs or CUs; 0 under the interpreter
+    interpreter: bool
+
+    @classmethod
+    def of(cls, device: torch.device) -> "Platform":
+        """The platform of a live ``device`` (memoised per device and interpreter state)."""
+        index = None
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+        return _live(device.type, index, interpreting())
+
+    @classmethod
+    def named(cls, arch: str) -> "Platform":
+        """The platform of build target ``arch`` (one of ``NAMED``), without its GPU."""
+        if arch not in NAMED:
+            raise ValueError(f"arch must be one of {', '.join(NAMED)}; got {arch!r}")
+        backend, capability, units = NAMED[arch]
+        return cls(arch, backend, capability, units, False)
+
+    @property
+    def upcast(self) -> bool:
+        """16-bit dot operands go in as fp32: under the interpreter only (it computes bf16 on raw bits)."""
+        return self.interpreter
+
+    @property
+    def fast_decode(self) -> bool:
+        """Quantised keys are decoded with the PTX decoders (``quant.dequant``): NVIDIA compute capability 9.0+
+        (they use ``max.u16x2``), never under the interpreter."""
+        return not self.interpreter and self.capability >= (9, 0)
+
+    @property
+    def e4m3_tensor_cores(self) -> bool:
+        """e4m3 tensor-core MMAs exist: NVIDIA compute capability 8.9+; the interpreter emulates them with exact
+        fp32 dots of the same operands."""
+        return self.interpreter or self.capability >= (8, 9)
+
+    def programs(self, per_multiprocessor: int) -> int:
+        """Programs that fill the device ``per_multiprocessor`` times (a fixed count under the interpreter)."""
+        if self.interpreter or not self.multiprocessors:
+            return INTERPRETER_PROGRAMS
+        return self.multiprocessors * per_multiprocessor
+
+
+@functools.lru_cache(maxsize=None)
+def _live(device_type: str, index: int | None, interpreter: bool) -> Platform:
+    if device_type != "cuda":
+        return Platform("cpu", "cpu", (0, 0), 0, interpreter)
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip is not None:
+        return Platform(props.gcnArchName.split(":")[0], "hip", (0, 0), props.multi_processor_count, interpreter)
+    capability = (props.major, props.minor)
+    return Platform(f"sm_{props.major}{props.minor}", "cuda", capability, props.multi_processor_count, interpreter)

@@ -1,0 +1,147 @@
+"""Tiled prefill scorer: ``BLOCK_M`` rows x ``BLOCK_N`` keys output tiles with tensor-core dots.
+
+Rows are expected request-major (a prefill chunk is contiguous per request). A program owns one row tile and a
+strided share of its column tiles. The query tile is loaded once per program: with the model's 4 heads as four
+per-head ``[BLOCK_M, D]`` operands (four dots per key tile, ReLU'd and summed in registers); with other power-of-two
+head counts as one rows x heads stacked M operand (one dot, ReLU per head, heads summed out of M). A row tile
+that spans requests walks them (in any order), one page-table row at a time, storing only the rows of the request in
+hand; column tiles past a request's visible range are never visited.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from ..quant.dequant import KV_16BIT, dot_dtype, kv_kind
+from ..spec import cdiv, is_pow2
+from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs
+from .tiles import load_keys, load_q_tile, pair_dot, row_visibility, stacked_head_scores
+
+_NO_REQUEST = tl.constexpr(2147483647)  # larger than any request id
+
+
+@triton.jit(do_not_specialize=DYNAMIC_SCALARS)
+def _tiled_prefill_kernel(
+    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr,
+    num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
+    RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr,
+    KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
+    SCALAR_PAGES: tl.constexpr,
+):
+    row_tile = tl.program_id(0)
+    col_prog = tl.program_id(1)
+    col_progs = tl.num_programs(1)
+    first_row = row_tile * BLOCK_M
+    rows = first_row + tl.arange(0, BLOCK_M)
+    req, vis = row_visibility(t2r_ptr, pos_ptr, ctx_ptr, rows, num_tokens, num_requests, num_columns, RATIO)
+    if col_prog == 0:
+        tl.store(vis_ptr + rows, vis, mask=rows < num_tokens)
+    if PER_HEAD:
+        # Four per-head [BLOCK_M, D] operands, loaded once (q is [tokens * 4, D]): each head's scores land in the
+        # same accumulator layout, so ReLU and the head sum are plain register arithmetic.
+        q_ok = rows < num_tokens
+        q_head = rows.to(tl.int64) * 4
+        q0a, q0b, _ = load_q_tile(q_ptr, q_head, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
+        q1a, q1b, _ = load_q_tile(q_ptr, q_head + 1, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
+        q2a, q2b, _ = load_q_tile(q_ptr, q_head + 2, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
+        q3a, q3b, _ = load_q_tile(q_ptr, q_head + 3, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
+    else:
+        # Other head counts: the tile's rows x heads stacked into one M operand.
+        q_rows = first_row.to(tl.int64) * NUM_HEADS + tl.arange(0, BLOCK_M * NUM_HEADS)
+        qa, qb, _ = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND, DOT_DTYPE,
+                                False)
+    out_rows = out_ptr + rows.to(tl.int64) * out_stride
+
+    # Walk the requests present in the tile (one pass for a tile inside one request); a request's column loop
+    # stops at its rows' widest visible count, so tiles past every row's visible range are never visited.
+    cur = tl.min(tl.where(vis > 0, req, _NO_REQUEST), axis=0)
+    while cur != _NO_REQUEST:
+        mine = (req == cur) & (vis > 0)
+        req_vis = tl.max(tl.where(mine, vis, 0), axis=0)
+        pt_row = pt_ptr + cur.to(tl.int64) * pt_stride
+        # Column tiles below every row's visible count, in a tile whose rows all belong to this request, are
+        # stored without a per-element mask (most tiles of a prefill chunk).
+        whole_tile = tl.sum(mine.to(tl.int32), axis=0) == BLOCK_M
+        min_vis = tl.min(tl.where(mine, vis, _NO_REQUEST), axis=0)
+        for tile in range(col_prog, tl.cdiv(req_vis, BLOCK_N), col_progs):
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            ka, kb, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages, scale, BLOCK_N,
+                                                PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE, SCALAR_PAGES)
+            if PER_HEAD:
+                acc = tl.maximum(pair_dot(q0a, q0b, ka, kb, KV_KIND), 0.0)
+                acc += tl.maximum(pair_dot(q1a, q1b, ka, kb, KV_KIND), 0.0)
+                acc += tl.maximum(pair_dot(q2a, q2b, ka, kb, KV_KIND), 0.0)
+                acc += tl.maximum(pair_dot(q3a, q3b, ka, kb, KV_KIND), 0.0)
+                score = tl.where(page_ok[None, :], acc * factor[None, :], float("-inf"))
+            else:
+                score = stacked_head_scores(pair_dot(qa, qb, ka, kb, KV_KIND), page_ok, factor, BLOCK_M, NUM_HEADS,
+                                            BLOCK_N)
+            if whole_tile & (tile * BLOCK_N + BLOCK_N <= min_vis):
+                tl.store(out_rows[:, None] + cols[None, :], score)
+            else:
+                keep = mine[:, None] & (cols[None, :] < vis[:, None])
+                tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
+        cur = tl.min(tl.where((vis > 0) & (req > cur), req, _NO_REQUEST), axis=0)
+
+
+@dataclass(frozen=True)
+class TiledConfig:
+    block_m: int = 64  # query rows per tile (with stacked heads, the dot's M is block_m * heads)
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 2
+    stack_heads: int = 0  # 1: one stacked rows x heads dot even with 4 heads
+    scalar_pages: int = 0  # 1: a key tile's page ids read as scalars (load_keys)
+
+
+class TiledSpec(ScorerSpec):
+    name = "tiled"
+    description = "tiled tensor-core prefill scorer (rows x keys tiles)"
+    fn = _tiled_prefill_kernel
+    Config = TiledConfig
+    ranks = {"prefill": 20}
+    tune_points = (("prefill 4096@32K", "prefill"), ("prefill 16K@96K", "prefill"))
+    tune_grid = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3), scalar_pages=(0, 1))
+
+    def shape_reason(self, problem) -> str | None:
+        if not is_pow2(problem.num_heads):
+            return f"needs a power-of-two head count (got {problem.num_heads})"
+        if not (is_pow2(problem.head_dim) and problem.head_dim >= 16):
+            return f"needs a power-of-two head_dim >= 16 (got {problem.head_dim})"
+        return None
+
+    def default_config(self, problem, platform) -> TiledConfig:
+        """Tile settings for ``problem`` (docs/kernels.md). Quantised keys are decoded once per key tile: wider key
+        tiles halve the decodes per row tile; 16-bit keys read a tile's page ids as scalars."""
+        if problem.num_heads == 4:
+            return TiledConfig(block_n=128) if kv_kind(problem.cache_dtype) != KV_16BIT else TiledConfig(scalar_pages=1)
+        # Stacked heads: keep M = block_m * heads at 128.
+        return TiledConfig(block_m=max(1, 128 // problem.num_heads), block_n=128, stack_heads=1)
+
+    def constexprs(self, problem, platform, cfg: TiledConfig) -> dict:
+        # Quantised keys are always decoded to q's dtype here: e4m3 MMAs against a split q need two terms per head,
+        # which overflow the registers with four heads (docs/kernels.md).
+        kind = kv_kind(problem.cache_dtype)
+        return dict(
+            RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
+            PAGE_SIZE=problem.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            PER_HEAD=problem.num_heads == 4 and not cfg.stack_heads,
+            KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast),
+            FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
+        )
+
+    def grid(self, problem, platform, cfg: TiledConfig) -> tuple[int, int]:
+        row_tiles = cdiv(problem.num_tokens, cfg.block_m)
+        return row_tiles, column_programs(row_tiles, problem.num_columns, cfg.block_n,
+                                          platform.programs(cfg.programs_per_sm))
+
+    def decoding_reason(self, problem, platform) -> str:
+        return "the prefill tiles always decode"
+
+
+SPEC = TiledSpec()

@@ -1,0 +1,120 @@
+"""One declaration per kernel: ``KernelSpec`` says what a kernel serves and how it is launched, ``LaunchPlan`` is
+one launch of it (function, grid, constexprs, options, config and where the config came from).
+
+The registry, ``explain``, warm-up, the ahead-of-time builds, the tuner and the benchmark all go through
+``KernelSpec.plan``: what they report is what runs. A spec knows nothing of settings, tuned files or the registry:
+the caller hands it the tuned rows (anything with ``lookup(arch, kernel, problem)``) and a ``Platform``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a jit function: slow to call from Python per launch)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One launch of ``kernel``: ``fn[grid](*args, **constexprs, **options)``. ``config`` is the tile config the
+    constexprs, grid and options came from; ``config_source`` says where it came from (a tuned row, the defaults,
+    or given by the caller)."""
+
+    kernel: str
+    fn: Any
+    grid: tuple[int, ...]
+    constexprs: dict = field(hash=False)
+    options: dict = field(hash=False)
+    config: Any = None
+    config_source: str = "defaults"
+
+    @property
+    def kwargs(self) -> dict:
+        """The launch's keyword arguments: constexprs and compile options."""
+        return {**self.constexprs, **self.options}
+
+    def launch(self, *args) -> None:
+        """Launch the kernel on ``args`` (the kernel's positional arguments, in the order of its signature)."""
+        self.fn[self.grid](*args, **self.constexprs, **self.options)
+
+    def describe(self) -> str:
+        return f"{self.kernel} grid {self.grid} ({self.config_source}): {self.config}"
+
+
+class KernelSpec:
+    """The declaration of one kernel. Subclasses set the class attributes and implement ``default_config``,
+    ``constexprs``, ``grid`` and ``example_args``; ``reasons`` where the kernel has limits.
+
+    ``family`` names the op family (``scoring``, ``selection``, ``cache``); ``fn`` is the ``@triton.jit`` function;
+    ``Config`` its frozen tile-config dataclass (its fields are the tuned-table columns it reads).
+    """
+
+    name: ClassVar[str]
+    family: ClassVar[str]
+    description: ClassVar[str]
+    fn: ClassVar[Any]
+    Config: ClassVar[type]
+    #: Candidate axes of the tuner (their product, plus the default config).
+    tune_grid: ClassVar[dict[str, tuple[int, ...]]] = {}
+    #: (benchmark work point, phase) pairs the tuner measures at.
+    tune_points: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def reasons(self, problem, platform) -> list[str]:
+        """Why this kernel does not serve ``problem`` on ``platform`` (sentences; empty: it serves)."""
+        return []
+
+    def default_config(self, problem, platform):
+        raise NotImplementedError
+
+    def constexprs(self, problem, platform, config) -> dict:
+        raise NotImplementedError
+
+    def grid(self, problem, platform, config) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def options(self, config) -> dict:
+        """Compile options of a launch with ``config``: its warps, and its pipeline stages where it sets them (else
+        Triton's default)."""
+        stages = {"num_stages": config.num_stages} if hasattr(config, "num_stages") else {}
+        return {"num_warps": config.num_warps, **stages}
+
+    def example_args(self, problem, index_dtype, device) -> tuple:
+        """Positional arguments of a small launch with ``problem``'s dtypes and specialisations (index tensors of
+        ``index_dtype``) on ``device``: what warm-up and the ahead-of-time builds specialise the kernel on."""
+        raise NotImplementedError
+
+    def warm_problems(self, context) -> Iterable[tuple[str, Any]]:
+        """``(label, problem)`` for every variant of this kernel a serving process launches (``jit.warmup``)."""
+        return ()
+
+    def plan(self, problem, platform, tuned=None, config=None) -> LaunchPlan:
+        """The launch of ``problem`` on ``platform``: ``config`` if given, else the default config with the tuned
+        row of ``platform.arch`` applied (``tuned.lookup``; None: no tuned rows)."""
+        if config is not None:
+            source = "config given by the caller"
+        else:
+            config = self.default_config(problem, platform)
+            # Tuned rows exist only for the kernels the tuner measures (those with a grid).
+            row = tuned.lookup(platform.arch, self.name, problem) if tuned is not None and self.tune_grid else None
+            if row is None:
+                source = f"defaults (no tuned row for arch {platform.arch})"
+            else:
+                config = dataclasses.replace(config, **row.tile())
+                source = f"tuned row rows={row.rows} context={row.context} ({row.source})"
+        return LaunchPlan(self.name, self.fn, self.grid(problem, platform, config),
+                          self.constexprs(problem, platform, config), self.options(config), config, source)
+
+    def __repr__(self) -> str:
+        return f"<KernelSpec {self.family}/{self.name}>"
