@@ -15,8 +15,8 @@ import argparse
 import torch
 
 import qsa_aiter
-from qsa_aiter.tools.bench import KV_CACHES, selection_inputs, time_graph, work_points
 from qsa_aiter.selection.ops import torch_block_topk
+from qsa_aiter.tools.bench import KV_CACHES, selection_inputs, time_graph, work_points
 
 
 def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:

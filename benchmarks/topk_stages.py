@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_aiter.tools.bench import TOKEN_TOPK, points_named, selection_inputs, time_graph
 from qsa_aiter.selection import topk
+from qsa_aiter.tools.bench import TOKEN_TOPK, points_named, selection_inputs, time_graph
 
 #: Stages a staged kernel can stop after (its ``STAGE``), in order.
 STAGES = ("launch", "lane maxima", "floor", "candidates")

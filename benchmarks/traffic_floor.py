@@ -26,10 +26,10 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from qsa_aiter import registry
-from qsa_aiter.tools.bench import copy_bandwidth, point_inputs, points_named, time_launcher
-from qsa_aiter.scoring import stacked
 from qsa_aiter.platform import Platform
+from qsa_aiter.scoring import stacked
 from qsa_aiter.scoring.tiles import block_request, key_tile_slots, row_visibility
+from qsa_aiter.tools.bench import copy_bandwidth, point_inputs, points_named, time_launcher
 
 
 @triton.jit

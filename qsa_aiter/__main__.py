@@ -9,7 +9,6 @@ import sys
 from .cli_args import positive_int
 from .problem import PHASES
 
-
 _TOKENS = r"\s*(\d+)\s*([kKmM]?)\s*"
 
 
@@ -146,8 +145,8 @@ def _jit_root(opts: argparse.Namespace):
 
 
 def _warmup(opts: argparse.Namespace) -> int:
-    from .registry import BLOCK_SIZES
     from .jit.warmup import Matrix, warmup
+    from .registry import BLOCK_SIZES
 
     matrix = Matrix(kernels=opts.kernels, caches=opts.caches, page_sizes=opts.page_sizes or BLOCK_SIZES,
                     index_dtypes=opts.index_dtypes)

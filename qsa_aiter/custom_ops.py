@@ -28,11 +28,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .scoring import op as ops
-from .selection import ops as selection
 from .cache import op as writer
-from .scoring.op import describe_call
 from .problem import check_int, check_topk_budget
+from .scoring import op as ops
+from .scoring.op import describe_call
+from .selection import ops as selection
 from .selection.ops import DEFAULT_LOGITS_WORKSPACE_BYTES
 
 NAMESPACE = "qsa_aiter"

@@ -11,12 +11,10 @@ import math
 import torch
 
 from . import registry
-from .quant.formats import dequantize_cache
 from .platform import Platform
-from .quant.dequant import fp8_dot
+from .quant.formats import dequantize_cache
 from .scoring.op import describe_call
 from .scoring.reference import reference_paged_mqa_logits
-from .settings import get_settings
 
 #: What an output is filled with before a kernel writes it: a column the kernel should have written stays NaN.
 POISON = float("nan")
@@ -40,12 +38,16 @@ def poisoned_logits(args: tuple, max_columns: int | None = None) -> torch.Tensor
 
 def uses_fp8_mma(args: tuple, **kwargs) -> bool:
     """Whether the call would score with e4m3 tensor cores on a GPU (not the interpreter's exact emulation): the
-    stacked scorer on an e4m3fn or MXFP4 cache with bf16 queries (``fp8_dot``), ``QSA_AITER_FP8_MMA=1``."""
-    q, cache = args[0], args[1]
-    if not (q.is_cuda and get_settings().fp8_mma
-            and fp8_dot(q.dtype, cache.dtype, q.shape[2], Platform.of(q.device).e4m3_tensor_cores)):
+    chosen kernel's launch plan has ``FP8_DOT`` on (an e4m3fn or MXFP4 cache with bf16 queries,
+    ``QSA_AITER_FP8_MMA=1``)."""
+    if not args[0].is_cuda:
         return False
-    return registry.select(describe_call(*args, **kwargs)).chosen == "stacked"
+    problem = describe_call(*args, **kwargs)
+    chosen = registry.select(problem).chosen
+    spec = registry.CANDIDATES[chosen].spec if chosen else None
+    if spec is None:
+        return False
+    return bool(registry.plan_for(spec, problem, Platform.of(args[0].device)).constexprs.get("FP8_DOT"))
 
 
 def magnitude_args(args: tuple, k_scale=None) -> tuple:

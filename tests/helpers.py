@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,8 +14,16 @@ from qsa_aiter.scoring import SPECS
 from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.scoring.reference import reference_paged_mqa_logits
 from qsa_aiter.testing import (  # noqa: F401 (re-exported for the tests)
-    FP8_MMA_TOL, POISON, assert_matches_reference, magnitude_args, magnitude_bound, mma_atol, poisoned_logits,
-    uses_fp8_mma, visible_bits, visible_mask,
+    FP8_MMA_TOL,
+    POISON,
+    assert_matches_reference,
+    magnitude_args,
+    magnitude_bound,
+    mma_atol,
+    poisoned_logits,
+    uses_fp8_mma,
+    visible_bits,
+    visible_mask,
 )
 from qsa_aiter.tools.workloads import make_batch
 
@@ -122,3 +133,38 @@ def check_forced(monkeypatch, backend: str, batch, hints: dict, *, label: str, t
     elif auto_is_preferred:
         assert chosen == PREFERRED[hints["phase"]], qsa_aiter.explain(*args, **hints)
     return check_call(args, rtol=tol, atol=tol, label=label, **hints)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The package's import graph (tests of its layering)
+# ---------------------------------------------------------------------------------------------------------------
+
+PACKAGE = Path(qsa_aiter.__file__).resolve().parent
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of the package file ``path``."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The modules ``path`` (a file of ``qsa_aiter``) imports at module level, not inside functions: relative imports
+    resolved, ``from pkg import name`` counted as ``pkg.name`` too (it may be a module)."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else (package if node.level else "")
+            module = ".".join(p for p in (base, node.module or "") if p)
+            submodules = {f"{module}.{alias.name}" for alias in node.names}
+            names |= submodules
+            # ``from . import paths`` in a package's own module imports a sibling, not the package's __init__
+            if not (submodules <= set(MODULES) and (package == module or package.startswith(module + "."))):
+                names.add(module)
+    return names

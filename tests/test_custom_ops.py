@@ -13,8 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qsa_aiter
 from qsa_aiter import custom_ops
-from qsa_aiter.tools.bench import capture_graph
 from qsa_aiter.quant.formats import allocate_index_cache
+from qsa_aiter.tools.bench import capture_graph
 from qsa_aiter.tools.workloads import make_batch
 
 from helpers import assert_matches_reference, visible_mask, write_new_lengths

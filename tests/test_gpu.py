@@ -18,14 +18,14 @@ import torch
 
 import qsa_aiter
 from qsa_aiter import registry
-from qsa_aiter.tools.bench import capture_graph
 from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.scoring.reference import reference_paged_mqa_logits, visible_groups
+from qsa_aiter.tools.bench import capture_graph
 from qsa_aiter.tools.workloads import ScoringBatch, make_batch
 
 from helpers import (
-    FP8_MMA_TOL, KERNELS, PREFERRED, assert_matches_reference, force_backend, magnitude_args,
-    poisoned_out, run_poisoned, skip_unless_serves, uses_fp8_mma, visible_bits,
+    FP8_MMA_TOL, KERNELS, PREFERRED, assert_matches_reference, force_backend, magnitude_args, poisoned_out,
+    run_poisoned, skip_unless_serves, uses_fp8_mma, visible_bits,
 )
 
 pytestmark = [

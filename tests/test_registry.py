@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter import registry
-from qsa_aiter.scoring.base import example_problem
 from qsa_aiter import platform as platform_module
-from qsa_aiter.platform import interpreting
+from qsa_aiter import registry
 from qsa_aiter.log import reset_log_once
-from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.platform import interpreting
 from qsa_aiter.problem import MAX_DECODE_ROWS, PHASES
+from qsa_aiter.scoring.base import example_problem
+from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.tools.workloads import make_batch
 
 from helpers import KERNELS, PREFERRED, check_call, force_backend, poisoned_out, reference_of

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from qsa_aiter import settings
-from qsa_aiter import registry
+from qsa_aiter import registry, settings
 from qsa_aiter.settings import ENV_NAMES, environment_table, get_settings
 
 BOOL_VARS = {"ATOM_QSA_STACKED_DECODE_SCORER": "stacked_decode_scorer", "QSA_AITER_STRICT": "strict",

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from .. import catalog
-from ..cache.writer import WriterProblem
+from ..cache.cache_writer import WriterProblem
 from ..platform import Platform, interpreting
 from ..scoring import SPECS as SCORING_SPECS
 from ..scoring.base import example_problem
@@ -85,7 +85,7 @@ def compile_kernel(kernel: str, target: str, problem=None, index_dtype: str = "i
 
 def compile_cache_writer(kind: str, target: str, head_dim: int = 128):
     """Compile the index-cache writer for ``kind`` (bf16, fp8_e4m3fn, fp8_e4m3fnuz, fp4) and ``target``."""
-    from ..cache.writer import KIND_CODES
+    from ..cache.cache_writer import KIND_CODES
 
     if kind not in KIND_CODES:
         raise ValueError(f"kind must be one of {', '.join(KIND_CODES)}; got {kind!r}")

@@ -19,10 +19,8 @@ from triton.backends.compiler import GPUTarget  # noqa: F401
 from triton.compiler.compiler import ASTSource, CompiledKernel, make_backend  # noqa: F401
 from triton.runtime import driver  # noqa: F401
 from triton.runtime.cache import FileCacheManager  # noqa: F401
-from triton.runtime.jit import (  # noqa: F401
-    JITFunction, compute_cache_key, convert_to_tuple_if_list, create_function_from_signature,
-    serialize_specialization_data as _serialize_specialization_data,
-)
+from triton.runtime.jit import JITFunction, compute_cache_key, convert_to_tuple_if_list, create_function_from_signature  # noqa: F401
+from triton.runtime.jit import serialize_specialization_data as _serialize_specialization_data
 
 #: The Triton releases the CPU suite runs on (CI: the whole suite on the first, the compiler-facing tests on the
 #: second).

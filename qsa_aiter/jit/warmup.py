@@ -3,9 +3,9 @@
 ``python -m qsa_aiter warmup`` (or ``warmup()``) builds the variant matrix: the model's shapes (``MODEL``) x every
 kernel of ``catalog.SPECS`` x index-cache dtypes x page sizes x index-tensor dtypes. Each kernel's spec names its
 problems (``KernelSpec.warm_problems``: for the scorers, each phase's work points and the buckets of their tuned
-rows), and each variant is that problem's ``LaunchPlan`` as a launch makes it (``launch_plan``: the registry's for
-the scorers, the spec's own for the selection and writer kernels) on the spec's small example inputs (row strides
-that are multiples of 16; one request count of each kind Triton specialises on). Then:
+rows), and each variant is that problem's ``LaunchPlan`` as a launch makes it (``registry.plan_for``; tuned rows
+apply to the kernels the tuner measures) on the spec's small example inputs (row strides that are multiples of 16;
+one request count of each kind Triton specialises on). Then:
 
 - on the present GPU, each launch runs once on a one-program grid inside the cache's scope: Triton
   compiles (or loads) it through its launch path, which records it, and builds its launcher stub;
@@ -31,7 +31,6 @@ from ..problem import PHASES
 from ..scoring.base import ScorerSpec, example_problem, work_problem
 from ..selection.problem import SelectionProblem
 from ..settings import QsaSettings, get_settings
-from ..spec import KernelSpec, LaunchPlan
 from ..tuning import table as tuned
 from .aot import TARGETS
 from .build import Specialisation, build_for_target, specialise
@@ -167,17 +166,8 @@ class WarmContext:
             yield cache_name, q_dtype, kind
 
 
-def launch_plan(spec: KernelSpec, problem, platform: Platform, settings: QsaSettings) -> LaunchPlan:
-    """The plan a launch of ``spec`` makes for ``problem`` on ``platform``: a scorer's is the registry's
-    (``registry.plan_for``, tuned rows applied); the selection and writer kernels' launch functions plan with the
-    spec alone (they have no tuned rows, and the tuned tables key rows by scoring-problem fields)."""
-    if spec.family == "scoring":
-        return registry.plan_for(spec, problem, platform, settings)
-    return spec.plan(problem, platform)
-
-
 def launches(matrix: Matrix, arch: str, device: torch.device, settings: QsaSettings | None = None) -> list[Launch]:
-    """Every launch of ``matrix`` for ``arch``: each kernel's plans (``launch_plan``, as at launch) on small
+    """Every launch of ``matrix`` for ``arch``: each kernel's plans (``registry.plan_for``, as at launch) on small
     inputs built on ``device`` (the GPU of that arch; or the CPU, for the plans a GPU of ``arch`` would make: its
     tuned rows, decoders and tensor-core choices)."""
     settings = settings or get_settings()
@@ -189,7 +179,7 @@ def launches(matrix: Matrix, arch: str, device: torch.device, settings: QsaSetti
             if spec.name not in matrix.kernels:
                 continue
             for label, problem in spec.warm_problems(context):
-                plan = launch_plan(spec, problem, platform, settings)
+                plan = registry.plan_for(spec, problem, platform, settings)
                 args = spec.example_args(problem, INDEX_DTYPES[index_name], device)
                 result.append(Launch(spec.name, plan.fn, plan.grid, args, plan.kwargs, f"{label} {index_name}"))
     return result

@@ -36,6 +36,9 @@ import triton.language as tl
 
 #: ``KV_KIND`` codes: how the scoring kernels read the cache.
 KV_16BIT, KV_FP8_E4M3FN, KV_FP8_E4M3FNUZ, KV_FP4 = 0, 1, 2, 3
+#: The same codes for ``@triton.jit`` code, which may read only globals that are constexprs.
+KIND_16BIT, KIND_E4M3FN, KIND_E4M3FNUZ, KIND_FP4 = (tl.constexpr(code) for code in (KV_16BIT, KV_FP8_E4M3FN,
+                                                                                   KV_FP8_E4M3FNUZ, KV_FP4))
 _KV_KIND_OF_DTYPE = {
     torch.bfloat16: KV_16BIT, torch.float16: KV_16BIT,
     torch.float8_e4m3fn: KV_FP8_E4M3FN, torch.float8_e4m3fnuz: KV_FP8_E4M3FNUZ,
@@ -346,13 +349,13 @@ def fp4_block_order():
 def fp8_keys(raw, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
     """fp8 bytes (uint8) -> exact keys in ``DOT_DTYPE`` (the fp8 values, scale not applied)."""
     if FAST_DECODE and (DOT_DTYPE == tl.bfloat16):
-        asm: tl.constexpr = FNUZ_TO_BF16_ASM if KV_KIND == 2 else FP8_TO_BF16_ASM
+        asm: tl.constexpr = FNUZ_TO_BF16_ASM if KV_KIND == KIND_E4M3FNUZ else FP8_TO_BF16_ASM
         keys = tl.inline_asm_elementwise(asm, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
     elif FAST_DECODE and (DOT_DTYPE == tl.float16):
-        asm: tl.constexpr = FNUZ_TO_F16_ASM if KV_KIND == 2 else FP8_TO_F16_ASM
+        asm: tl.constexpr = FNUZ_TO_F16_ASM if KV_KIND == KIND_E4M3FNUZ else FP8_TO_F16_ASM
         keys = tl.inline_asm_elementwise(asm, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        keys = fp8_to_f32(raw, KV_KIND == 2).to(DOT_DTYPE)
+        keys = fp8_to_f32(raw, KV_KIND == KIND_E4M3FNUZ).to(DOT_DTYPE)
     return keys
 
 
@@ -379,7 +382,7 @@ def load_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM: tl.constexpr, K
     require it).
     """
     keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
-    if KV_KIND == 0:
+    if KV_KIND == KIND_16BIT:
         factor = tl.full(slot.shape, scale, tl.float32)
     else:
         factor = tl.load(ks_ptr + slot, mask=page_ok, other=0.0) * scale
@@ -392,7 +395,7 @@ def key_values(k_ptr, slot, page_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constex
     """``load_key_tile``'s keys alone, for loops that load the fp8 scales themselves (``fp8_tile_scales``)."""
     d = tl.arange(0, HEAD_DIM)
     raw = tl.load(k_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=page_ok[:, None], other=0)
-    if KV_KIND == 0:
+    if KV_KIND == KIND_16BIT:
         keys = raw.to(DOT_DTYPE)
     elif DOT_DTYPE == tl.float8e4nv:
         keys = raw.to(tl.float8e4nv, bitcast=True)  # FP8_DOT: the stored bytes are the MMA operand

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .formats import allocate_index_cache, dequantize_cache, write_reference
+from ..cache.reference import write_reference
 from ..scoring.reference import reference_paged_mqa_logits
+from .formats import allocate_index_cache, dequantize_cache
 
 
 def realistic_keys(n: int, head_dim: int, generator: torch.Generator, outlier_channels: int = 4) -> torch.Tensor:

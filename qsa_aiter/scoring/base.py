@@ -12,9 +12,7 @@ from typing import ClassVar
 import torch
 
 from ..platform import Platform, triton_runs_on
-from ..quant.dequant import (
-    E4M3_MIN_HEAD_DIM, KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, fp8_dot, kernel_view, kv_kind,
-)
+from ..quant.dequant import E4M3_MIN_HEAD_DIM, KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, fp8_dot, kernel_view, kv_kind
 from ..quant.formats import allocate_index_cache
 from ..spec import KernelSpec, cdiv
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from .. import registry
-from .base import ScoreArgs
 from ..problem import ScoreProblem, validate_scoring_call
 from ..settings import get_settings
 from ..traced import through_custom_op
+from .base import ScoreArgs
 
 
 def _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from ..quant.dequant import KV_16BIT, KV_FP4, fp4_pairs, fp8_keys, key_slots, kv_kind
+from ..quant.dequant import (
+    KIND_16BIT, KIND_E4M3FN, KIND_E4M3FNUZ, KIND_FP4, KV_16BIT, KV_FP4, fp4_pairs, fp8_keys, key_slots, kv_kind,
+)
 from ..spec import cdiv
 from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs
 from .tiles import row_visibility
@@ -48,7 +50,7 @@ def _rowwise_scorer_kernel(
         for h in tl.static_range(NUM_HEADS):
             part = tl.zeros([BLOCK_N, D_CHUNK], dtype=tl.float32)
             for c in tl.static_range(N_CHUNKS):
-                if KV_KIND == 3:
+                if KV_KIND == KIND_FP4:
                     # MXFP4: a chunk is one 32-element block: D_CHUNK (16) bytes of element pairs, one exponent.
                     packed = tl.load(k_ptr + slot[:, None] * (HEAD_DIM // 2) + c * 16 + dc[None, :],
                                      mask=page_ok[:, None], other=0)
@@ -64,7 +66,7 @@ def _rowwise_scorer_kernel(
                     d_ok = d < HEAD_DIM
                     raw = tl.load(k_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=page_ok[:, None] & d_ok[None, :],
                                   other=0)
-                    if KV_KIND == 0:
+                    if KV_KIND == KIND_16BIT:
                         keys = raw.to(tl.float32)
                     else:
                         keys = fp8_keys(raw, KV_KIND, tl.bfloat16 if FAST_DECODE else tl.float32,
@@ -72,7 +74,7 @@ def _rowwise_scorer_kernel(
                     q_c = tl.load(q_row + h * HEAD_DIM + d, mask=d_ok, other=0.0)
                     part += keys * q_c.to(tl.float32)[None, :]
             acc += tl.maximum(tl.sum(part, axis=1), 0.0)
-        if KV_KIND == 1 or KV_KIND == 2:
+        if KV_KIND == KIND_E4M3FN or KV_KIND == KIND_E4M3FNUZ:
             acc *= tl.load(ks_ptr + slot, mask=page_ok, other=0.0)  # the fp8 scale, once per column
         score = tl.where(page_ok, acc * scale, float("-inf"))
         tl.store(out_row + cols, score, mask=col_ok)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from ..quant.dequant import KV_16BIT, KV_FP4, dot_dtype, key_values, kv_kind
+from ..quant.dequant import KIND_FP4, KV_16BIT, KV_FP4, dot_dtype, key_values, kv_kind
 from ..spec import cdiv, is_pow2, next_pow2
 from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma, scale_words_fit
 from .tiles import (
@@ -58,7 +58,7 @@ def _stacked_scorer_kernel(
         if starts:
             pt_row = pt_ptr + r_i.to(tl.int64) * pt_stride
             n_tiles = tl.cdiv(req_vis, BLOCK_N)
-            if FP8_DOT and (KV_KIND == 3):
+            if FP8_DOT and (KV_KIND == KIND_FP4):
                 # MXFP4 keys unpacked to e4m3 bytes, one MMA K-step per 32-element block; the block exponents are
                 # loaded one tile ahead (fp4_tile_exponents). 1 / score_divisor (> 0) joins q's factor before the
                 # ReLU: one multiply per dot instead of one more per score.

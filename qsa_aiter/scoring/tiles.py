@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..quant.dequant import (
-    e4m3_row_scale, fp4_block_order, fp4_e4m3_block, load_fp4_key_tile, load_key_tile, key_slots, split_e4m3,
+    KIND_FP4, e4m3_row_scale, fp4_block_order, fp4_e4m3_block, key_slots, load_fp4_key_tile, load_key_tile, split_e4m3,
     split_query_e4m3, tile_slots,
 )
 
@@ -81,9 +81,9 @@ def load_q_tile(q_ptr, q_rows, q_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constex
     and with ``FP8_DOT`` on an MXFP4 cache those terms per 32-element block (``load_q_fp4_blocks``)."""
     row = q_ptr + q_rows.to(tl.int64)[:, None] * HEAD_DIM
     factor = tl.full(q_rows.shape, 1.0, tl.float32)
-    if FP8_DOT and (KV_KIND == 3):
+    if FP8_DOT and (KV_KIND == KIND_FP4):
         first, second, factor = load_q_fp4_blocks(q_ptr, q_rows, q_ok, HEAD_DIM, DOT_DTYPE)
-    elif KV_KIND == 3:
+    elif KV_KIND == KIND_FP4:
         j = 2 * tl.arange(0, HEAD_DIM // 2)
         first = tl.load(row + j[None, :], mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
         second = tl.load(row + j[None, :] + 1, mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
@@ -148,7 +148,7 @@ def load_keys(k_ptr, ks_ptr, pt_row_ptr, tile, valid, num_pages, scale, BLOCK_N:
     (``load_fp4_key_tile``), else the keys twice (``load_key_tile``); pair them with ``load_q_tile``. Slots and
     ``page_ok`` as ``key_tile_slots``."""
     slot, page_ok = key_tile_slots(pt_row_ptr, tile, valid, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
-    if KV_KIND == 3:
+    if KV_KIND == KIND_FP4:
         first, second, factor = load_fp4_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM, DOT_DTYPE,
                                                   FAST_DECODE)
     else:
@@ -161,7 +161,7 @@ def load_keys(k_ptr, ks_ptr, pt_row_ptr, tile, valid, num_pages, scale, BLOCK_N:
 def pair_dot(q_first, q_second, k_first, k_second, KV_KIND: tl.constexpr):
     """``q . k`` over head_dim for operands from ``load_q_tile`` and ``load_keys``: ``[M, BLOCK_N]`` fp32. MXFP4 is
     two half-K dots (even, then odd elements) into one accumulator."""
-    if KV_KIND == 3:
+    if KV_KIND == KIND_FP4:
         dots = tl.dot(q_second, tl.trans(k_second), tl.dot(q_first, tl.trans(k_first)))
     else:
         dots = tl.dot(q_first, tl.trans(k_first))

@@ -19,16 +19,15 @@ import logging
 
 import torch
 
-from ..jit import scope as jit_scope
 from ..backends import rocm
-from ..selection import expand
-from ..selection import topk
-from ..platform import triton_runs_on
+from ..jit import scope as jit_scope
 from ..log import log_once
-from ..scoring.op import describe_call, qsa_paged_mqa_logits
+from ..platform import triton_runs_on
 from ..problem import (
     TOKEN_INDEX_LIMIT, check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument,
 )
+from ..scoring.op import describe_call, qsa_paged_mqa_logits
+from ..selection import expand, topk
 from ..settings import ConfigurationError, get_settings
 from ..traced import through_custom_op
 

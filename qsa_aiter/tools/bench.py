@@ -345,7 +345,8 @@ def bench_point(point: WorkPoint, page_size: int, copy_bps: float, device, repla
         name = spec.name
         rows.append(Row(point.name, kv, page_size, name, inputs.rows, len(point.context_lens), us, inputs.nbytes,
                         inputs.flops, copy_bps / 1e9))
-    rowwise = next((r.us for r in rows if r.kernel == "rowwise"), None)
+    universal = next(spec.name for spec in SPECS if spec.universal)  # the baseline column: the universal fallback
+    rowwise = next((r.us for r in rows if r.kernel == universal), None)
     for r in rows:
         r.rowwise_us = rowwise
     del inputs

@@ -33,13 +33,14 @@ from typing import Callable
 import torch
 
 from .. import registry
-from ..quant.formats import write_reference
+from ..cache.reference import write_reference
 from ..cli_args import positive_int
 from ..platform import interpreting
-from ..scoring.op import describe_call, qsa_paged_mqa_logits
 from ..scoring import SPECS as SCORING_SPECS
-from ..scoring.reference import reference_block_topk, reference_expand_block_indices, reference_paged_mqa_logits
+from ..scoring.op import describe_call, qsa_paged_mqa_logits
+from ..scoring.reference import reference_paged_mqa_logits
 from ..selection.ops import qsa_block_topk, qsa_expand_block_indices, torch_block_topk, torch_expand_block_indices
+from ..selection.reference import reference_block_topk, reference_expand_block_indices
 from ..testing import assert_matches_reference, magnitude_bound, mma_atol, poisoned_logits
 from .workloads import make_batch
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
-import logging
 import math
 from pathlib import Path
 from typing import Optional

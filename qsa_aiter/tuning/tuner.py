@@ -293,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--kv: {kv!r} is not one of {', '.join(KV_DTYPES)}")
     if args.grid is not None and len(kernels) != 1:
         parser.error("--grid applies to one kernel: give --kernels with one name")
-    from ..tuning import table as tuned
 
     grid = None
     if args.grid is not None:

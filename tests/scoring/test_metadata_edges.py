@@ -13,8 +13,8 @@ import torch
 
 import qsa_aiter
 from qsa_aiter.selection import topk
-from qsa_aiter.scoring.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.selection.ops import torch_block_topk, torch_expand_block_indices
+from qsa_aiter.selection.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.tools.workloads import make_batch
 
 from helpers import KERNELS, check_forced_call

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from qsa_aiter.quant.formats import (
-    E2M1_VALUES, allocate_index_cache, dequantize_cache, e2m1_codes, quantize_fp4, quantize_fp8, write_reference,
-)
 from qsa_aiter.cache.op import qsa_write_index_cache
+from qsa_aiter.cache.reference import write_reference
+from qsa_aiter.quant.formats import (
+    E2M1_VALUES, allocate_index_cache, dequantize_cache, e2m1_codes, quantize_fp4, quantize_fp8,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FORMATS = [("bf16", None), ("fp16", None), ("fp8", torch.float8_e4m3fn), ("fp8", torch.float8_e4m3fnuz),
            ("fp4", None)]
 

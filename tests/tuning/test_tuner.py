@@ -13,15 +13,14 @@ import torch
 
 from qsa_aiter.catalog import tunable_specs
 from qsa_aiter.platform import Platform
+from qsa_aiter.scoring import rowwise, stacked
+from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.tuning import table as tuned
 from qsa_aiter.tuning import tuner
-from qsa_aiter.scoring import rowwise
-from qsa_aiter.scoring import stacked
-from qsa_aiter.scoring.op import describe_call
 
 from helpers import phase_batch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _problem():

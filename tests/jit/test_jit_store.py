@@ -1,12 +1,11 @@
 """The JIT cache's logic without compiling (``qsa_aiter/jit``): the manifest and one store's records, files, locks
 and rebuild rule; entry ids; which kernels get placeholders; where the cache lives (``QSA_AITER_JIT_DIR``, a
-checkout's ``jit/``, a read-only install); the package's shape (its modules import no circle, the facade re-exports
+checkout's ``jit/``, a read-only install); the package's shape (the facade re-exports
 the defining modules' objects, Triton's private names come through ``triton_compat`` only).
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import hashlib
 import json
@@ -20,11 +19,14 @@ import pytest
 import torch
 
 from qsa_aiter import jit
-from qsa_aiter.jit import build, inventory, manifest, paths, runtime, store as jit_store
+from qsa_aiter.jit import build, inventory, manifest, paths, runtime
+from qsa_aiter.jit import store as jit_store
 from qsa_aiter.jit.manifest import Entry, FileRecord
 from qsa_aiter.jit.store import Store
 from qsa_aiter.platform import interpreting
 from qsa_aiter.settings import get_settings
+
+from helpers import top_level_imports
 
 PACKAGE = Path(jit.__file__).resolve().parents[1]
 
@@ -147,43 +149,6 @@ def test_scope_is_a_no_op_off_the_gpu():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _top_level_imports(path: Path) -> list[str]:
-    """Modules ``path`` imports at module level (relative imports resolved within ``qsa_aiter``), not those
-    imported inside functions or only for type checking."""
-    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
-    names = []
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
-            module = ".".join(p for p in (base, node.module or "") if p)
-            names.append(module)
-            names += [f"{module}.{alias.name}" for alias in node.names]  # `from . import paths` imports a module
-    return names
-
-
-def test_the_jit_modules_import_no_circle():
-    jit_dir = Path(jit.__file__).parent
-    modules = {f"qsa_aiter.jit.{p.stem}": p for p in jit_dir.glob("*.py") if p.stem != "__init__"}
-    graph = {name: {m for m in _top_level_imports(path) if m in modules and m != name}
-             for name, path in modules.items()}
-    done, active = set(), []
-
-    def visit(name):
-        assert name not in active, f"import circle: {' -> '.join(active[active.index(name):] + [name])}"
-        if name in done:
-            return
-        active.append(name)
-        for dependency in sorted(graph[name]):
-            visit(dependency)
-        active.pop()
-        done.add(name)
-
-    for name in sorted(graph):
-        visit(name)
-
-
 def test_the_package_reexports_the_defining_modules_objects():
     defining = {"load": runtime, "scope": runtime, "store_for": runtime, "jit_root": paths, "specialise": build,
                 "build_for_target": build, "describe": inventory, "clear": inventory, "stores_in": inventory,
@@ -199,7 +164,7 @@ def test_triton_internals_are_imported_by_triton_compat_only():
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.name == "triton_compat.py":
             continue
-        internal = [m for m in _top_level_imports(path) if m.split(".")[0] == "triton" and m not in public
+        internal = [m for m in top_level_imports(path) if m.split(".")[0] == "triton" and m not in public
                     and not m.startswith("triton.language.")]
         assert internal == [], f"{path.relative_to(PACKAGE)} imports {internal}"
 

@@ -14,7 +14,7 @@ import torch
 from qsa_aiter.selection import topk
 
 _SPEC = importlib.util.spec_from_file_location(
-    "topk_stages", Path(__file__).resolve().parent.parent / "benchmarks" / "topk_stages.py")
+    "topk_stages", Path(__file__).resolve().parents[2] / "benchmarks" / "topk_stages.py")
 topk_stages = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = topk_stages
 _SPEC.loader.exec_module(topk_stages)

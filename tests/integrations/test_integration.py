@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter.tools.bench import capture_graph
 from qsa_aiter.integrations import atom
-from qsa_aiter.scoring.reference import reference_block_topk, reference_expand_block_indices
+from qsa_aiter.selection.reference import reference_block_topk, reference_expand_block_indices
+from qsa_aiter.tools.bench import capture_graph
 from qsa_aiter.tools.workloads import make_batch
 
 from helpers import assert_matches_reference, write_new_lengths

@@ -15,14 +15,16 @@ import pytest
 import torch
 
 import qsa_aiter
-from jit_children import run_child, same_sources_here, sources  # noqa: F401 (the module's autouse fixtures)
 from qsa_aiter import catalog, registry
 from qsa_aiter.jit import warmup
+from qsa_aiter.jit.aot import SCORERS
 from qsa_aiter.platform import Platform
 from qsa_aiter.settings import get_settings
 from qsa_aiter.spec import LaunchPlan
 from qsa_aiter.tools.workloads import make_batch
 from qsa_aiter.tuning import table as tuned
+
+from jit_children import run_child, same_sources_here, sources  # noqa: F401 (the module's autouse fixtures)
 
 _MATRIX = r"""
 import collections, json, torch
@@ -59,7 +61,7 @@ def test_the_matrix_covers_every_kernel_cache_page_and_index_dtype(matrix_varian
         if arch == "gfx950":  # rows for the stacked scorer only
             assert kinds["rowwise"] == kinds["tiled"] == 20
         assert (kinds["cache_writer"], kinds["topk"], kinds["expand"]) == (10, 7, 6)
-        for kernel in ("rowwise", "stacked", "tiled"):
+        for kernel in SCORERS:
             mine = [v for v in variants if v["kernel"] == kernel]
             assert {v["constexprs"]["KV_KIND"] for v in mine} == {"0", "1", "2", "3"}
             assert {v["constexprs"]["PAGE_SIZE"] for v in mine} == {"16", "64"}

@@ -20,14 +20,22 @@ from pathlib import Path
 import pytest
 import triton
 
-from jit_children import (  # noqa: F401 (sources, same_sources_here: the module's autouse fixtures)
-    ARCHS, SMALL, SMALL_CLI, child_env, once_per_session, run_child, run_cli, same_sources_here, sources,
-)
 from qsa_aiter import jit
 from qsa_aiter.__main__ import main
 from qsa_aiter.jit.store import Store
 from qsa_aiter.platform import interpreting
 
+from jit_children import (  # noqa: F401 (sources, same_sources_here: the module's autouse fixtures)
+    ARCHS,
+    SMALL,
+    SMALL_CLI,
+    child_env,
+    once_per_session,
+    run_child,
+    run_cli,
+    same_sources_here,
+    sources,
+)
 
 # A child that warms ``archs`` with ``matrix`` into ``root`` and reports what it compiled and found; with ``check``,
 # it then loads every entry (files checked) and places them in fresh in-memory Triton caches, and looks up the key

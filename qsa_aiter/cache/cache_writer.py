@@ -14,11 +14,13 @@ import triton
 import triton.language as tl
 
 from ..platform import Platform
-from ..quant.dequant import KV_16BIT, KV_FP4, KV_FP8_E4M3FN, KV_FP8_E4M3FNUZ, kernel_view
+from ..quant.dequant import (
+    KIND_16BIT, KIND_E4M3FNUZ, KIND_FP4, KV_16BIT, KV_FP4, KV_FP8_E4M3FN, KV_FP8_E4M3FNUZ, kernel_view,
+)
 from ..quant.formats import allocate_index_cache
 from ..spec import KernelSpec, next_pow2
 
-# Kinds: 0 = 16-bit copy, 1 = fp8 e4m3fn, 2 = fp8 e4m3fnuz, 3 = fp4 (MXFP4): the scorers' ``KV_KIND`` codes.
+# Kinds: the scorers' ``KV_KIND`` codes (a 16-bit copy, fp8 e4m3fn, fp8 e4m3fnuz, MXFP4).
 KIND_CODES = {"bf16": KV_16BIT, "fp8_e4m3fn": KV_FP8_E4M3FN, "fp8_e4m3fnuz": KV_FP8_E4M3FNUZ, "fp4": KV_FP4}
 
 
@@ -87,7 +89,7 @@ def _write_index_cache_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if (slot >= 0) & (slot < num_slots):
         src = keys_ptr + token.to(tl.int64) * keys_stride
-        if KIND == 3:
+        if KIND == KIND_FP4:
             # MXFP4: [blocks of 32] x [16 element pairs] x (even, odd); one e8m0 exponent per block.
             blk = tl.arange(0, N_BLOCKS)
             pair = tl.arange(0, 16)
@@ -109,7 +111,7 @@ def _write_index_cache_kernel(
             d = tl.arange(0, BLOCK_D)
             ok = d < HEAD_DIM
             k = tl.load(src + d, mask=ok, other=0.0)
-            if KIND == 0:
+            if KIND == KIND_16BIT:
                 if (cache_ptr.dtype.element_ty == tl.bfloat16) and (keys_ptr.dtype.element_ty != tl.bfloat16):
                     value = _bf16_rne(k.to(tl.float32))  # fp16 widens exactly, then one rounding
                 else:
@@ -119,7 +121,7 @@ def _write_index_cache_kernel(
                 kf = k.to(tl.float32)
                 scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(kf), axis=0), 1.0e-4), FP8_MAX)
                 v = tl.minimum(tl.maximum(tl.math.div_rn(kf, scale), -FP8_MAX), FP8_MAX)
-                tl.store(cache_ptr + slot * HEAD_DIM + d, _fp8_codes(v, KIND == 2), mask=ok)
+                tl.store(cache_ptr + slot * HEAD_DIM + d, _fp8_codes(v, KIND == KIND_E4M3FNUZ), mask=ok)
                 tl.store(scale_ptr + slot, scale)
 
 

@@ -21,12 +21,11 @@ import torch
 import qsa_aiter
 from qsa_aiter import registry
 from qsa_aiter.backends import rocm
-
-from qsa_aiter.scoring.base import example_problem
 from qsa_aiter.platform import Platform, interpreting
-from qsa_aiter.scoring.base import ScoreArgs
+from qsa_aiter.scoring.base import ScoreArgs, example_problem
 from qsa_aiter.scoring.op import describe_call
-from qsa_aiter.scoring.reference import reference_block_topk, reference_paged_mqa_logits
+from qsa_aiter.scoring.reference import reference_paged_mqa_logits
+from qsa_aiter.selection.reference import reference_block_topk
 from qsa_aiter.settings import get_settings
 from qsa_aiter.tools.workloads import make_batch
 

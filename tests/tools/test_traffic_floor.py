@@ -16,7 +16,7 @@ from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.tools.workloads import make_batch
 
 _SPEC = importlib.util.spec_from_file_location(
-    "traffic_floor", Path(__file__).resolve().parent.parent / "benchmarks" / "traffic_floor.py")
+    "traffic_floor", Path(__file__).resolve().parents[2] / "benchmarks" / "traffic_floor.py")
 traffic_floor = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = traffic_floor  # its dataclass looks its module up there
 _SPEC.loader.exec_module(traffic_floor)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter.scoring.reference import reference_expand_block_indices, reference_paged_mqa_logits
+from qsa_aiter.scoring.reference import reference_paged_mqa_logits
+from qsa_aiter.selection.reference import reference_expand_block_indices
 from qsa_aiter.tools.workloads import make_batch
 
 from helpers import KERNELS, force_backend, skip_unless_serves, visible_bits

@@ -17,9 +17,10 @@ import pytest
 
 from qsa_aiter.jit.aot import SCORERS, TARGETS, compile_kernel
 from qsa_aiter.platform import interpreting
+from qsa_aiter.scoring import SPECS as SCORING_SPECS
 
-ROOT = Path(__file__).resolve().parents[1]
-TENSOR_CORE_KERNELS = ("stacked", "tiled")
+ROOT = Path(__file__).resolve().parents[2]
+TENSOR_CORE_KERNELS = tuple(spec.name for spec in SCORING_SPECS if spec.tensor_cores)
 # Specialisations besides the default (bf16 q, int32 indices, page 64, 4 heads, head_dim 128).
 VARIANTS = {
     "default": ({}, "i32"),
@@ -55,7 +56,8 @@ DECODED_BUILDS = [("stacked", "sm_90", "fp8"), ("stacked", "sm_90", "fp4")]
 _CHILD = r"""
 import json, sys
 import torch
-from qsa_aiter.jit.aot import SCORERS, TARGETS, compile_kernel, compile_selection_kernel
+from qsa_aiter.jit.aot import SCORERS, TARGETS, compile_kernel
+from qsa_aiter.scoring import SPECS as SCORING_SPECS, compile_selection_kernel
 from qsa_aiter.scoring.base import example_problem
 
 variants = json.loads(sys.argv[1])

@@ -18,12 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from jit_children import (  # noqa: F401 (sources, same_sources_here: the module's autouse fixtures)
-    child_env, run_child, run_cli, same_sources_here, source_dir, sources,
-)
 from qsa_aiter.jit import warmup
 from qsa_aiter.jit.store import Store
 
+from jit_children import child_env, run_child, run_cli, same_sources_here, source_dir, sources  # noqa: F401 (sources, same_sources_here: the module's autouse fixtures)
 
 # ---------------------------------------------------------------------------------------------------------------
 # The launch path: Triton's own compile on an in-memory miss, with the cache's hooks; placeholders

@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 
 import qsa_aiter
-from qsa_aiter.quant.formats import E2M1_VALUES
-from qsa_aiter.scoring import stacked
 from qsa_aiter.platform import Platform
 from qsa_aiter.quant.dequant import E2M1_TO_E4M3_ASM, fp4_block_order, fp4_e4m3_block, split_query_e4m3
+from qsa_aiter.quant.formats import E2M1_VALUES
+from qsa_aiter.scoring import stacked
 from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.scoring.reference import reference_paged_mqa_logits
 
@@ -176,7 +176,6 @@ def test_keys_decoded_when_the_mma_switch_is_off(monkeypatch, rng, cache, phase,
     # The launch takes the decoding path (FP8_DOT off) and its own tile settings.
     assert stacked_plan(batch, hints, True).constexprs["FP8_DOT"]
     assert not stacked_plan(batch, hints, False).constexprs["FP8_DOT"]
-    problem = describe_call(*batch.args(), **hints)
     rows = stacked_plan(batch, hints, True).config.block_rows
     decoding = (stacked.StackedConfig(block_rows=rows, block_n=64, num_warps=2, programs_per_sm=16) if cache == "fp4"
                 else stacked.StackedConfig(block_rows=rows))
@@ -298,6 +297,7 @@ def test_fp4_mma_path_reads_unaligned_scales(monkeypatch, rng):
     shifted.copy_(raw)
     assert shifted.data_ptr() % 4 != 0
     batch.k_scale = shifted.view(torch.float8_e8m0fnu)
+    hints = dict(hints, k_scale=batch.k_scale)
     assert not stacked_plan(batch, hints, True).constexprs["SCALE_WORDS"]
     check_forced(monkeypatch, "stacked", batch, hints, label="stacked/fp4/unaligned scales", tol=TOL)
 
