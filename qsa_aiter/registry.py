@@ -20,7 +20,7 @@ from .backends import rocm
 from .jit import scope as jit_scope
 from .log import log_once
 from .platform import Platform
-from .problem import ScoreProblem
+from .problem import PHASES, ScoreProblem
 from .scoring import SPECS
 from .scoring.base import KV_DTYPES, ScoreArgs
 from .scoring.reference import reference_paged_mqa_logits
@@ -29,7 +29,6 @@ from .spec import KernelSpec, LaunchPlan
 from .tuning import table as tuned
 
 BLOCK_SIZES = (16, 64)
-PHASES = ("prefill", "verify", "draft", "decode")
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ def _spec_candidate(spec) -> Candidate:
         found = spec.reasons(problem, platform)
         if spec.switch and not getattr(settings, spec.switch):
             variable = QsaSettings.model_fields[spec.switch].alias
-            found.insert(len(found) - bool(spec.shape_reason(problem)), f"disabled by {variable}=0")
+            found.append(f"disabled by {variable}=0")
         return found
 
     def run(problem, args, settings):
@@ -74,7 +73,8 @@ def _run_torch(problem, args, settings) -> None:
 _OTHERS = (
     Candidate("torch", "torch reference (CPU, or last resort)", lambda problem, platform, settings: [],
               _run_torch, dict.fromkeys(PHASES, 90), universal=True),
-    Candidate("aiter", rocm.AITER_DESCRIPTION, lambda problem, platform, settings: rocm.aiter_reasons(problem, settings),
+    Candidate("aiter", rocm.AITER_DESCRIPTION,
+              lambda problem, platform, settings: rocm.aiter_reasons(problem, settings),
               lambda problem, args, settings: rocm.run_aiter(problem, args), dict.fromkeys(PHASES, 40),
               universal=True),
     Candidate("flydsl", rocm.FLYDSL_DESCRIPTION,

@@ -10,6 +10,7 @@ import torch
 
 import qsa_aiter
 from qsa_aiter import registry
+from qsa_aiter.problem import PHASES
 from qsa_aiter.scoring import SPECS
 from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.scoring.reference import reference_paged_mqa_logits
@@ -33,7 +34,7 @@ KERNELS = tuple(spec.name for spec in SPECS)
 BACKENDS = KERNELS + ("torch", "auto")
 #: The kernel the registry prefers for each phase when every candidate can serve (SPEC section 4): the first scoring
 #: kernel of the phase's order.
-PREFERRED = {phase: next(n for n in registry.TABLE[("bf16", 64, phase)] if n in KERNELS) for phase in registry.PHASES}
+PREFERRED = {phase: next(n for n in registry.TABLE[("bf16", 64, phase)] if n in KERNELS) for phase in PHASES}
 
 
 def write_new_lengths(gen, context_lens, query_positions, low: int, high: int, rows_per_request: int) -> None:

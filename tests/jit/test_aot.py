@@ -56,8 +56,7 @@ DECODED_BUILDS = [("stacked", "sm_90", "fp8"), ("stacked", "sm_90", "fp4")]
 _CHILD = r"""
 import json, sys
 import torch
-from qsa_aiter.jit.aot import SCORERS, TARGETS, compile_kernel
-from qsa_aiter.scoring import SPECS as SCORING_SPECS, compile_selection_kernel
+from qsa_aiter.jit.aot import SCORERS, TARGETS, compile_kernel, compile_selection_kernel
 from qsa_aiter.scoring.base import example_problem
 
 variants = json.loads(sys.argv[1])
