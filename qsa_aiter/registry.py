@@ -285,6 +285,7 @@ def run(problem: ScoreProblem, args: ScoreArgs, settings: QsaSettings | None = N
 
 
 def clear_broken() -> None:
-    """Forget kernels marked broken (tests)."""
+    """Forget kernels marked broken, and the decisions and plans made (tests)."""
     _broken.clear()
     _decisions.clear()
+    _plans.clear()

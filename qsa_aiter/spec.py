@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable
 
 
+#: ``dataclasses.field`` metadata of a tile-config field that is a 0/1 switch, or a count where 0 means "derived"
+#: (the tuned tables validate a row's cells with it; any other int field must be positive).
+FLAG = {"ge": 0, "le": 1}
+COUNT_OR_ZERO = {"ge": 0}
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division on the host (``triton.cdiv`` is a jit function: slow to call from Python per launch)."""
     return -(-a // b)

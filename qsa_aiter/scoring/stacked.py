@@ -14,13 +14,13 @@ the M operand of e4m3 tensor-core MMAs and q, split into two exact e4m3 terms, i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import triton
 import triton.language as tl
 
 from ..quant.dequant import KIND_FP4, KV_16BIT, KV_FP4, dot_dtype, key_values, kv_kind
-from ..spec import cdiv, is_pow2, next_pow2
+from ..spec import COUNT_OR_ZERO, FLAG, cdiv, is_pow2, next_pow2
 from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma, scale_words_fit
 from .tiles import (
     block_request, fp4_keys_major_dots, fp4_tile_exponents, fp8_keys_major_dots, fp8_tile_scales, key_tile_slots,
@@ -109,8 +109,9 @@ class StackedConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 4
-    scalar_pages: int = 0  # 1: a key tile's page ids read as scalars (load_keys)
-    column_programs: int = 0  # > 0: programs per row block, fixed (else from programs_per_sm)
+    scalar_pages: int = field(default=0, metadata=FLAG)  # 1: a key tile's page ids read as scalars (load_keys)
+    # > 0: programs per row block, fixed (else from programs_per_sm)
+    column_programs: int = field(default=0, metadata=COUNT_OR_ZERO)
 
 
 class StackedSpec(ScorerSpec):

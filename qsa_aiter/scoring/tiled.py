@@ -10,13 +10,13 @@ hand; column tiles past a request's visible range are never visited.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import triton
 import triton.language as tl
 
 from ..quant.dequant import KV_16BIT, dot_dtype, kv_kind
-from ..spec import cdiv, is_pow2
+from ..spec import FLAG, cdiv, is_pow2
 from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs
 from .tiles import load_keys, load_q_tile, pair_dot, row_visibility, stacked_head_scores
 
@@ -95,8 +95,8 @@ class TiledConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 2
-    stack_heads: int = 0  # 1: one stacked rows x heads dot even with 4 heads
-    scalar_pages: int = 0  # 1: a key tile's page ids read as scalars (load_keys)
+    stack_heads: int = field(default=0, metadata=FLAG)  # 1: one stacked rows x heads dot even with 4 heads
+    scalar_pages: int = field(default=0, metadata=FLAG)  # 1: a key tile's page ids read as scalars (load_keys)
 
 
 class TiledSpec(ScorerSpec):

@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from ..catalog import tunable_specs
 from ..settings import ConfigurationError
@@ -31,41 +31,31 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = ("scoring.csv",)
 
 
-class TunedRow(BaseModel):
-    """One CSV row. Tile values left empty keep the kernel's default."""
+def _tile_columns() -> dict:
+    """One optional int column per field of the tunable kernels' configs (first spec first), with the bounds the
+    field's metadata gives (``spec.FLAG``, ``spec.COUNT_OR_ZERO``; positive otherwise)."""
+    columns = {}
+    for spec in tunable_specs():
+        for item in dataclasses.fields(spec.Config):
+            if item.name not in columns:
+                bounds = dict(item.metadata) or {"gt": 0}
+                columns[item.name] = (Optional[int], Field(None, **bounds))
+    return columns
+
+
+class _RowChecks(BaseModel):
+    """The checks of a row whatever its columns (``TunedRow`` adds one column per tile-config field)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    arch: str = Field(min_length=2)
-    kernel: str
-    kv_dtype: str
-    page_size: int = Field(gt=0)
-    heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    rows: int = Field(gt=0, description="bucket: query rows per call")
-    context: int = Field(gt=0, description="bucket: context capacity in tokens")
-    block_rows: Optional[int] = Field(None, gt=0)
-    block_m: Optional[int] = Field(None, gt=0)
-    block_n: Optional[int] = Field(None, gt=0)
-    d_chunk: Optional[int] = Field(None, gt=0)
-    num_warps: Optional[int] = Field(None, gt=0)
-    num_stages: Optional[int] = Field(None, gt=0)
-    programs_per_sm: Optional[int] = Field(None, gt=0)
-    column_programs: Optional[int] = Field(None, ge=0)  # 0: from programs_per_sm
-    scalar_pages: Optional[int] = Field(None, ge=0, le=1)
-    us: Optional[float] = Field(None, gt=0, description="measured time of the config, microseconds")
-    default_us: Optional[float] = Field(None, gt=0, description="the kernel's default config, same run")
-    measured: bool = Field(description="1: measured by the tuner on this arch; 0: a starting point from elsewhere")
-    source: str = ""
-
-    @field_validator("kernel")
+    @field_validator("kernel", check_fields=False)
     @classmethod
     def _known_kernel(cls, value: str) -> str:
         if value not in _config_classes():
             raise ValueError(f"unknown kernel {value!r} (known: {', '.join(_config_classes())})")
         return value
 
-    @field_validator("kv_dtype")
+    @field_validator("kv_dtype", check_fields=False)
     @classmethod
     def _known_kv(cls, value: str) -> str:
         if value not in ("bf16", "fp8", "fp4"):
@@ -79,6 +69,27 @@ class TunedRow(BaseModel):
         """The config fields this row sets."""
         names = {f.name for f in dataclasses.fields(_config_classes()[self.kernel])}
         return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
+
+
+#: One CSV row: its key, its buckets, one column per tile-config field of the tunable kernels (empty keeps the
+#: kernel's default), and what the tuner measured.
+TunedRow = create_model(
+    "TunedRow",
+    __base__=_RowChecks,
+    arch=(str, Field(min_length=2)),
+    kernel=(str, ...),
+    kv_dtype=(str, ...),
+    page_size=(int, Field(gt=0)),
+    heads=(int, Field(gt=0)),
+    head_dim=(int, Field(gt=0)),
+    rows=(int, Field(gt=0, description="bucket: query rows per call")),
+    context=(int, Field(gt=0, description="bucket: context capacity in tokens")),
+    **_tile_columns(),
+    us=(Optional[float], Field(None, gt=0, description="measured time of the config, microseconds")),
+    default_us=(Optional[float], Field(None, gt=0, description="the kernel's default config, same run")),
+    measured=(bool, Field(description="1: measured by the tuner on this arch; 0: a starting point from elsewhere")),
+    source=(str, ""),
+)
 
 
 def _config_classes() -> dict[str, type]:
@@ -101,8 +112,8 @@ def buckets(problem) -> tuple[int, int]:
     return problem.num_tokens, problem.num_columns * problem.compress_ratio
 
 
-_TILE_FIELDS = ("block_rows", "block_m", "block_n", "d_chunk", "num_warps", "num_stages", "programs_per_sm",
-                "column_programs", "scalar_pages")
+#: The tile-config columns (every field of a tunable kernel's config).
+TILE_FIELDS = tuple(_tile_columns())
 
 
 def read_table(path: Path) -> list[TunedRow]:
@@ -122,7 +133,7 @@ def read_table(path: Path) -> list[TunedRow]:
                 problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'row'}: {e['msg']}"
                                      for e in err.errors())
                 raise ValueError(f"{path}:{line}: {problems}") from None
-            misplaced = [name for name in _TILE_FIELDS if getattr(row, name) is not None and name not in row.tile()]
+            misplaced = [name for name in TILE_FIELDS if getattr(row, name) is not None and name not in row.tile()]
             if misplaced:
                 raise ValueError(f"{path}:{line}: {', '.join(misplaced)} is not a setting of the {row.kernel} kernel")
             rows.append(row)

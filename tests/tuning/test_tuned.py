@@ -148,3 +148,25 @@ def test_explain_names_the_tile_source(tmp_path, monkeypatch, rng):
     text = qsa_aiter.explain(*batch.args(), **hints)
     assert "tuned row rows=11 context=4096 (my sweep): StackedConfig(" in text
     assert "block_n=16" in text
+
+
+def test_every_tile_config_field_is_a_column_with_its_bounds(tmp_path):
+    """The tables' tile columns are the tunable specs' config fields (a new kernel's fields need no edit); a 0/1
+    switch refuses 2, a count where 0 means "derived" takes 0, any other field refuses 0."""
+    from qsa_aiter.catalog import tunable_specs
+
+    for spec in tunable_specs():
+        for item in dataclasses.fields(spec.Config):
+            assert item.name in tuned.TunedRow.model_fields, (spec.name, item.name)
+    path = tmp_path / "t.csv"
+    header = HEADER.replace("scalar_pages", "stack_heads")
+    path.write_text(header + "sm_90,tiled,bf16,64,4,128,4096,131072,,,,,,,,,1,,1,\n")
+    assert tuned.read_table(path)[0].tile() == {"stack_heads": 1}
+    path.write_text(header + "sm_90,tiled,bf16,64,4,128,4096,131072,,,,,,,,,2,,1,\n")
+    with pytest.raises(ValueError, match="stack_heads"):
+        tuned.read_table(path)
+    path.write_text(HEADER + "sm_90,stacked,bf16,64,4,128,36,131072,,,,,,,,0,,,1,\n")
+    assert tuned.read_table(path)[0].tile() == {"column_programs": 0}
+    path.write_text(HEADER + "sm_90,stacked,bf16,64,4,128,36,131072,,,0,,,,,,,,1,\n")
+    with pytest.raises(ValueError, match="block_n"):
+        tuned.read_table(path)
