@@ -1,9 +1,9 @@
 """Instruction counts of a scoring kernel's key-tile loop in sm_90 SASS, without a GPU.
 
-Compiles ``stacked`` or ``tiled`` ahead of time (``qsa_aiter.aot``; run without ``TRITON_INTERPRET``) for a model-shaped
-problem, disassembles the cubin with the ``nvdisasm`` that ships with Triton, finds the innermost loops (backward
-branches) and prints, for the first one (the key-tile loop of the first request walk), its instruction count, an
-opcode histogram, the registers per thread and the shared memory, plus warp instructions per 128 keys (instructions
+Compiles ``stacked`` or ``tiled`` ahead of time (``qsa_aiter.jit.aot``; run without ``TRITON_INTERPRET``) for a
+model-shaped problem, disassembles the cubin with the ``nvdisasm`` that ships with Triton, finds the innermost loops
+(backward branches) and prints, for the first one (the key-tile loop of the first request walk), its instruction count,
+an opcode histogram, the registers per thread and the shared memory, plus warp instructions per 128 keys (instructions
 per tile x warps x 128 / BLOCK_N), the figure to compare tile shapes and cache formats by.
 
     python benchmarks/sass_loop.py --kv fp4                                   # the default config

@@ -1,8 +1,9 @@
 """Where the block top-k's time goes, stage by stage, beside scoring alone and the whole selection.
 
-``qsa_select_paged_tokens`` is scoring, then one launch that ranks each row and expands it (``qsa_aiter/selection/topk.py``, one
-program per row). This script builds kernels from that launch's own building blocks that stop after each stage and
-times them in CUDA graphs on the logits scoring has just written, as the selection op reads them:
+``qsa_select_paged_tokens`` is scoring, then one launch that ranks each row and expands it
+(``qsa_aiter/selection/topk.py``, one program per row). This script builds kernels from that launch's own building
+blocks that stop after each stage and times them in CUDA graphs on the logits scoring has just written, as the selection
+op reads them:
 
 - ``launch``: read the row's length and write one word (the kernel boundary after scoring, and nothing else);
 - ``+ lane maxima``: one pass over the row keeping each lane's maximum;
