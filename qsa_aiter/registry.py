@@ -100,8 +100,7 @@ FALLBACK_ORDER = _order(None)
 
 _broken: dict[tuple, str] = {}
 _decisions: dict[tuple, "Decision"] = {}
-_plans: dict[tuple, LaunchPlan] = {}
-_MAX_MEMO = 256
+_MAX_DECISIONS = 256
 
 
 def _broken_key(name: str, problem: ScoreProblem) -> tuple:
@@ -109,28 +108,18 @@ def _broken_key(name: str, problem: ScoreProblem) -> tuple:
             problem.head_dim, problem.compress_ratio)
 
 
-def _remember(memo: dict, key, value):
-    if len(memo) >= _MAX_MEMO:
-        memo.pop(next(iter(memo)))  # oldest first: a bounded memo, not a cache of every shape
-    memo[key] = value
-    return value
-
-
 def plan_for(spec: KernelSpec, problem, platform: Platform, settings: QsaSettings | None = None) -> LaunchPlan:
     """``spec``'s launch plan for ``problem`` on ``platform`` with the tuned tables of ``settings``: what the kernel
-    launch, ``explain``, warm-up and the benchmark use. Memoised; a shape with no tuned row is logged once."""
+    launch, ``explain``, warm-up and the benchmark use (``KernelSpec.plan`` memoises it); a shape with no tuned row
+    is logged once."""
     settings = settings or get_settings()
-    table = tuned.load_tables(tuple(settings.tuned_config))
-    key = (spec.name, problem, platform, table)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _remember(_plans, key, spec.plan(problem, platform, table))
-        if spec.tune_grid and table.lookup(platform.arch, spec.name, problem) is None:
-            log_once(logging.INFO, ("untuned", platform.arch, spec.name, problem.kv_dtype, problem.block_size,
-                                    problem.num_heads, problem.head_dim),
-                     f"no tuned {spec.name} config for arch={platform.arch} kv={problem.kv_dtype} "
-                     f"page={problem.block_size} heads={problem.num_heads} head_dim={problem.head_dim}: using the "
-                     "kernel's defaults")
+    plan = spec.plan(problem, platform, tuned.load_tables(tuple(settings.tuned_config)))
+    if spec.tune_grid and plan.config_source.startswith("defaults"):
+        log_once(logging.INFO, ("untuned", platform.arch, spec.name, problem.kv_dtype, problem.block_size,
+                                problem.num_heads, problem.head_dim),
+                 f"no tuned {spec.name} config for arch={platform.arch} kv={problem.kv_dtype} "
+                 f"page={problem.block_size} heads={problem.num_heads} head_dim={problem.head_dim}: using the "
+                 "kernel's defaults")
     return plan
 
 
@@ -223,7 +212,9 @@ def select(problem: ScoreProblem, *, skip: tuple[str, ...] = (), settings: QsaSe
         decision.chosen = name
         break
     if not skip:
-        _remember(_decisions, key, decision)
+        if len(_decisions) >= _MAX_DECISIONS:
+            _decisions.pop(next(iter(_decisions)))  # oldest first: a bounded memo, not a cache of every shape
+        _decisions[key] = decision
     return decision
 
 
@@ -285,7 +276,6 @@ def run(problem: ScoreProblem, args: ScoreArgs, settings: QsaSettings | None = N
 
 
 def clear_broken() -> None:
-    """Forget kernels marked broken, and the decisions and plans made (tests)."""
+    """Forget kernels marked broken and the decisions made (tests)."""
     _broken.clear()
     _decisions.clear()
-    _plans.clear()

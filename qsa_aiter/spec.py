@@ -9,6 +9,7 @@ the caller hands it the tuned rows (anything with ``lookup(arch, kernel, problem
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable
 
@@ -105,9 +106,11 @@ class KernelSpec:
         """``(label, problem)`` for every variant of this kernel a serving process launches (``jit.warmup``)."""
         return ()
 
+    @functools.lru_cache(maxsize=512)
     def plan(self, problem, platform, tuned=None, config=None) -> LaunchPlan:
         """The launch of ``problem`` on ``platform``: ``config`` if given, else the default config with the tuned
-        row of ``platform.arch`` applied (``tuned.lookup``; None: no tuned rows)."""
+        row of ``platform.arch`` applied (``tuned.lookup``; None: no tuned rows). Memoised (every argument is
+        frozen, the tuned table by identity), so a steady stream of launches pays one dictionary lookup here."""
         if config is not None:
             source = "config given by the caller"
         else:

@@ -35,8 +35,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _clean_qsa_state(monkeypatch):
-    """Every test starts from the default switches, no kernel marked broken, no memoised decision or launch plan
-    and an empty log-once memory."""
+    """Every test starts from the default switches, no kernel marked broken and an empty log-once memory."""
     for name in ENV_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     registry.clear_broken()

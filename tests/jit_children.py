@@ -83,8 +83,8 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
                           capture_output=True, text=True, timeout=timeout)
 
 
-def once_per_session(tmp_path_factory, name: str, make: Callable[[Path], dict]) -> tuple[Path, dict]:
-    """``(directory, make(directory))`` made once per test session, shared by every pytest-xdist worker (the
+def once_per_run(tmp_path_factory, name: str, make: Callable[[Path], dict]) -> tuple[Path, dict]:
+    """``(directory, make(directory))`` made once per pytest run, shared by every pytest-xdist worker (the
     workers' temporary directories share a parent): the first worker to get here makes it, under a file lock, and
     the others read its JSON result. ``make`` fills ``directory``; the tests that change it work on copies."""
     base = tmp_path_factory.getbasetemp()

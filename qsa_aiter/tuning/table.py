@@ -141,39 +141,29 @@ def read_table(path: Path) -> list[TunedRow]:
 
 
 class TunedTable:
-    """The merged rows of the shipped tables and the files ``files``, by key; ``lookup`` memoises per problem."""
+    """The merged rows of the shipped tables and the files ``files``, by key (``KernelSpec.plan``, which looks rows
+    up, is memoised: a lookup is made once per new problem)."""
 
     def __init__(self, files: tuple[str, ...], rows: dict[tuple, list[TunedRow]]):
         self.files = files
         self.rows = rows
-        self._memo: dict[tuple, TunedRow | None] = {}
 
     def lookup(self, arch: str, kernel: str, problem) -> TunedRow | None:
         """The row for ``problem`` on ``arch``: exact key, nearest (rows, context) bucket; None when the key has
         none."""
-        memo_key = (arch, kernel, problem)
-        if memo_key in self._memo:
-            return self._memo[memo_key]
         rows = self.rows.get(problem_key(arch, kernel, problem))
-        found = None
-        if rows:
-            want_rows, want_context = (max(b, 1) for b in buckets(problem))
+        if not rows:
+            return None
+        want_rows, want_context = (max(b, 1) for b in buckets(problem))
 
-            def distance(row: TunedRow) -> tuple[float, int, int]:
-                d = abs(math.log2(row.rows / want_rows)) + abs(math.log2(row.context / want_context))
-                return d, row.rows, row.context  # equal distances: the smaller bucket, deterministically
+        def distance(row: TunedRow) -> tuple[float, int, int]:
+            d = abs(math.log2(row.rows / want_rows)) + abs(math.log2(row.context / want_context))
+            return d, row.rows, row.context  # equal distances: the smaller bucket, deterministically
 
-            found = min(rows, key=distance)
-        if len(self._memo) >= _MAX_MEMO:
-            self._memo.clear()
-        self._memo[memo_key] = found
-        return found
+        return min(rows, key=distance)
 
     def get(self, key: tuple, default=None):
         return self.rows.get(key, default)
-
-
-_MAX_MEMO = 1024
 
 
 @functools.lru_cache(maxsize=8)

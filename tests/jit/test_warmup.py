@@ -30,7 +30,7 @@ from jit_children import (  # noqa: F401 (sources, same_sources_here: the module
     SMALL,
     SMALL_CLI,
     child_env,
-    once_per_session,
+    once_per_run,
     run_child,
     run_cli,
     same_sources_here,
@@ -85,14 +85,14 @@ def warm(root: Path, archs=ARCHS, matrix=SMALL, check=False, env=None) -> tuple[
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
     """A cache warmed ahead of time for the three targets (first process), then warmed again and checked by a
-    second process: ``(root, first report, second report)``, made once per session (the tests that change the
+    second process: ``(root, first report, second report)``, made once per pytest run (the tests that change the
     cache work on copies)."""
     def make(root: Path) -> dict:
         first, _ = warm(root)
         second, _ = warm(root, check=True)
         return {"first": first, "second": second}
 
-    root, reports = once_per_session(tmp_path_factory, "warmed-jit", make)
+    root, reports = once_per_run(tmp_path_factory, "warmed-jit", make)
     return root, reports["first"], reports["second"]
 
 
