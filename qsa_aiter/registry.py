@@ -2,9 +2,11 @@
 
 The candidates are the scoring kernels' specs (``scoring.SPECS``), the ROCm libraries' scorers and the torch
 reference; each declares its rank per phase, and the table orders them by it. Each candidate answers "do you serve
-this problem?" with a list of human-readable reasons (empty = serves). ``select`` walks the order and takes the
-first candidate with no reasons, returning a ``Decision`` that records why every other candidate was passed over;
-``explain`` prints it with the chosen kernel's ``LaunchPlan``. A forced backend (``QSA_AITER_BACKEND``) goes through
+this problem?" with a list of human-readable reasons (empty = serves). ``select`` takes, among the serving kernels
+of this project, the one the tuned tables measured fastest at the problem's shape bucket on this arch (``measured``:
+only kernels measured at the same bucket are compared), and otherwise the first serving candidate in the order; it
+returns a ``Decision`` that records the rule and why every other candidate was passed over; ``explain`` prints it
+with the chosen kernel's ``LaunchPlan``. A forced backend (``QSA_AITER_BACKEND``) goes through
 the same reasons. A candidate that raises while compiling or launching is marked broken for the problem's
 specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` raises); a configuration error
 (``settings.ConfigurationError``: a bad variable or tuned-config file) is always raised.
@@ -13,6 +15,7 @@ specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` raises); a co
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -133,6 +136,8 @@ class Decision:
     rejected: dict[str, list[str]] = field(default_factory=dict)
     forced: bool = False
     table_note: str = ""
+    rule: str = ""  # how the choice was made among the serving candidates
+    compared: tuple[str, ...] = ()  # the kernels the measurement rule compared
 
     def report(self) -> str:
         p = self.problem
@@ -141,13 +146,17 @@ class Decision:
             lines.append("  " + self.table_note)
         how = "forced by QSA_AITER_BACKEND" if self.forced else "order " + " > ".join(self.order)
         lines.append(f"  candidates ({how}):")
+        if self.rule:
+            lines.insert(-1, f"  chosen by {self.rule}")
         for name in self.order:
             if name == self.chosen:
                 lines.append(f"    * {name}: serves ({CANDIDATES[name].description})")
             elif name in self.rejected:
                 lines.append(f"    - {name}: " + "; ".join(self.rejected[name]))
+            elif name in self.compared:
+                lines.append(f"    - {name}: serves, but {self.chosen} measured faster")
             else:
-                lines.append(f"    . {name}: not consulted (an earlier candidate serves)")
+                lines.append(f"    . {name}: serves, not chosen")
         if self.chosen is None:
             lines.append("  no candidate serves this call")
         return "\n".join(lines)
@@ -189,6 +198,33 @@ def _forced(settings: QsaSettings) -> str | None:
     return settings.backend
 
 
+def measured_choice(problem: ScoreProblem, serving: list[str], platform: Platform,
+                    settings: QsaSettings) -> tuple[str, str, tuple[str, ...]] | None:
+    """``(kernel, rule, compared)``: the kernel of ``serving`` (this project's kernels that serve ``problem``, in
+    table order) the tuned tables measured fastest on ``platform``'s arch at the shape bucket nearest ``problem``;
+    None when the table order's choice (``serving[0]``) or every other kernel lacks a measured row at that bucket.
+    Each kernel's row is the one its own launch plan uses (``TunedTable.lookup``); kernels whose nearest row lies at
+    another bucket are not compared."""
+    table = tuned.load_tables(tuple(settings.tuned_config))
+    found = {}
+    for name in serving:
+        row = table.lookup(platform.arch, name, problem)
+        if row is not None and row.measured and row.us is not None:
+            found[name] = row
+    if len(found) < 2:
+        return None
+    want = [max(b, 1) for b in tuned.buckets(problem)]
+    nearest = min(((r.rows, r.context) for r in found.values()),
+                  key=lambda b: (sum(abs(math.log2(have / w)) for have, w in zip(b, want)), b))
+    timed = [(row.us, serving.index(name), name) for name, row in found.items() if (row.rows, row.context) == nearest]
+    if len(timed) < 2 or serving[0] not in {name for _, _, name in timed}:
+        return None
+    timed.sort()  # equal times: the earlier in the table order
+    times = " < ".join(f"{name} {us:.2f} us" for us, _, name in timed)
+    return timed[0][2], (f"measurement: {times} (tuned rows at {nearest[0]} rows x {nearest[1]} tokens, "
+                         f"arch {platform.arch})"), tuple(name for _, _, name in timed)
+
+
 def select(problem: ScoreProblem, *, skip: tuple[str, ...] = (), settings: QsaSettings | None = None) -> Decision:
     """Choose the kernel for ``problem`` (no device access). ``skip`` names candidates that failed this call.
 
@@ -202,15 +238,26 @@ def select(problem: ScoreProblem, *, skip: tuple[str, ...] = (), settings: QsaSe
     forced = _forced(settings)
     order, note = ((forced,), "") if forced else candidate_order(problem)
     decision = Decision(problem, None, order, forced=forced is not None, table_note=note)
+    serving = []
     for name in order:
         why = reasons(name, problem, settings)
         if name in skip:
             why.append("failed on this call")
         if why:
             decision.rejected[name] = why
-            continue
-        decision.chosen = name
-        break
+        else:
+            serving.append(name)
+    if serving:
+        decision.chosen, decision.rule = serving[0], "" if forced else "table order"
+        # This project's kernels up to the first one that is not (a ROCm library preferred by the order wins).
+        ours = []
+        for name in serving:
+            if CANDIDATES[name].spec is None:
+                break
+            ours.append(name)
+        measured = measured_choice(problem, ours, _platform(problem), settings) if not forced else None
+        if measured:
+            decision.chosen, decision.rule, decision.compared = measured
     if not skip:
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.pop(next(iter(_decisions)))  # oldest first: a bounded memo, not a cache of every shape
@@ -223,11 +270,14 @@ def explain(problem: ScoreProblem) -> str:
     plan (its config and where the config came from) and how it reads the keys."""
     settings = get_settings()
     decision = select(problem, settings=settings)
-    full = Decision(problem, decision.chosen, decision.order, forced=decision.forced, table_note=decision.table_note)
+    full = Decision(problem, decision.chosen, decision.order, forced=decision.forced, table_note=decision.table_note,
+                    rule=decision.rule, compared=decision.compared)
     for name in decision.order:
-        if name != decision.chosen:
+        if name != decision.chosen and name not in decision.compared:
+            later = decision.chosen is None or decision.order.index(name) > decision.order.index(decision.chosen)
             full.rejected[name] = (reasons(name, problem, settings)
-                                   or ["serves, but an earlier candidate is preferred"])
+                                   or ["serves, but an earlier candidate is preferred" if later
+                                       else "serves, but has no measured row at the bucket compared"])
     report = full.report()
     spec = CANDIDATES[decision.chosen].spec if decision.chosen else None
     if spec is None:

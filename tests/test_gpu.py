@@ -24,7 +24,7 @@ from qsa_aiter.tools.bench import capture_graph
 from qsa_aiter.tools.workloads import ScoringBatch, make_batch
 
 from helpers import (
-    FP8_MMA_TOL, KERNELS, PREFERRED, assert_matches_reference, force_backend, magnitude_args, poisoned_out,
+    FP8_MMA_TOL, KERNELS, assert_matches_reference, auto_kernel, force_backend, magnitude_args, poisoned_out,
     run_poisoned, skip_unless_serves, uses_fp8_mma, visible_bits,
 )
 
@@ -141,7 +141,7 @@ def test_work_point(monkeypatch, point, page_size, backend):
     assert describe_call(*args, **hints).phase == phase
     force_backend(monkeypatch, backend)
     skip_unless_serves(backend, args, **hints)
-    expected = backend if backend != "auto" else PREFERRED[phase]
+    expected = backend if backend != "auto" else auto_kernel(args, **hints)
     assert qsa_aiter.selected_kernel(*args, **hints) == expected
     label = f"{point}/page{page_size}/{backend}"
     logits, visible = run_poisoned(args, **hints)
@@ -180,7 +180,7 @@ def test_quantised_work_point(monkeypatch, point, cache, page_size, backend):
     args, hints = batch.args(), dict(batch.kwargs(), **_hints(point, batch))
     force_backend(monkeypatch, backend)
     skip_unless_serves(backend, args, **hints)
-    assert qsa_aiter.selected_kernel(*args, **hints) == (backend if backend != "auto" else PREFERRED[phase])
+    assert qsa_aiter.selected_kernel(*args, **hints) == (backend if backend != "auto" else auto_kernel(args, **hints))
     check_gpu_call(args, label=f"{point}/{cache}/page{page_size}/{backend}", repeat=True, **hints)
 
 
@@ -397,4 +397,4 @@ def test_registry_reasons_are_empty_for_model_shapes():
         assert problem.device_type == "cuda"
         for name in KERNELS:
             assert registry.reasons(name, problem) == [], name
-        assert registry.select(problem).chosen == PREFERRED[phase]
+        assert registry.select(problem).chosen == auto_kernel(b.args(), phase=phase)

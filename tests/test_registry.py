@@ -348,6 +348,84 @@ def test_explain_names_the_choice_and_the_others_reasons(rng):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Measured dispatch: the tuned tables' timings choose among the serving kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _timed_rows(path, problem, arch: str, times: dict, buckets: dict | None = None, measured: int = 1):
+    """A tuned table with one row per kernel of ``times`` (µs) for ``problem``'s key, at ``problem``'s buckets or
+    ``buckets[kernel]``; returns ``path`` as a string."""
+    lines = ["arch,kernel,kv_dtype,page_size,heads,head_dim,rows,context,us,measured,source"]
+    rows, context = problem.num_tokens, problem.num_columns * problem.compress_ratio
+    for kernel, us in times.items():
+        r, c = (buckets or {}).get(kernel, (rows, context))
+        lines.append(f"{arch},{kernel},{problem.kv_dtype},{problem.block_size},{problem.num_heads},"
+                     f"{problem.head_dim},{r},{c},{us},{measured},test")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("times, expected", [
+    (dict(rowwise=20.0, stacked=12.0), "stacked"),
+    (dict(rowwise=10.0, stacked=12.0), "rowwise"),
+    (dict(rowwise=12.0, stacked=12.0), "rowwise"),  # a tie keeps the table order
+])
+def test_decode_takes_the_kernel_measured_fastest_at_its_bucket(monkeypatch, rng, tmp_path, times, expected):
+    batch, hints = batch_for("decode", rng)
+    problem = describe_call(*batch.args(), **hints)
+    assert qsa_aiter.selected_kernel(*batch.args(), **hints) == "rowwise"  # no measurement: the table order
+    monkeypatch.setenv("QSA_AITER_TUNED_CONFIG", _timed_rows(tmp_path / "t.csv", problem, "cpu", times))
+    assert qsa_aiter.selected_kernel(*batch.args(), **hints) == expected
+    text = qsa_aiter.explain(*batch.args(), **hints)
+    ordered = sorted(times, key=lambda k: (times[k], k != "rowwise"))
+    assert ("chosen by measurement: " + " < ".join(f"{k} {times[k]:.2f} us" for k in ordered)) in text
+    other = ordered[1]
+    assert f"- {other}: serves, but {expected} measured faster" in text
+    check_call(batch.args(), **hints)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", ["other-bucket", "one-kernel", "not-measured", "other-arch", "switch-off", "forced"])
+def test_measurements_that_do_not_compare_leave_the_table_order(monkeypatch, rng, tmp_path, case):
+    batch, hints = batch_for("decode", rng)
+    problem = describe_call(*batch.args(), **hints)
+    times, kw = dict(rowwise=20.0, stacked=12.0), {}
+    if case == "other-bucket":  # stacked's only row is at 16x the rows: not the bucket rowwise was timed at
+        kw["buckets"] = dict(stacked=(problem.num_tokens * 16, problem.num_columns * problem.compress_ratio))
+    elif case == "one-kernel":
+        times = dict(stacked=12.0)
+    elif case == "not-measured":
+        kw["measured"] = 0
+    path = _timed_rows(tmp_path / "t.csv", problem, "sm_90" if case == "other-arch" else "cpu", times, **kw)
+    monkeypatch.setenv("QSA_AITER_TUNED_CONFIG", path)
+    if case == "switch-off":
+        monkeypatch.setenv("ATOM_QSA_STACKED_DECODE_SCORER", "0")
+    if case == "forced":
+        force_backend(monkeypatch, "rowwise")
+    assert qsa_aiter.selected_kernel(*batch.args(), **hints) == "rowwise"
+    text = qsa_aiter.explain(*batch.args(), **hints)
+    assert "chosen by measurement" not in text
+    assert ("chosen by table order" in text) != (case == "forced")
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4"])
+@pytest.mark.parametrize("page", [16, 64])
+def test_shipped_h200_rows_send_decode_to_the_stacked_scorer(kv, page):
+    """The shipped sm_90 rows time the row-wise and stacked scorers at the same decode buckets; the stacked one
+    measured faster at each, so decode there runs it."""
+    dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp4": torch.float4_e2m1fn_x2}[kv]
+    settings = qsa_aiter.settings.get_settings()
+    for rows, context in ((128, 100352), (64, 32768), (16, 100352), (1, 268288)):
+        problem = example_problem(kv_dtype=kv, cache_dtype=dtype, block_size=page, num_tokens=rows,
+                                  num_requests=rows, num_columns=context // 4, phase="decode", max_query_len=1)
+        chosen = registry.measured_choice(problem, ["rowwise", "stacked"], platform_module.Platform.named("sm_90"),
+                                          settings)
+        assert chosen is not None and chosen[0] == "stacked", (rows, context, chosen)
+        assert f"tuned rows at {rows} rows x {context} tokens, arch sm_90" in chosen[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Plain CPU without the interpreter: the torch candidate serves
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -97,7 +97,7 @@ class RowwiseSpec(ScorerSpec):
     ranks = {"prefill": 30, "verify": 30, "draft": 30, "decode": 20}
     universal = True
     tensor_cores = False
-    tune_points = (("128x1@98K", "decode"), ("64x1@32K", "decode"), ("1x1@262K", "decode"))
+    tune_points = (("128x1@98K", "decode"), ("64x1@32K", "decode"), ("16x1@98K", "decode"), ("1x1@262K", "decode"))
     tune_grid = dict(block_n=(64, 128), d_chunk=(32, 64, 128), num_stages=(1, 2), programs_per_sm=(4, 8, 16))
 
     def default_config(self, problem, platform) -> RowwiseConfig:

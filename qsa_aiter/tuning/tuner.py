@@ -227,14 +227,18 @@ def tuned_row(result: SweepResult, arch: str) -> dict:
 
 def merge_rows(path: Path, rows: list[dict]) -> None:
     """Write ``rows`` into the table at ``path``: a row with the same key and buckets as an existing one replaces
-    it, the others are appended; the file is written whole (header, then rows)."""
+    it, the others are appended; the file is written whole (header, then rows; the file's column order is kept, with
+    the columns it lacked that ``rows`` fill after them), so a re-tune changes only the rows it measured."""
     from ..tuning import table as tuned
 
     fields = list(tuned.TunedRow.model_fields)
     existing = []
     if path.exists():
         with open(path, newline="") as handle:
-            existing = [{k: v for k, v in r.items() if k in fields} for r in csv.DictReader(handle)]
+            reader = csv.DictReader(handle)
+            existing = [{k: v for k, v in r.items() if k in fields} for r in reader]
+            header = [k for k in reader.fieldnames or () if k in fields]
+        fields = header + [k for k in fields if k not in header and any(r.get(k) not in (None, "") for r in rows)]
 
     def key(r: dict) -> tuple:
         return tuple(str(r.get(k, "")) for k in tuned.KEY_FIELDS + tuned.BUCKET_FIELDS)

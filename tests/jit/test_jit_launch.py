@@ -159,7 +159,7 @@ GPU_MATRIX = ["--caches", "bf16,fp8_e4m3fn", "--page-sizes", "64"]
 # expansion) and runs block top-k and expansion alone, for 1, 9 and 16 requests; counts Triton compiles (cache hits
 # included) and new files in the JIT and Triton cache directories.
 _FRESH = r"""
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
 import torch
 from triton import knobs
@@ -204,6 +204,12 @@ for cache in ("16bit", "fp8"):
             groups = timed(f"topk {requests}", lambda: qsa_aiter.qsa_block_topk(lg, vis, 512))
             timed(f"expand {requests}", lambda: qsa_aiter.qsa_expand_block_indices(
                 groups, sel.query_positions, sel.context_lens, sel.token_to_request, 4, 2048))
+# Where measurements send decode to the stacked scorer, the row-wise one still serves with the switch off.
+os.environ["ATOM_QSA_STACKED_DECODE_SCORER"] = "0"
+for cache in ("16bit", "fp8"):
+    batch = make_batch([8192], 1, page_size=64, cache=cache, device="cuda")
+    timed(f"score {cache} decode, stacked off", lambda: qsa_aiter.qsa_paged_mqa_logits(
+        *batch.args(), **batch.kwargs(), phase="decode", max_query_len=1))
 kernels = {}
 for name in w.KERNELS:
     fn = catalog.spec_named(name).fn
