@@ -93,15 +93,21 @@ def compile_cache_writer(kind: str, target: str, head_dim: int = 128):
     return compile_plan(catalog.spec_named("cache_writer"), WriterProblem(4, kind, head_dim), target)
 
 
+#: The selection kernels ``compile_selection_kernel`` builds.
+SELECTION_KERNELS = ("topk", "block_maxima", "expand")
+
+
 def compile_selection_kernel(kernel: str, target: str, block_topk: int = 512, compress_ratio: int = 4,
-                             index_dtype: str = "i32"):
+                             index_dtype: str = "i32", with_maxima: bool = False):
     """Compile a selection kernel (``topk``: block top-k over fp32 logits, the expansion fused as the selection op
-    launches it; ``expand``: groups to tokens) for ``target`` with the model's budget (``block_topk`` groups of
+    launches it, ``with_maxima`` reading column-block maxima as it does for long rows; ``block_maxima``: those
+    maxima; ``expand``: groups to tokens) for ``target`` with the model's budget (``block_topk`` groups of
     ``compress_ratio`` tokens)."""
-    if kernel not in ("topk", "expand"):
-        raise ValueError(f"kernel must be topk or expand; got {kernel!r}")
+    if kernel not in SELECTION_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(SELECTION_KERNELS)}; got {kernel!r}")
     _check_target(target, "compile_selection_kernel")
     requests = 9
-    problem = SelectionProblem(requests, 32768 if kernel == "topk" else 0, block_topk, compress_ratio,
-                               block_topk * compress_ratio, kernel == "topk", requests)
+    columns = {"topk": 65536 if with_maxima else 32768, "block_maxima": 65536, "expand": 0}[kernel]
+    problem = SelectionProblem(requests, columns, block_topk, compress_ratio, block_topk * compress_ratio,
+                               kernel == "topk", requests, with_maxima and kernel == "topk")
     return compile_plan(catalog.spec_named(kernel), problem, target, index_dtype)

@@ -67,6 +67,10 @@ _ROWS_PER_REQUEST = {"verify": 4, "draft": 1, "decode": 1, "prefill": None}
 REQUEST_COUNTS = (1, 9, 16)
 #: Logits width of the selection kernels' example launches (a multiple of 16, like the engine's).
 _LOGITS_WIDTH = 1024
+#: Long rows (top-k through column-block maxima): 268288-token contexts, the benchmark's 262K points. The variants
+#: built for it serve every width in (65536, 131072] that is a multiple of 4 (the maxima's register length is fixed
+#: by the next power of two of the block count).
+_LONG_LOGITS_WIDTH = 67072
 
 
 @dataclass(frozen=True)
@@ -154,10 +158,13 @@ class WarmContext:
                     if not candidate.reasons(work, self.platform, self.settings):
                         yield f"{spec.name} {cache_name} page {page} ({phase} {requests}x{rows})", work
 
-    def selection_problem(self, requests: int, fused: bool) -> SelectionProblem:
-        """The model's selection budget on ``requests`` rows of ``_LOGITS_WIDTH`` logits."""
+    def selection_problem(self, requests: int, fused: bool, with_maxima: bool = False) -> SelectionProblem:
+        """The model's selection budget on ``requests`` rows of ``_LOGITS_WIDTH`` logits (``_LONG_LOGITS_WIDTH``
+        ``with_maxima``: the long rows that take the column-block maxima)."""
         ratio, token_topk = MODEL["compress_ratio"], MODEL["token_topk"]
-        return SelectionProblem(requests, _LOGITS_WIDTH, token_topk // ratio, ratio, token_topk, fused, requests)
+        width = _LONG_LOGITS_WIDTH if with_maxima else _LOGITS_WIDTH
+        return SelectionProblem(requests, width, token_topk // ratio, ratio, token_topk, fused, requests,
+                                with_maxima)
 
     def writer_kinds(self):
         """``(cache name, keys dtype, writer kind)`` of the matrix's caches."""

@@ -1,6 +1,6 @@
 """Selection: the block top-k over scored groups, their expansion to token indices, and the whole indexer step
 (``qsa_select_paged_tokens``: score, top-k, expand). ``SPECS`` lists the selection kernels."""
 
-from . import expand, topk
+from . import expand, maxima, topk
 
-SPECS = (topk.SPEC, expand.SPEC)
+SPECS = (topk.SPEC, maxima.SPEC, expand.SPEC)

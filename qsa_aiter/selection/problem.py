@@ -13,7 +13,7 @@ class SelectionProblem:
     """A top-k or expansion launch: ``rows`` rows of fp32 logits ``columns`` wide (0: no logits, the expansion
     alone), ``block_topk`` groups per row, each of ``compress_ratio`` tokens, ``token_topk`` token slots;
     ``fused``: the top-k expands its groups in the same launch; ``num_requests``: the request count (Triton
-    specialises it by value)."""
+    specialises it by value); ``with_maxima``: the top-k reads the rows' column-block maxima."""
 
     rows: int
     columns: int
@@ -22,6 +22,7 @@ class SelectionProblem:
     token_topk: int = 0
     fused: bool = False
     num_requests: int = 0
+    with_maxima: bool = False
 
 
 def example_inputs(problem: SelectionProblem, index_dtype: torch.dtype, device) -> SimpleNamespace:

@@ -16,6 +16,12 @@ exact is done:
    key and how many columns equal to it still belong to the top K; a prefix sum over the candidates, still in
    column order, writes the columns above it and the first ones equal to it.
 
+**Long rows through column-block maxima** (``MAXIMA_BLOCK > 0``: few rows of at least ``MAXIMA_MIN_COLUMNS``, where
+one program per row reads at the bandwidth of one multiprocessor): ``maxima.launch`` first writes each row's
+column-block maxima with several programs per row, and steps 1-2 become ``block_candidates``: the floor is the top
+16 bits of the K-th largest block maximum (at least ``FLOOR_BLOCKS * K`` blocks), and only the blocks whose maximum
+reaches it are read. Shorter rows of the same launch take steps 1-2 as above.
+
 Rows of at most ``CAPACITY`` columns skip steps 1-2 (the whole row is the candidate set). When more than
 ``CAPACITY`` columns reach the floor (heavy ties, a constant row, rows ordered against the lanes) the same exact
 select runs over the whole row in chunks instead: the result is identical, only slower. Nothing is sorted; the
@@ -35,8 +41,13 @@ import triton.language as tl
 
 from ..platform import Platform
 from ..spec import KernelSpec, is_pow2, next_pow2
-from . import expand
+from . import expand, maxima
 from .problem import SelectionProblem, example_inputs
+
+
+#: Rows with at least this many times K column blocks take their floor from the block maxima (fewer blocks would let
+#: too many reach it); shorter rows use the lane maxima.
+FLOOR_BLOCKS = tl.constexpr(2)
 
 
 @triton.jit
@@ -195,12 +206,52 @@ def collect_candidates(src, n, n_vec, floor, buf_row, CAPACITY: tl.constexpr, SC
     return kept
 
 
+@triton.jit
+def block_candidates(src, n, max_row, buf_row, k, B: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+                     CAPACITY: tl.constexpr, GATHER: tl.constexpr):
+    """The candidates of a row from its column-block maxima (``maxima.py``; ``B`` columns a block, at least ``k``
+    blocks): the floor is the top 16 bits of the ``k``-th largest maximum; the blocks whose
+    maximum reaches it are listed (in ``buf_row[CAPACITY:]``) and only they are read, ``GATHER`` blocks a step, their
+    columns at or above the floor written in column order to ``buf_row[0:CAPACITY]``. Returns how many there are
+    (more than ``CAPACITY``: too many to hold; the caller selects over the whole row)."""
+    b = tl.arange(0, MAX_BLOCKS)
+    blocks = tl.cdiv(n, B)
+    maxima = tl.load(max_row + b, mask=b < blocks, other=float("-inf"))
+    floor = _key_to_float(_kth_key(_order_key(maxima), b < blocks, k, 4)[0])
+    reach = ((b < blocks) & (maxima >= floor)).to(tl.int32)
+    reaching = tl.sum(reach, axis=0)
+    slot = tl.cumsum(reach, axis=0) - reach
+    # A reaching block holds at least one candidate: more blocks than the capacity means too many candidates.
+    block_list = buf_row + CAPACITY
+    tl.store(block_list + slot, b, mask=(reach > 0) & (slot < CAPACITY))
+    tl.debug_barrier()  # the list is read back by other threads
+    kept = tl.zeros((), tl.int32)
+    if reaching > CAPACITY:
+        kept = reaching
+    else:
+        step = tl.arange(0, GATHER)
+        within = tl.arange(0, B)
+        for start in range(0, reaching, GATHER):
+            listed = start + step < reaching
+            blk = tl.load(block_list + start + step, mask=listed, other=0)
+            cols = blk[:, None] * B + within[None, :]
+            x = tl.load(src + cols, mask=listed[:, None] & (cols < n), other=float("-inf"))
+            keep = (listed[:, None] & (cols < n) & (x >= floor)).to(tl.int32)
+            per_block = tl.sum(keep, axis=1)
+            block_first = kept + tl.cumsum(per_block, axis=0) - per_block
+            at = block_first[:, None] + tl.cumsum(keep, axis=1) - keep
+            tl.store(buf_row + at, cols, mask=(keep > 0) & (at < CAPACITY))
+            kept += tl.sum(per_block, axis=0)
+    return kept
+
+
 @triton.jit(do_not_specialize=["num_columns"])
 def _block_topk_kernel(
-    logits_ptr, vis_ptr, out_ptr, buf_ptr, pos_ptr, ctx_ptr, t2r_ptr, tok_ptr,
-    logits_stride, out_stride, buf_stride, num_requests, tok_stride, num_columns,
+    logits_ptr, vis_ptr, out_ptr, buf_ptr, max_ptr, pos_ptr, ctx_ptr, t2r_ptr, tok_ptr,
+    logits_stride, out_stride, buf_stride, max_stride, num_requests, tok_stride, num_columns,
     K: tl.constexpr, BLOCK_K: tl.constexpr, CAPACITY: tl.constexpr, TILE: tl.constexpr, SCAN: tl.constexpr,
     CHUNK: tl.constexpr, PAST_END_OK: tl.constexpr,
+    MAXIMA_BLOCK: tl.constexpr, MAX_BLOCKS: tl.constexpr, GATHER: tl.constexpr,
     EXPAND: tl.constexpr, RATIO: tl.constexpr, BLOCK_R: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -217,12 +268,17 @@ def _block_topk_kernel(
         if n <= CAPACITY:
             _select_row(src, lanes, lanes < n, K, out_row)
         else:
-            n_vec = vector_end(n, PAST_END_OK)
-            # 1. The floor: top 16 bits of the K-th largest of the lane maxima (at least K columns reach it).
-            floor = lane_floor(lane_maxima(src, n, n_vec, CAPACITY, TILE), n, K, CAPACITY)
-            # 2. The columns at or above the floor, in column order, into the row's candidate buffer.
             buf_row = buf_ptr + row.to(tl.int64) * buf_stride
-            kept = collect_candidates(src, n, n_vec, floor, buf_row, CAPACITY, SCAN)
+            if (MAXIMA_BLOCK > 0) and (n >= FLOOR_BLOCKS * K * MAXIMA_BLOCK):
+                # 1-2 from the column-block maxima: only the blocks reaching their floor are read.
+                kept = block_candidates(src, n, max_ptr + row.to(tl.int64) * max_stride, buf_row, K, MAXIMA_BLOCK,
+                                        MAX_BLOCKS, CAPACITY, GATHER)
+            else:
+                n_vec = vector_end(n, PAST_END_OK)
+                # 1. The floor: top 16 bits of the K-th largest of the lane maxima (at least K columns reach it).
+                floor = lane_floor(lane_maxima(src, n, n_vec, CAPACITY, TILE), n, K, CAPACITY)
+                # 2. The columns at or above the floor, in column order, into the row's candidate buffer.
+                kept = collect_candidates(src, n, n_vec, floor, buf_row, CAPACITY, SCAN)
             # The candidates are read back by other threads of the program: make their stores visible first.
             tl.debug_barrier()
             if kept <= CAPACITY:
@@ -243,12 +299,13 @@ class TopkConfig:
     tile: int = 8192  # columns per step of the lane-maxima pass (raised to the capacity if below it)
     scan: int = 4096  # columns per step of the candidate pass
     chunk: int = 2048  # columns per step of the whole-row fallback
+    gather: int = 2048  # columns per step of the reaching-block reads (with maxima)
     num_warps: int = 8
 
     def __post_init__(self):
         if self.capacity_factor < 2:
             raise ValueError(f"capacity_factor must be >= 2 (the lanes must outnumber K); got {self.capacity_factor}")
-        for name in ("tile", "scan", "chunk"):
+        for name in ("tile", "scan", "chunk", "gather"):
             if not is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of two; got {getattr(self, name)}")
 
@@ -258,14 +315,24 @@ def capacity(block_topk: int, cfg: TopkConfig) -> int:
     return max(16, next_pow2(cfg.capacity_factor * block_topk))
 
 
-def constexprs(block_topk: int, cfg: TopkConfig, expansion: dict | None = None, columns: int = 0) -> dict:
+def constexprs(block_topk: int, cfg: TopkConfig, expansion: dict | None = None, columns: int = 0,
+               with_maxima: bool = False) -> dict:
     """The kernel's specialisation for ``block_topk`` groups per row under ``cfg``, for logits ``columns`` wide;
-    ``expansion`` (``expand.constexprs``) fuses the expansion into the kernel."""
+    ``expansion`` (``expand.constexprs``) fuses the expansion into the kernel; ``with_maxima``: the launch passes
+    the rows' column-block maxima (``maxima.py``)."""
     cap = capacity(block_topk, cfg)
     fused = expansion or dict(RATIO=1, BLOCK_R=1, WIDTH=1, BLOCK_W=1)
+    block = maxima.maxima_block(columns, block_topk) if with_maxima else 0
     return dict(K=block_topk, BLOCK_K=next_pow2(block_topk), CAPACITY=cap, TILE=max(cfg.tile, cap), SCAN=cfg.scan,
-                CHUNK=cfg.chunk, PAST_END_OK=columns % 4 == 0, EXPAND=expansion is not None, RATIO=fused["RATIO"],
-                BLOCK_R=fused["BLOCK_R"], WIDTH=fused["WIDTH"], BLOCK_W=fused["BLOCK_W"])
+                CHUNK=cfg.chunk, PAST_END_OK=columns % 4 == 0, MAXIMA_BLOCK=block,
+                MAX_BLOCKS=maxima.register_blocks(columns, block_topk) if with_maxima else 1,
+                GATHER=max(1, cfg.gather // block) if with_maxima else 1, EXPAND=expansion is not None,
+                RATIO=fused["RATIO"], BLOCK_R=fused["BLOCK_R"], WIDTH=fused["WIDTH"], BLOCK_W=fused["BLOCK_W"])
+
+
+def buffer_width(block_topk: int, cfg: TopkConfig, with_maxima: bool) -> int:
+    """Per-row scratch of a launch: the candidates, and with maxima the list of reaching blocks after them."""
+    return capacity(block_topk, cfg) * (2 if with_maxima else 1)
 
 
 class TopkSpec(KernelSpec):
@@ -281,33 +348,63 @@ class TopkSpec(KernelSpec):
     def constexprs(self, problem: SelectionProblem, platform, cfg: TopkConfig) -> dict:
         fused = (expand.constexprs(problem.compress_ratio, problem.block_topk, problem.token_topk)
                  if problem.fused else None)
-        return constexprs(problem.block_topk, cfg, fused, problem.columns)
+        return constexprs(problem.block_topk, cfg, fused, problem.columns, problem.with_maxima)
 
     def grid(self, problem: SelectionProblem, platform, cfg) -> tuple[int]:
         return (problem.rows,)
 
     def example_args(self, problem: SelectionProblem, index_dtype, device) -> tuple:
         x = example_inputs(problem, index_dtype, device)
-        buf = torch.empty((problem.rows, capacity(problem.block_topk, TopkConfig())), dtype=torch.int32, device=device)
+        buf = torch.empty((problem.rows, buffer_width(problem.block_topk, TopkConfig(), problem.with_maxima)),
+                          dtype=torch.int32, device=device)
+        block_max = (torch.empty(maxima.maxima_shape(problem.rows, problem.columns, problem.block_topk),
+                                 dtype=torch.float32, device=device) if problem.with_maxima else x.logits)
         if not problem.fused:  # unread: EXPAND is off
-            return (x.logits, x.visible, x.groups, buf, x.visible, x.visible, x.visible, x.visible, x.logits.stride(0),
-                    x.groups.stride(0), buf.stride(0), 0, 0, x.logits.shape[1])
-        return (x.logits, x.visible, x.groups, buf, x.positions, x.contexts, x.t2r, x.tokens, x.logits.stride(0),
-                x.groups.stride(0), buf.stride(0), problem.num_requests, x.tokens.stride(0), x.logits.shape[1])
+            return (x.logits, x.visible, x.groups, buf, block_max, x.visible, x.visible, x.visible, x.visible,
+                    x.logits.stride(0), x.groups.stride(0), buf.stride(0), block_max.stride(0), 0, 0,
+                    x.logits.shape[1])
+        return (x.logits, x.visible, x.groups, buf, block_max, x.positions, x.contexts, x.t2r, x.tokens,
+                x.logits.stride(0), x.groups.stride(0), buf.stride(0), block_max.stride(0), problem.num_requests,
+                x.tokens.stride(0), x.logits.shape[1])
 
     def warm_problems(self, context):
         yield "topk", context.selection_problem(2, fused=False)
+        yield "topk, long rows", context.selection_problem(2, fused=False, with_maxima=True)
         for requests in context.request_counts:  # as the selection op launches it: the expansion fused
             yield f"topk+expand {requests} requests", context.selection_problem(requests, fused=True)
+            yield (f"topk+expand {requests} requests, long rows",
+                   context.selection_problem(requests, fused=True, with_maxima=True))
 
 
 SPEC = TopkSpec()
 
 
+#: Logits at least this wide take the column-block maxima (``maxima.py``) when their rows leave multiprocessors idle.
+MAXIMA_MIN_COLUMNS = 65536
+
+
+def maxima_reason(rows: int, columns: int, platform: Platform) -> str | None:
+    """Why the top-k of ``rows`` rows of logits ``columns`` wide reads each row itself (one program per row: the lane
+    maxima, then the candidate pass) instead of first computing the rows' column-block maxima with several programs
+    per row (``maxima.launch``) and reading only the blocks that reach the floor; None when it takes the maxima.
+    The maxima pay for their extra launch only on rows long enough that one program's two passes dominate
+    (docs/selection.md)."""
+    if columns < MAXIMA_MIN_COLUMNS:
+        return f"rows of {columns} columns are read by their own program (block maxima from {MAXIMA_MIN_COLUMNS})"
+    if platform.multiprocessors and rows > platform.multiprocessors:
+        return f"{rows} rows already give each of the {platform.multiprocessors} multiprocessors a program"
+    return None
+
+
 def launch(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
-           cfg: TopkConfig | None = None, expand_into: tuple | None = None) -> None:
+           cfg: TopkConfig | None = None, expand_into: tuple | None = None,
+           block_maxima: torch.Tensor | None = None) -> None:
     """Fill ``out`` (int32 ``[tokens, block_topk]``, last dim contiguous) from fp32 ``logits`` ``[tokens, columns]``
     (last dim contiguous) and int32 ``visible`` ``[tokens]`` (read clamped to ``[0, columns]``).
+
+    ``block_maxima``: the rows' column-block maxima (fp32 ``maxima.maxima_shape(tokens, columns, block_topk)``, from
+    ``maxima.launch`` on these logits and visible counts): long rows then read only the blocks that reach their
+    floor. Without them, the launch computes them first where ``maxima_reason`` gives no reason not to.
 
     ``expand_into = (query_positions, context_lens, token_to_request, tokens_out, compress_ratio, token_topk)`` also
     writes each row's token indices (``qsa_expand_block_indices`` of ``out``) into ``tokens_out`` (int32
@@ -321,9 +418,17 @@ def launch(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block
     else:
         pos, ctx, t2r, tok, ratio, token_topk = expand_into
         num_requests, tok_stride = ctx.shape[0], tok.stride(0)
+    platform = Platform.of(logits.device)
+    if block_maxima is None and maxima_reason(tokens, logits.shape[1], platform) is None:
+        block_maxima = torch.empty(maxima.maxima_shape(tokens, logits.shape[1], block_topk), dtype=torch.float32,
+                                   device=logits.device)
+        maxima.launch(logits, visible, block_maxima, block_topk)
+    with_maxima = block_maxima is not None
     problem = SelectionProblem(tokens, logits.shape[1], block_topk, ratio, token_topk, expand_into is not None,
-                               num_requests)
-    plan = SPEC.plan(problem, Platform.of(logits.device), config=cfg)
-    candidates = torch.empty((tokens, capacity(block_topk, plan.config)), dtype=torch.int32, device=logits.device)
-    plan.launch(logits, visible, out, candidates, pos, ctx, t2r, tok, logits.stride(0), out.stride(0),
-                candidates.stride(0), num_requests, tok_stride, logits.shape[1])
+                               num_requests, with_maxima)
+    plan = SPEC.plan(problem, platform, config=cfg)
+    candidates = torch.empty((tokens, buffer_width(block_topk, plan.config, with_maxima)), dtype=torch.int32,
+                             device=logits.device)
+    block_max = block_maxima if with_maxima else logits  # unread without maxima
+    plan.launch(logits, visible, out, candidates, block_max, pos, ctx, t2r, tok, logits.stride(0), out.stride(0),
+                candidates.stride(0), block_max.stride(0), num_requests, tok_stride, logits.shape[1])

@@ -92,14 +92,15 @@ for variant, (overrides, index_dtype, targets) in json.loads(sys.argv[4]).items(
                 "decoder_marks": [m for m in marks if m in text],
                 "e4m3_mma": ".e4m3.e4m3" in text,
             }
-for kernel in ("topk", "expand"):
+for label, kernel, with_maxima in (("topk", "topk", False), ("topk+maxima", "topk", True),
+                                   ("block_maxima", "block_maxima", False), ("expand", "expand", False)):
     for target in TARGETS:
         try:
-            asm = compile_selection_kernel(kernel, target).asm
-            results[f"selection/{kernel}/{target}"] = {"keys": sorted(asm),
+            asm = compile_selection_kernel(kernel, target, with_maxima=with_maxima).asm
+            results[f"selection/{label}/{target}"] = {"keys": sorted(asm),
                                                       "binary_bytes": len(asm.get("cubin") or asm.get("hsaco") or b"")}
         except Exception as err:
-            results[f"selection/{kernel}/{target}"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+            results[f"selection/{label}/{target}"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
 print("AOT-RESULTS " + json.dumps(results))
 """
 
@@ -181,7 +182,7 @@ def test_decoding_builds_with_the_mma_switch_off(compiled, kernel, target, varia
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("kernel", ["topk", "expand"])
+@pytest.mark.parametrize("kernel", ["topk", "topk+maxima", "block_maxima", "expand"])
 def test_selection_kernels_compile_for_target(compiled, kernel, target):
     result = compiled[f"selection/{kernel}/{target}"]
     assert "error" not in result, result.get("error")

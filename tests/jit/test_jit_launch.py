@@ -204,6 +204,10 @@ for cache in ("16bit", "fp8"):
             groups = timed(f"topk {requests}", lambda: qsa_aiter.qsa_block_topk(lg, vis, 512))
             timed(f"expand {requests}", lambda: qsa_aiter.qsa_expand_block_indices(
                 groups, sel.query_positions, sel.context_lens, sel.token_to_request, 4, 2048))
+# Long rows: the top-k through the column-block maxima.
+long_logits = torch.randn(2, 70000, device="cuda")
+long_visible = torch.tensor([70000, 69000], dtype=torch.int32, device="cuda")
+timed("topk long rows", lambda: qsa_aiter.qsa_block_topk(long_logits, long_visible, 512))
 # Where measurements send decode to the stacked scorer, the row-wise one still serves with the switch off.
 os.environ["ATOM_QSA_STACKED_DECODE_SCORER"] = "0"
 for cache in ("16bit", "fp8"):

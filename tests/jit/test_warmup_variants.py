@@ -55,12 +55,13 @@ def test_the_matrix_covers_every_kernel_cache_page_and_index_dtype(matrix_varian
     for arch, variants in matrix_variants.items():
         kinds = collections.Counter(v["kernel"] for v in variants)
         # scorers: 5 cache dtypes x 2 page sizes x 2 index dtypes, at least one config each; the writer: 5 x 2;
-        # top-k: alone (no index tensors: one variant), and fused with the expansion for 3 request-count kinds x 2;
-        # the expansion: 3 x 2. Tuned rows add their buckets' configs (sm_90 has rows for every scorer).
+        # top-k: alone (no index tensors: one variant) and fused with the expansion for 3 request-count kinds x 2,
+        # each for short rows and for long rows through the block maxima; the block maxima: one; the expansion:
+        # 3 x 2. Tuned rows add their buckets' configs (sm_90 has rows for every scorer).
         assert kinds["rowwise"] >= 20 and kinds["tiled"] >= 20 and kinds["stacked"] >= 20
         if arch == "gfx950":  # rows for the stacked scorer only
             assert kinds["rowwise"] == kinds["tiled"] == 20
-        assert (kinds["cache_writer"], kinds["topk"], kinds["expand"]) == (10, 7, 6)
+        assert (kinds["cache_writer"], kinds["topk"], kinds["block_maxima"], kinds["expand"]) == (10, 14, 1, 6)
         for kernel in SCORERS:
             mine = [v for v in variants if v["kernel"] == kernel]
             assert {v["constexprs"]["KV_KIND"] for v in mine} == {"0", "1", "2", "3"}
@@ -140,12 +141,20 @@ def test_the_public_ops_launch_only_warmed_variants(arch, monkeypatch):
             for phase, (requests, rows) in phases.items():
                 batch = make_batch([8192] * requests, rows, page_size=page_size, cache=cache, generator=gen)
                 qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **batch.kwargs(), phase=phase, max_query_len=rows)
+    # Where measurements send decode to the stacked scorer, the row-wise one serves with the switch off.
+    monkeypatch.setenv("ATOM_QSA_STACKED_DECODE_SCORER", "0")
+    for cache in ("16bit", "fp8"):
+        batch = make_batch([8192], 1, page_size=64, cache=cache, generator=gen)
+        qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **batch.kwargs(), phase="decode", max_query_len=1)
+    monkeypatch.delenv("ATOM_QSA_STACKED_DECODE_SCORER")
     for requests in warmup.REQUEST_COUNTS:
-        sel = make_batch([8192] * requests, 1, page_size=64, generator=gen)
-        qsa_aiter.qsa_select_paged_tokens(*sel.args()[:6], 2048, 4, phase="draft")
-        logits = torch.randn(requests, 1024, generator=gen)
-        visible = torch.full((requests,), 1024, dtype=torch.int32)
-        groups = qsa_aiter.qsa_block_topk(logits, visible, 512)
+        for context in (8192, 280000):  # the second: long rows, through the block maxima
+            sel = make_batch([context] * requests, 1, page_size=64, generator=gen)
+            qsa_aiter.qsa_select_paged_tokens(*sel.args()[:6], 2048, 4, phase="draft")
+        for width in (1024, 70000):
+            logits = torch.zeros(requests, width)
+            visible = torch.full((requests,), width, dtype=torch.int32)
+            groups = qsa_aiter.qsa_block_topk(logits, visible, 512)
         qsa_aiter.qsa_expand_block_indices(groups, sel.query_positions, sel.context_lens, sel.token_to_request, 4,
                                            2048)
     for name, (q_dtype, cache_dtype, kv, _) in warmup.CACHES.items():
