@@ -3,11 +3,11 @@
 The candidates are the scoring kernels' specs (``scoring.SPECS``), the ROCm libraries' scorers and the torch
 reference; each declares its rank per phase, and the table orders them by it. Each candidate answers "do you serve
 this problem?" with a list of human-readable reasons (empty = serves). ``select`` takes, among the serving kernels
-of this project, the one the tuned tables measured fastest at the problem's shape bucket on this arch (``measured``:
-only kernels measured at the same bucket are compared), and otherwise the first serving candidate in the order; it
-returns a ``Decision`` that records the rule and why every other candidate was passed over; ``explain`` prints it
-with the chosen kernel's ``LaunchPlan``. A forced backend (``QSA_AITER_BACKEND``) goes through
-the same reasons. A candidate that raises while compiling or launching is marked broken for the problem's
+of this project, the one the tuned tables measured fastest at the problem's shape bucket on this arch
+(``measured_choice``: only kernels measured at the same bucket are compared), and otherwise the first serving
+candidate in the order; it returns a ``Decision`` that records the rule and why every other candidate was passed
+over; ``explain`` prints it with the chosen kernel's ``LaunchPlan``. A forced backend (``QSA_AITER_BACKEND``) goes
+through the same reasons. A candidate that raises while compiling or launching is marked broken for the problem's
 specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` raises); a configuration error
 (``settings.ConfigurationError``: a bad variable or tuned-config file) is always raised.
 """
