@@ -1,6 +1,8 @@
 """Selection beside scoring alone, and the Triton block top-k beside ``torch.topk`` plus a sort, on a GPU.
 
-    python benchmarks/selection.py [--points 9x4,64x4@98K,128x1@98K] [--page 64] [--kv bf16] [--replays 30]
+    python benchmarks/selection.py [--points 9x4@64K-128K,4x4@262K,...] [--page 64] [--kv bf16] [--replays 30]
+
+The default points are those of the selection targets (docs/selection.md).
 
 Each call is timed with the benchmark's CUDA-graph replay (``qsa_aiter.tools.bench.time_graph``: compilation before the
 capture, median over ``--replays``). Scoring reads the keys from HBM (the caches are larger than L2); the top-k
@@ -28,7 +30,8 @@ def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default="9x4@64K-128K,64x4@98K,128x1@98K")
+    ap.add_argument("--points", default="9x4@64K-128K,4x4@262K,1x1@262K,64x4@98K,128x1@98K,prefill 4096@32K,"
+                                        "prefill 16K@96K")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--kv", default="bf16", choices=sorted(KV_CACHES))
     ap.add_argument("--replays", type=int, default=30)
@@ -36,7 +39,7 @@ def main() -> None:
     wanted = a.points.split(",")
     print("point,kv,page,scoring_us,selection_us,selection_over_scoring,triton_topk_us,torch_topk_sort_us,"
           "topk_speedup")
-    for point in work_points(quick=True):
+    for point in work_points():
         if point.name not in wanted:
             continue
         inputs = selection_inputs(point, a.page, a.kv)
