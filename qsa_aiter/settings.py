@@ -143,13 +143,28 @@ ENV_ALIASES = {choice: field.alias for field in QsaSettings.model_fields.values(
 #: Every variable read: the fields' names and their aliases.
 ENV_VARIABLES = ENV_NAMES + tuple(ENV_ALIASES)
 
-_cache: tuple[tuple[str | None, ...], QsaSettings] | None = None
+_cache: tuple[tuple, QsaSettings] | None = None
+
+
+def _environment_snapshot():
+    """A function returning the variables' current raw values, as cheaply as this platform allows: ``os.environ``
+    keeps them in a plain dict of encoded keys (``_data``, updated by every ``os.environ`` write, ``setenv`` and
+    ``patch.dict`` included), read directly where it exists, since ``os.environ.get`` encodes and decodes every
+    name on every call and the ops read the settings on every call."""
+    data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if isinstance(data, dict) and callable(encode):
+        keys = tuple(encode(name) for name in ENV_VARIABLES)
+        return lambda: tuple(map(data.get, keys))
+    return lambda: tuple(map(os.environ.get, ENV_VARIABLES))
+
+
+_snapshot = _environment_snapshot()
 
 
 def get_settings() -> QsaSettings:
     """The current settings; re-parsed only when one of the variables changed (a dict lookup per variable)."""
     global _cache
-    snapshot = tuple(os.environ.get(name) for name in ENV_VARIABLES)
+    snapshot = _snapshot()
     if _cache is not None and _cache[0] == snapshot:
         return _cache[1]
     _check_aliases()

@@ -111,6 +111,46 @@ def test_reparsed_when_the_environment_changes(monkeypatch):
     assert get_settings().strict is False
 
 
+@pytest.mark.parametrize("how", ["os.environ", "patch.dict", "clear", "alias"])
+def test_every_way_of_changing_the_environment_is_seen(monkeypatch, how):
+    """The snapshot reads ``os.environ``'s own storage: writes through ``os.environ`` of every kind reach it."""
+    import os
+    from unittest import mock
+
+    monkeypatch.delenv("QSA_AITER_STRICT", raising=False)
+    assert get_settings().strict is False
+    if how == "os.environ":
+        os.environ["QSA_AITER_STRICT"] = "1"
+        try:
+            assert get_settings().strict is True
+        finally:
+            del os.environ["QSA_AITER_STRICT"]
+    elif how == "patch.dict":
+        with mock.patch.dict(os.environ, {"QSA_AITER_STRICT": "1"}):
+            assert get_settings().strict is True
+    elif how == "clear":
+        monkeypatch.setenv("QSA_AITER_STRICT", "1")
+        assert get_settings().strict is True
+        with mock.patch.dict(os.environ, {}, clear=True):
+            assert get_settings().strict is False
+    else:
+        (alias, name), = settings.ENV_ALIASES.items()  # the second name of a variable is watched too
+        field = next(f for f, info in settings.QsaSettings.model_fields.items() if info.alias == name)
+        before = getattr(get_settings(), field)
+        with mock.patch.dict(os.environ, {alias: "0" if before else "1"}):
+            assert getattr(get_settings(), field) is not before
+    assert get_settings().strict is (how == "clear")
+
+
+def test_the_snapshot_falls_back_to_environ_get_without_its_storage(monkeypatch):
+    class Plain(dict):  # an environ without ``_data`` and ``encodekey``
+        pass
+
+    monkeypatch.setattr(settings.os, "environ", Plain(QSA_AITER_STRICT="1"))
+    snapshot = settings._environment_snapshot()
+    assert snapshot()[settings.ENV_VARIABLES.index("QSA_AITER_STRICT")] == "1"
+
+
 def test_unrelated_variables_are_ignored(monkeypatch):
     monkeypatch.setenv("QSA_AITER_SOMETHING_ELSE", "x")
     monkeypatch.setenv("stacked_decode_scorer", "0")  # field names are not variable names
