@@ -73,15 +73,27 @@ def qsa_paged_mqa_logits(
                                 max_query_len, settings)
     logits = out if out is not None else torch.empty((problem.num_tokens, problem.num_columns), dtype=torch.float32,
                                                      device=q.device)
-    visible = torch.empty((problem.num_tokens,), dtype=torch.int32, device=q.device)
     if row_starts is not None:
         row_starts.zero_()
+    visible = score_validated(problem, divisor, q, compressed_k_cache, page_table, token_to_request, query_positions,
+                              context_lens, k_scale, logits, settings)
+    return logits, visible
+
+
+def score_validated(problem: ScoreProblem, divisor: float, q, compressed_k_cache, page_table, token_to_request,
+                    query_positions, context_lens, k_scale, logits: torch.Tensor, settings) -> torch.Tensor:
+    """Score a call that ``problem`` describes and whose arguments were validated into it (``describe_call``, with
+    ``q``, ``token_to_request`` and ``query_positions`` possibly narrowed to the first ``problem.num_tokens`` rows of
+    the validated ones): the logits go into ``logits`` (fp32 ``[problem.num_tokens, problem.num_columns]``, last dim
+    contiguous); returns the int32 visible counts ``[problem.num_tokens]``. The selection op scores its row chunks
+    through it, so a call is validated once."""
+    visible = torch.empty((problem.num_tokens,), dtype=torch.int32, device=q.device)
     if problem.num_tokens == 0:
-        return logits, visible
+        return visible
     args = ScoreArgs(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, logits,
                      visible, problem.num_columns, problem.compress_ratio, 1.0 / divisor, k_scale)
     registry.run(problem, args, settings)
-    return logits, visible
+    return visible
 
 
 def describe_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,

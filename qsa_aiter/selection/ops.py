@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 
@@ -26,7 +27,7 @@ from ..platform import triton_runs_on
 from ..problem import (
     TOKEN_INDEX_LIMIT, check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument,
 )
-from ..scoring.op import describe_call, qsa_paged_mqa_logits
+from ..scoring.op import describe_call, score_validated
 from ..selection import expand, topk
 from ..settings import ConfigurationError, get_settings
 from ..traced import through_custom_op
@@ -264,16 +265,18 @@ def qsa_select_paged_tokens(
     if tokens == 0:
         return out
     block_topk = token_topk // ratio
-    # Every chunk keeps the whole call's dispatch (its phase), whatever its own row count.
-    hints = dict(k_scale=k_scale, phase=problem.phase, max_query_len=problem.max_query_len)
+    settings = get_settings()
     rows = max(1, min(tokens, workspace // (4 * max(columns, 1))))
     logits = torch.empty((rows, columns), dtype=torch.float32, device=q.device)
     groups = torch.empty((rows, block_topk), dtype=torch.int32, device=q.device)
     for r0 in range(0, tokens, rows):
         r1 = min(tokens, r0 + rows)
-        chunk_logits, visible = qsa_paged_mqa_logits(
-            q[r0:r1], compressed_k_cache, page_table, token_to_request[r0:r1], query_positions[r0:r1],
-            context_lens, ratio, None, columns, None, out=logits[: r1 - r0], **hints)
+        # A chunk is the validated call narrowed to its rows: it keeps the whole call's dispatch (its phase).
+        chunk = dataclasses.replace(problem, num_tokens=r1 - r0)
+        chunk_logits = logits[: r1 - r0]
+        visible = score_validated(chunk, math.sqrt(problem.head_dim), q[r0:r1], compressed_k_cache, page_table,
+                                  token_to_request[r0:r1], query_positions[r0:r1], context_lens, k_scale,
+                                  chunk_logits, settings)
         _topk_and_expand_into(chunk_logits, visible, block_topk, groups[: r1 - r0], query_positions[r0:r1],
                               context_lens, token_to_request[r0:r1], ratio, token_topk, out[r0:r1])
     return out
