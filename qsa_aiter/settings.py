@@ -78,7 +78,8 @@ class QsaSettings(BaseSettings):
         (),
         alias="QSA_AITER_TUNED_CONFIG",
         description="`:`-separated CSV files of tuned tile configs, read after the shipped `configs/` tables; their "
-        "rows replace shipped rows with the same key and buckets (docs/jit_and_configs.md).",
+        "rows replace shipped rows with the same key and buckets, and their measured times take part in choosing "
+        "the kernel (docs/jit_and_configs.md).",
     )
     log_level: Literal[LOG_LEVELS] = Field(
         "warning",
