@@ -14,8 +14,8 @@ specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` raises); a co
 
 from __future__ import annotations
 
+import itertools
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -213,9 +213,7 @@ def measured_choice(problem: ScoreProblem, serving: list[str], platform: Platfor
             found[name] = row
     if len(found) < 2:
         return None
-    want = [max(b, 1) for b in tuned.buckets(problem)]
-    nearest = min(((r.rows, r.context) for r in found.values()),
-                  key=lambda b: (sum(abs(math.log2(have / w)) for have, w in zip(b, want)), b))
+    nearest = min(((r.rows, r.context) for r in found.values()), key=lambda b: tuned.bucket_distance(*b, problem))
     timed = [(row.us, serving.index(name), name) for name, row in found.items() if (row.rows, row.context) == nearest]
     if len(timed) < 2 or serving[0] not in {name for _, _, name in timed}:
         return None
@@ -250,11 +248,7 @@ def select(problem: ScoreProblem, *, skip: tuple[str, ...] = (), settings: QsaSe
     if serving:
         decision.chosen, decision.rule = serving[0], "" if forced else "table order"
         # This project's kernels up to the first one that is not (a ROCm library preferred by the order wins).
-        ours = []
-        for name in serving:
-            if CANDIDATES[name].spec is None:
-                break
-            ours.append(name)
+        ours = list(itertools.takewhile(lambda name: CANDIDATES[name].spec is not None, serving))
         measured = measured_choice(problem, ours, _platform(problem), settings) if not forced else None
         if measured:
             decision.chosen, decision.rule, decision.compared = measured

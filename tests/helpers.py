@@ -41,10 +41,9 @@ def auto_kernel(args: tuple, **hints) -> str:
     """The kernel ``auto`` must pick for the call: the phase's preferred one, unless the tuned tables measured
     another faster at its bucket on this arch (the measurement rule, tested on synthetic tables in
     tests/test_registry.py; on the H200 the shipped rows send decode to the stacked scorer)."""
-    decision = registry.select(describe_call(*args, **hints))
-    if decision.rule.startswith("measurement"):
-        return decision.chosen
-    return PREFERRED[describe_call(*args, **hints).phase]
+    problem = describe_call(*args, **hints)
+    decision = registry.select(problem)
+    return decision.chosen if decision.rule.startswith("measurement") else PREFERRED[problem.phase]
 
 
 def write_new_lengths(gen, context_lens, query_positions, low: int, high: int, rows_per_request: int) -> None:

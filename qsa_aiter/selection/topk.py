@@ -197,13 +197,20 @@ def collect_candidates(src, n, n_vec, floor, buf_row, CAPACITY: tl.constexpr, SC
     for start in range(0, n, SCAN):
         cols = start + quad
         x = tl.load(src + cols, mask=cols < n_vec, other=0.0)
-        keep = ((cols < n) & (x >= floor)).to(tl.int32)
-        per_quad = tl.sum(keep, axis=1)
-        quad_first = kept + tl.cumsum(per_quad, axis=0) - per_quad
-        slot = quad_first[:, None] + tl.cumsum(keep, axis=1) - keep
-        tl.store(buf_row + slot, cols, mask=(keep > 0) & (slot < CAPACITY))
-        kept += tl.sum(per_quad, axis=0)
+        kept = _append_in_order(buf_row, cols, ((cols < n) & (x >= floor)).to(tl.int32), kept, CAPACITY)
     return kept
+
+
+@triton.jit
+def _append_in_order(buf_row, cols, keep, kept, CAPACITY: tl.constexpr):
+    """Append the ``cols`` ``[groups, width]`` (ascending in row-major order) where ``keep`` (int32 0/1) to
+    ``buf_row`` after its ``kept`` entries, in that order, dropping those past ``CAPACITY``; returns the new count.
+    Slots come from a prefix sum over the groups plus one within each group (held in one thread's registers)."""
+    per_group = tl.sum(keep, axis=1)
+    group_first = kept + tl.cumsum(per_group, axis=0) - per_group
+    slot = group_first[:, None] + tl.cumsum(keep, axis=1) - keep
+    tl.store(buf_row + slot, cols, mask=(keep > 0) & (slot < CAPACITY))
+    return kept + tl.sum(per_group, axis=0)
 
 
 @triton.jit
@@ -237,11 +244,7 @@ def block_candidates(src, n, max_row, buf_row, k, B: tl.constexpr, MAX_BLOCKS: t
             cols = blk[:, None] * B + within[None, :]
             x = tl.load(src + cols, mask=listed[:, None] & (cols < n), other=float("-inf"))
             keep = (listed[:, None] & (cols < n) & (x >= floor)).to(tl.int32)
-            per_block = tl.sum(keep, axis=1)
-            block_first = kept + tl.cumsum(per_block, axis=0) - per_block
-            at = block_first[:, None] + tl.cumsum(keep, axis=1) - keep
-            tl.store(buf_row + at, cols, mask=(keep > 0) & (at < CAPACITY))
-            kept += tl.sum(per_block, axis=0)
+            kept = _append_in_order(buf_row, cols, keep, kept, CAPACITY)
     return kept
 
 

@@ -112,6 +112,13 @@ def buckets(problem) -> tuple[int, int]:
     return problem.num_tokens, problem.num_columns * problem.compress_ratio
 
 
+def bucket_distance(rows: int, context: int, problem) -> tuple[float, int, int]:
+    """How far the (``rows``, ``context``) bucket is from ``problem``'s: the sum of the log2 ratios, then the bucket
+    itself (equal distances: the smaller bucket, deterministically)."""
+    want_rows, want_context = (max(b, 1) for b in buckets(problem))
+    return abs(math.log2(rows / want_rows)) + abs(math.log2(context / want_context)), rows, context
+
+
 #: The tile-config columns (every field of a tunable kernel's config).
 TILE_FIELDS = tuple(_tile_columns())
 
@@ -154,13 +161,7 @@ class TunedTable:
         rows = self.rows.get(problem_key(arch, kernel, problem))
         if not rows:
             return None
-        want_rows, want_context = (max(b, 1) for b in buckets(problem))
-
-        def distance(row: TunedRow) -> tuple[float, int, int]:
-            d = abs(math.log2(row.rows / want_rows)) + abs(math.log2(row.context / want_context))
-            return d, row.rows, row.context  # equal distances: the smaller bucket, deterministically
-
-        return min(rows, key=distance)
+        return min(rows, key=lambda row: bucket_distance(row.rows, row.context, problem))
 
     def get(self, key: tuple, default=None):
         return self.rows.get(key, default)
