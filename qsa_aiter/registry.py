@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import call_plans
 from .backends import rocm
 from .jit import scope as jit_scope
 from .log import log_once
@@ -85,6 +86,8 @@ _OTHERS = (
               lambda problem, args, settings: rocm.run_flydsl(problem, args), {"prefill": 10}),
 )
 CANDIDATES: dict[str, Candidate] = {c.name: c for c in tuple(map(_spec_candidate, SPECS)) + _OTHERS}
+#: The candidates that are this project's scoring kernels.
+SCORER_KERNELS = frozenset(c.name for c in CANDIDATES.values() if c.spec is not None)
 #: The candidates that wrap ROCm libraries rather than this project's kernels.
 ROCM_CANDIDATES = ("aiter", "flydsl")
 
@@ -314,6 +317,7 @@ def run(problem: ScoreProblem, args: ScoreArgs, settings: QsaSettings | None = N
             message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             _broken[_broken_key(name, problem)] = message
             _decisions.clear()
+            call_plans.clear()
             log_once(logging.WARNING, ("broken", _broken_key(name, problem)),
                      f"kernel {name} failed for {problem.summary()} and is marked broken: {message}")
             failed = failed + (name,)
@@ -323,3 +327,4 @@ def clear_broken() -> None:
     """Forget kernels marked broken and the decisions made (tests)."""
     _broken.clear()
     _decisions.clear()
+    call_plans.clear()

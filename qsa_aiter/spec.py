@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, ClassVar, Iterable
 
 
@@ -33,6 +35,21 @@ def is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
+_recording: ContextVar[list | None] = ContextVar("qsa_aiter_recording", default=None)
+
+
+@contextmanager
+def recording():
+    """Within the block, every ``LaunchPlan.launch`` appends ``(plan, compiled kernel, positional args)`` to the
+    list this yields (``call_plans`` keeps a call's launches for its later calls)."""
+    launches: list = []
+    token = _recording.set(launches)
+    try:
+        yield launches
+    finally:
+        _recording.reset(token)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """One launch of ``kernel``: ``fn[grid](*args, **constexprs, **options)``. ``config`` is the tile config the
@@ -53,8 +70,12 @@ class LaunchPlan:
         return {**self.constexprs, **self.options}
 
     def launch(self, *args) -> None:
-        """Launch the kernel on ``args`` (the kernel's positional arguments, in the order of its signature)."""
-        self.fn[self.grid](*args, **self.constexprs, **self.options)
+        """Launch the kernel on ``args`` (the kernel's positional arguments, in the order of its signature); an open
+        ``call_plans.recording()`` block records the compiled kernel."""
+        kernel = self.fn[self.grid](*args, **self.constexprs, **self.options)
+        launches = _recording.get()
+        if launches is not None:
+            launches.append((self, kernel, args))
 
     def describe(self) -> str:
         return f"{self.kernel} grid {self.grid} ({self.config_source}): {self.config}"

@@ -14,6 +14,7 @@ import inspect
 from functools import lru_cache
 
 from triton import knobs  # noqa: F401 (re-exported)
+from triton.knobs import HookChain
 from triton._C.libtriton import get_cache_invalidating_env_vars  # noqa: F401
 from triton.backends.compiler import GPUTarget  # noqa: F401
 from triton.compiler.compiler import ASTSource, CompiledKernel, make_backend  # noqa: F401
@@ -88,3 +89,50 @@ def install_compile_hooks(manager_class: type, before_compile, after_compile, ch
     knobs.runtime.jit_cache_hook = chain(before_compile, knobs.runtime.jit_cache_hook)
     knobs.runtime.jit_post_compile_hook = chain(after_compile, knobs.runtime.jit_post_compile_hook)
     return previous
+
+
+
+def compiled_launcher(kernel: CompiledKernel, grid: tuple[int, int, int], device: int):
+    """A function ``launch(params)`` launching the compiled ``kernel`` on ``device``'s current stream as
+    ``JITFunction.run`` does once it has found it (same launcher, metadata and hooks), without binding or
+    specialising: ``params`` are the values of every parameter of the kernel's signature, in order, constexprs
+    included. Where the launcher's Python layer only inserts constants (``_launcher_entry``), its C entry is
+    called directly."""
+    current_stream = driver.active.get_current_stream
+    run, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+    grid_x, grid_y, grid_z = grid
+    entry = _launcher_entry(run)
+
+    def launch(params: tuple) -> None:
+        stream = current_stream(device)
+        enter_hook, exit_hook = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if _idle(enter_hook) and _idle(exit_hook):  # no hook to call: no launch metadata to build for one
+            if entry is not None:
+                entry[0](grid_x, grid_y, grid_z, stream, function, *entry[1], packed, None, None, None, *params)
+            else:
+                run(grid_x, grid_y, grid_z, stream, function, packed, None, None, None, *params)
+            return
+        metadata = kernel.launch_metadata(grid, stream, *params) if enter_hook is not None else None
+        run(grid_x, grid_y, grid_z, stream, function, packed, metadata, enter_hook, exit_hook, *params)
+
+    return launch
+
+
+def _launcher_entry(launcher) -> tuple | None:
+    """``(c_launch, inserted)``: the C function behind a kernel's launcher and the arguments its ``__call__``
+    inserts after ``function``, where that is all the call does: Triton 3.6's CUDA launcher (``__call__(gridX, gridY,
+    gridZ, stream, function, *args)``) for a kernel without global or profile scratch memory. None elsewhere (other
+    releases and backends go through the launcher's ``__call__``)."""
+    if type(launcher).__name__ != "CudaLauncher":
+        return None
+    params = list(inspect.signature(type(launcher).__call__).parameters)
+    if params != ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]:
+        return None
+    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None
+    return launcher.launch, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
+
+
+def _idle(hook) -> bool:
+    """Whether a launch hook knob calls nothing (unset, or a ``HookChain`` without hooks)."""
+    return hook is None or (isinstance(hook, HookChain) and not hook.calls)

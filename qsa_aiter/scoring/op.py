@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .. import registry
+from .. import call_plans, registry
 from ..problem import ScoreProblem, validate_scoring_call
 from ..settings import get_settings
 from ..traced import through_custom_op
-from .base import ScoreArgs
+from .base import ScoreArgs, score_kernel_args
 
 
 def _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
@@ -68,16 +70,63 @@ def qsa_paged_mqa_logits(
         written; int32 ``[tokens]`` visible group counts ``max(0, min((p+1)//R, ctx//R, num_columns))``.
     """
     settings = get_settings()  # read once per call
-    problem, divisor = _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                                compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase,
-                                max_query_len, settings)
-    logits = out if out is not None else torch.empty((problem.num_tokens, problem.num_columns), dtype=torch.float32,
-                                                     device=q.device)
-    if row_starts is not None:
-        row_starts.zero_()
-    visible = score_validated(problem, divisor, q, compressed_k_cache, page_table, token_to_request, query_positions,
-                              context_lens, k_scale, logits, settings)
+    key = _signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+                     compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len)
+    plan = call_plans.lookup(key)
+    if plan is not None:
+        return plan.run(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale,
+                        out, row_starts)
+    with call_plans.recording() as launches:
+        problem, divisor = _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions,
+                                    context_lens, compress_ratio, score_divisor, max_columns, row_starts, k_scale,
+                                    out, phase, max_query_len, settings)
+        logits = out if out is not None else torch.empty((problem.num_tokens, problem.num_columns),
+                                                         dtype=torch.float32, device=q.device)
+        if row_starts is not None:
+            row_starts.zero_()
+        visible = score_validated(problem, divisor, q, compressed_k_cache, page_table, token_to_request,
+                                  query_positions, context_lens, k_scale, logits, settings)
+    call_plans.store(key, ScoringPlan.of(problem, 1.0 / divisor, launches), settings)
     return logits, visible
+
+
+def _signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+               compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len):
+    """The call's ``call_plans`` signature: everything validation and dispatch read (None: not a cacheable call,
+    the validating path names what is wrong)."""
+    return call_plans.signature(
+        ("qsa_paged_mqa_logits", id(settings)),
+        (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, row_starts, k_scale, out),
+        (compress_ratio, score_divisor, max_columns, phase, max_query_len))
+
+
+@dataclass(frozen=True)
+class ScoringPlan:
+    """A validated ``qsa_paged_mqa_logits`` signature: its problem, score scale and recorded kernel launch."""
+
+    problem: ScoreProblem
+    scale: float  # 1 / score_divisor
+    launch: call_plans.DirectLaunch
+
+    @classmethod
+    def of(cls, problem: ScoreProblem, scale: float, launches: list) -> "ScoringPlan | None":
+        """The plan of a call that made ``launches`` (None unless it was one scoring kernel's launch)."""
+        if problem.num_tokens == 0 or len(launches) != 1 or launches[0][0].kernel not in registry.SCORER_KERNELS:
+            return None
+        direct = call_plans.direct_launches(launches, (launches[0][0].kernel,))
+        return cls(problem, scale, direct[0]) if direct else None
+
+    def run(self, q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale, out,
+            row_starts) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call, for arguments of this plan's signature."""
+        tokens, columns = self.problem.num_tokens, self.problem.num_columns
+        logits = out if out is not None else q.new_empty((tokens, columns), dtype=torch.float32)
+        if row_starts is not None:
+            row_starts.zero_()
+        visible = q.new_empty((tokens,), dtype=torch.int32)
+        self.launch(*score_kernel_args(q, compressed_k_cache, k_scale, page_table, token_to_request, query_positions,
+                                       context_lens, logits, visible, columns, self.scale))
+        return logits, visible
 
 
 def score_validated(problem: ScoreProblem, divisor: float, q, compressed_k_cache, page_table, token_to_request,

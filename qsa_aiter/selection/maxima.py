@@ -102,12 +102,19 @@ SPEC = MaximaSpec()
 def launch(logits: torch.Tensor, visible: torch.Tensor, maxima: torch.Tensor, block_topk: int) -> None:
     """Fill ``maxima`` (fp32 ``maxima_shape(...)``, last dim contiguous) from fp32 ``logits`` ``[rows, columns]``
     and int32 ``visible`` ``[rows]`` (read clamped to ``[0, columns]``)."""
-    rows, columns = logits.shape
-    if rows == 0:
+    if logits.shape[0] == 0:
         return
-    problem = SelectionProblem(rows, columns, block_topk)
-    plan = SPEC.plan(problem, Platform.of(logits.device))
-    plan.launch(logits, visible, maxima, logits.stride(0), maxima.stride(0), columns)
+    plan_for(logits, block_topk).launch(*kernel_args(logits, visible, maxima))
+
+
+def plan_for(logits: torch.Tensor, block_topk: int):
+    """The launch plan of ``launch`` for these logits (at least one row)."""
+    return SPEC.plan(SelectionProblem(logits.shape[0], logits.shape[1], block_topk), Platform.of(logits.device))
+
+
+def kernel_args(logits: torch.Tensor, visible: torch.Tensor, maxima: torch.Tensor) -> tuple:
+    """The kernel's positional arguments."""
+    return logits, visible, maxima, logits.stride(0), maxima.stride(0), logits.shape[1]
 
 
 def register_blocks(columns: int, block_topk: int) -> int:

@@ -20,13 +20,16 @@ import math
 
 import torch
 
+from .. import call_plans, registry
 from ..backends import rocm
 from ..jit import scope as jit_scope
 from ..log import log_once
 from ..platform import triton_runs_on
 from ..problem import (
-    TOKEN_INDEX_LIMIT, check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument,
+    TOKEN_INDEX_LIMIT, ScoreProblem, check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget,
+    fail_argument,
 )
+from ..scoring.base import score_kernel_args
 from ..scoring.op import describe_call, score_validated
 from ..selection import expand, topk
 from ..settings import ConfigurationError, get_settings
@@ -255,6 +258,14 @@ def qsa_select_paged_tokens(
     graph captured once serves every context up to it. Other arguments as ``qsa_paged_mqa_logits``; ``out`` is
     validated (int32, that shape, q's device, last dim contiguous) before anything is written.
     """
+    settings = get_settings()
+    key = _selection_signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
+                               context_lens, token_topk, compress_ratio, out, logits_workspace_bytes, max_seq_len,
+                               k_scale, phase, max_query_len)
+    plan = call_plans.lookup(key)
+    if plan is not None:
+        return plan.run(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale,
+                        out)
     op = "qsa_select_paged_tokens"
     ratio, token_topk = check_topk_budget(op, compress_ratio, token_topk)
     workspace = check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
@@ -265,21 +276,86 @@ def qsa_select_paged_tokens(
     if tokens == 0:
         return out
     block_topk = token_topk // ratio
-    settings = get_settings()
     rows = max(1, min(tokens, workspace // (4 * max(columns, 1))))
     logits = torch.empty((rows, columns), dtype=torch.float32, device=q.device)
     groups = torch.empty((rows, block_topk), dtype=torch.int32, device=q.device)
-    for r0 in range(0, tokens, rows):
-        r1 = min(tokens, r0 + rows)
-        # A chunk is the validated call narrowed to its rows: it keeps the whole call's dispatch (its phase).
-        chunk = dataclasses.replace(problem, num_tokens=r1 - r0)
-        chunk_logits = logits[: r1 - r0]
-        visible = score_validated(chunk, math.sqrt(problem.head_dim), q[r0:r1], compressed_k_cache, page_table,
-                                  token_to_request[r0:r1], query_positions[r0:r1], context_lens, k_scale,
-                                  chunk_logits, settings)
-        _topk_and_expand_into(chunk_logits, visible, block_topk, groups[: r1 - r0], query_positions[r0:r1],
-                              context_lens, token_to_request[r0:r1], ratio, token_topk, out[r0:r1])
+    with call_plans.recording() as launches:
+        for r0 in range(0, tokens, rows):
+            r1 = min(tokens, r0 + rows)
+            # A chunk is the validated call narrowed to its rows: it keeps the whole call's dispatch (its phase).
+            chunk = dataclasses.replace(problem, num_tokens=r1 - r0)
+            chunk_logits = logits[: r1 - r0]
+            visible = score_validated(chunk, math.sqrt(problem.head_dim), q[r0:r1], compressed_k_cache, page_table,
+                                      token_to_request[r0:r1], query_positions[r0:r1], context_lens, k_scale,
+                                      chunk_logits, settings)
+            _topk_and_expand_into(chunk_logits, visible, block_topk, groups[: r1 - r0], query_positions[r0:r1],
+                                  context_lens, token_to_request[r0:r1], ratio, token_topk, out[r0:r1])
+    if rows == tokens:  # one chunk: the plan replays it (a call of several chunks is dominated by their kernels)
+        call_plans.store(key, SelectionPlan.of(problem, block_topk, token_topk, launches), settings)
     return out
+
+
+def _selection_signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
+                         context_lens, token_topk, compress_ratio, out, logits_workspace_bytes, max_seq_len, k_scale,
+                         phase, max_query_len):
+    """The call's ``call_plans`` signature (None: not a cacheable call; the validating path names the problem)."""
+    return call_plans.signature(
+        ("qsa_select_paged_tokens", id(settings)),
+        (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale, out),
+        (token_topk, compress_ratio, logits_workspace_bytes, max_seq_len, phase, max_query_len))
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionPlan:
+    """A validated one-chunk ``qsa_select_paged_tokens`` signature and its recorded launches: the scorer, the
+    block maxima (or None) and the top-k with its expansion."""
+
+    problem: ScoreProblem
+    block_topk: int
+    token_topk: int
+    score: call_plans.DirectLaunch
+    maxima: call_plans.DirectLaunch | None
+    topk: call_plans.DirectLaunch
+    candidate_width: int
+
+    @property
+    def scratch_sizes(self) -> tuple[int, int, int, int]:
+        """Elements of the int32 scratch: the top-k's candidates, the groups, padding, the visible counts. Each
+        part starts 64-byte aligned (the candidate width is a power of two >= 16), as a buffer of its own would be
+        to the kernels, which Triton specialises on 16-byte alignment."""
+        tokens = self.problem.num_tokens
+        groups = tokens * self.block_topk
+        return tokens * self.candidate_width, groups, -groups % 16, tokens
+
+    @classmethod
+    def of(cls, problem: ScoreProblem, block_topk: int, token_topk: int, launches: list) -> "SelectionPlan | None":
+        """The plan of a call that made ``launches`` (None unless they were a scorer's, then the Triton top-k's)."""
+        if not launches:
+            return None
+        direct = call_plans.direct_launches(launches, (launches[0][0].kernel, "block_maxima?", "topk"))
+        if direct is None or launches[0][0].kernel not in registry.SCORER_KERNELS:
+            return None
+        topk_plan = launches[-1][0]
+        return cls(problem, block_topk, token_topk, direct[0], direct[1] if len(direct) == 3 else None, direct[-1],
+                   topk.buffer_width(block_topk, topk_plan.config, len(direct) == 3))
+
+    def run(self, q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale,
+            out) -> torch.Tensor:
+        """The call, for arguments of this plan's signature."""
+        tokens, columns, ratio = self.problem.num_tokens, self.problem.num_columns, self.problem.compress_ratio
+        if out is None:
+            out = q.new_empty((tokens, self.token_topk + ratio - 1), dtype=torch.int32)
+        logits = q.new_empty((tokens, columns), dtype=torch.float32)
+        # The int32 scratch in one allocation (an allocation costs more host time than a view).
+        sizes = self.scratch_sizes
+        candidates, groups, _, visible = q.new_empty((sum(sizes),), dtype=torch.int32).split(sizes)
+        groups = groups.view(tokens, self.block_topk)
+        self.score(*score_kernel_args(q, compressed_k_cache, k_scale, page_table, token_to_request, query_positions,
+                                      context_lens, logits, visible, columns, 1.0 / math.sqrt(self.problem.head_dim)))
+        topk.run(logits, visible, groups, self.block_topk,
+                 (query_positions, context_lens, token_to_request, out, ratio, self.token_topk), None, self.maxima,
+                 self.topk, candidates.view(tokens, self.candidate_width))
+        return out
 
 
 def _topk_and_expand_into(logits, visible, block_topk: int, groups, query_positions, context_lens, token_to_request,

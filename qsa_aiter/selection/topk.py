@@ -412,26 +412,42 @@ def launch(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block
     ``expand_into = (query_positions, context_lens, token_to_request, tokens_out, compress_ratio, token_topk)`` also
     writes each row's token indices (``qsa_expand_block_indices`` of ``out``) into ``tokens_out`` (int32
     ``[tokens, token_topk + R - 1]``, last dim contiguous) in the same launch."""
-    tokens = logits.shape[0]
+    tokens, columns = logits.shape
     if tokens == 0:
         return
-    if expand_into is None:
-        pos = ctx = t2r = tok = visible  # unread: EXPAND is off
-        num_requests, tok_stride, ratio, token_topk = 0, 0, 1, 0
-    else:
-        pos, ctx, t2r, tok, ratio, token_topk = expand_into
-        num_requests, tok_stride = ctx.shape[0], tok.stride(0)
     platform = Platform.of(logits.device)
-    if block_maxima is None and maxima_reason(tokens, logits.shape[1], platform) is None:
-        block_maxima = torch.empty(maxima.maxima_shape(tokens, logits.shape[1], block_topk), dtype=torch.float32,
-                                   device=logits.device)
-        maxima.launch(logits, visible, block_maxima, block_topk)
-    with_maxima = block_maxima is not None
-    problem = SelectionProblem(tokens, logits.shape[1], block_topk, ratio, token_topk, expand_into is not None,
-                               num_requests, with_maxima)
+    maxima_plan = None
+    if block_maxima is None and maxima_reason(tokens, columns, platform) is None:
+        maxima_plan = maxima.plan_for(logits, block_topk)
+    with_maxima = block_maxima is not None or maxima_plan is not None
+    ratio, token_topk, num_requests = (1, 0, 0) if expand_into is None else (expand_into[4], expand_into[5],
+                                                                              expand_into[1].shape[0])
+    problem = SelectionProblem(tokens, columns, block_topk, ratio, token_topk, expand_into is not None, num_requests,
+                               with_maxima)
     plan = SPEC.plan(problem, platform, config=cfg)
     candidates = torch.empty((tokens, buffer_width(block_topk, plan.config, with_maxima)), dtype=torch.int32,
                              device=logits.device)
-    block_max = block_maxima if with_maxima else logits  # unread without maxima
-    plan.launch(logits, visible, out, candidates, block_max, pos, ctx, t2r, tok, logits.stride(0), out.stride(0),
+    run(logits, visible, out, block_topk, expand_into, block_maxima, maxima_plan.launch if maxima_plan else None,
+        plan.launch, candidates)
+
+
+def run(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int, expand_into: tuple | None,
+        block_maxima: torch.Tensor | None, maxima_launch, topk_launch, candidates: torch.Tensor) -> None:
+    """The launches of ``launch`` once it has chosen them: ``maxima_launch`` (None: no maxima launch) and
+    ``topk_launch`` take their kernels' positional arguments; ``candidates`` is the per-row scratch (int32
+    ``[tokens, buffer_width(...)]``, last dim contiguous). A cached selection call (``call_plans``) replays its
+    recorded kernels through it."""
+    tokens = logits.shape[0]
+    if expand_into is None:
+        pos = ctx = t2r = tok = visible  # unread: EXPAND is off
+        num_requests, tok_stride = 0, 0
+    else:
+        pos, ctx, t2r, tok, _, _ = expand_into
+        num_requests, tok_stride = ctx.shape[0], tok.stride(0)
+    if maxima_launch is not None:
+        block_maxima = torch.empty(maxima.maxima_shape(tokens, logits.shape[1], block_topk), dtype=torch.float32,
+                                   device=logits.device)
+        maxima_launch(*maxima.kernel_args(logits, visible, block_maxima))
+    block_max = block_maxima if block_maxima is not None else logits  # unread without maxima
+    topk_launch(logits, visible, out, candidates, block_max, pos, ctx, t2r, tok, logits.stride(0), out.stride(0),
                 candidates.stride(0), block_max.stride(0), num_requests, tok_stride, logits.shape[1])

@@ -409,7 +409,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="skip the 16K-row prefill")
     parser.add_argument("--kv", default="bf16", help="index-cache formats, comma-separated: bf16, fp8, fp4")
     parser.add_argument("--kernels", default="", help="kernels to time, comma-separated (default: every scoring kernel that serves the point)")
+    parser.add_argument("--eager", action="store_true",
+                        help="host time of eager calls of each public op beside its GPU time (page 64, bf16; "
+                             "--points filters, default: the verify and prefill points)")
     args = parser.parse_args(argv)
+    if args.eager:
+        from .host_bench import main as eager_main  # host_bench imports this module
+
+        return eager_main(args.points, args.replays)
     kvs = args.kv.split(",")
     for kv in kvs:
         if kv not in KV_CACHES:

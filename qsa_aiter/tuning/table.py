@@ -22,6 +22,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
+from .. import call_plans
 from ..catalog import tunable_specs
 from ..settings import ConfigurationError
 
@@ -193,5 +194,7 @@ def load_tables(extra: tuple[str, ...]) -> TunedTable:
 
 
 def reload() -> None:
-    """Forget the tables read and the lookups made from them (after a table file was rewritten)."""
+    """Forget the tables read and the lookups made from them (after a table file was rewritten), and the call plans
+    made with them."""
     load_tables.cache_clear()
+    call_plans.clear()

@@ -1,0 +1,92 @@
+"""Host time of eager calls (``python -m qsa_aiter bench --eager``): each public op's host microseconds per call beside
+its GPU time.
+
+Method: per work point (page 64, the bench's batches, seed 0) and op, the call is made a few times (its launch plan
+is recorded by the first, ``call_plans``), then timed as ``calls`` back-to-back calls with no synchronisation
+between them, from the first call's entry to the last one's return (the kernels queue behind each other; fewer than
+the launch queue holds, so no call waits for the GPU); the median over ``repeats`` batches is kept. "first-call path"
+is the same with the plan cache emptied before every call: what a call with a new signature costs (validation,
+dispatch, Triton's launcher). The GPU time is the CUDA-graph replay median of the same call (``bench.time_graph``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .. import call_plans
+from ..cache.op import qsa_write_index_cache
+from ..selection.ops import qsa_block_topk, qsa_expand_block_indices
+from .bench import TOKEN_TOPK, points_named, selection_inputs, time_graph, work_points
+
+#: The host-time targets (µs per call) at the verify and prefill work points.
+TARGET_US = {"qsa_paged_mqa_logits": 25.0, "qsa_select_paged_tokens": 40.0}
+DEFAULT_POINTS = "9x4@64K-128K,64x4@98K,128x1@98K,prefill 4096@32K"
+
+
+def host_us(call, calls: int = 50, repeats: int = 15, fresh_plans: bool = False) -> float:
+    """Median host µs per call of ``call()`` over ``repeats`` batches of ``calls`` calls; ``fresh_plans``: the
+    plan cache is emptied before every call (the call's first-call path)."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        if fresh_plans:
+            spent = 0.0
+            for _ in range(calls):
+                call_plans.clear()
+                start = time.perf_counter()
+                call()
+                spent += time.perf_counter() - start
+        else:
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            spent = time.perf_counter() - start
+        torch.cuda.synchronize()
+        times.append(spent / calls * 1e6)
+    return statistics.median(times)
+
+
+def op_calls(point) -> dict:
+    """The public ops' calls at ``point``: name -> a call with every output given."""
+    s = selection_inputs(point, 64)
+    ratio = s.batch.compress_ratio
+    tokens = s.batch.q.shape[0]
+    groups = torch.empty((tokens, TOKEN_TOPK // ratio), dtype=torch.int32, device=s.logits.device)
+    qsa_block_topk(s.logits, s.visible, TOKEN_TOPK // ratio, out=groups)
+    # One new key per query row written into the cache (the decode step's write).
+    cache = s.batch.compressed_k_cache
+    keys = torch.randn((tokens, 1, s.batch.q.shape[2]), dtype=torch.bfloat16, device=s.logits.device)
+    slots = torch.randperm(cache.shape[0] * cache.shape[1], device=s.logits.device)[:tokens]
+    return {
+        "qsa_paged_mqa_logits": s.score,
+        "qsa_select_paged_tokens": s.select,
+        "qsa_block_topk": lambda: qsa_block_topk(s.logits, s.visible, TOKEN_TOPK // ratio, out=groups),
+        "qsa_expand_block_indices": lambda: qsa_expand_block_indices(
+            groups, s.batch.query_positions, s.batch.context_lens, s.batch.token_to_request, ratio, TOKEN_TOPK,
+            out=s.picked),
+        "qsa_write_index_cache": lambda: qsa_write_index_cache(keys, slots, cache, s.batch.k_scale),
+    }
+
+
+def main(points: str = "", replays: int = 30) -> int:
+    """``points``: a substring of the work points' names (default: ``DEFAULT_POINTS``)."""
+    if not torch.cuda.is_available():
+        print("the eager benchmark needs a CUDA GPU")
+        return 2
+    print(f"{torch.cuda.get_device_name()}: host µs per eager call (median of 15 x 50 calls), GPU µs (graph)")
+    print(f"{'point':<18} {'op':<26}{'host':>8}{'first-call path':>17}{'GPU':>9}  target")
+    chosen = [p for p in work_points() if points in p.name] if points else points_named(DEFAULT_POINTS)
+    for point in chosen:
+        for name, call in op_calls(point).items():
+            host = host_us(call)
+            first = host_us(call, calls=20, repeats=5, fresh_plans=True)
+            gpu = time_graph(call, 1, replays)
+            target = TARGET_US.get(name)
+            verdict = "" if target is None else f"<= {target:.0f} us: {'met' if host <= target else 'missed'}"
+            print(f"{point.name:<18} {name:<26}{host:>8.1f}{first:>17.1f}{gpu:>9.2f}  {verdict}", flush=True)
+    return 0

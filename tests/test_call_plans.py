@@ -1,0 +1,292 @@
+"""The host path's plan cache (``qsa_aiter.call_plans``): a repeated call replays its first call's launches, and
+every change that could make a plan stale misses it.
+
+On the CPU the interpreter compiles nothing, so the ``replaying`` fixture stands a recorder in for the compiled
+kernels: the first call's launches are recorded as usual, and a replay runs the interpreted kernel on the arguments
+the cached plan built (with the recorded grid and constexprs). That checks what the cache adds: the signature, the
+argument building and the invalidation. The GPU test at the end runs the real compiled kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import qsa_aiter
+from qsa_aiter import call_plans, registry, spec
+from qsa_aiter.jit import triton_compat
+from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.selection import ops
+from qsa_aiter.selection.reference import reference_block_topk, reference_expand_block_indices
+from qsa_aiter.testing import poisoned_logits
+from qsa_aiter.tools.workloads import make_batch
+from qsa_aiter.tuning import table as tuned
+
+from helpers import check_call, reference_of
+
+TOKEN_TOPK = 60  # 15 groups of R = 4 (an odd count: the replay's scratch parts stay aligned)
+
+
+class _Recorded:
+    """Stands in for a compiled kernel: its replays run the plan's (interpreted) function."""
+
+    def __init__(self, plan):
+        self.plan, self.replays = plan, 0
+
+
+@pytest.fixture
+def replaying(monkeypatch):
+    """Record each launch with a stand-in kernel, and count the replays; yields the list of stand-ins."""
+    recorded: list[_Recorded] = []
+
+    def launch(self, *args):
+        self.fn[self.grid](*args, **self.constexprs, **self.options)
+        launches = spec._recording.get()
+        if launches is not None:
+            recorded.append(_Recorded(self))
+            launches.append((self, recorded[-1], args))
+
+    def launcher(kernel, grid, device):
+        def run(params):
+            kernel.replays += 1
+            kernel.plan.fn[grid](*params, **kernel.plan.options)
+        return run
+
+    monkeypatch.setattr(spec.LaunchPlan, "launch", launch)
+    monkeypatch.setattr(triton_compat, "compiled_launcher", launcher)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    call_plans.clear()
+    yield recorded
+    call_plans.clear()
+
+
+def _verify_batch(gen):
+    batch = make_batch([700, 1201, 403], [4, 3, 4], padded_rows=2, page_size=16, head_dim=64, generator=gen)
+    return batch.args(), dict(phase="verify", max_query_len=batch.max_query_len)
+
+
+def _problem():
+    args, hints = _verify_batch(torch.Generator().manual_seed(0))
+    return describe_call(*args, **hints)
+
+
+def _replays(recorded) -> int:
+    return sum(r.replays for r in recorded)
+
+
+def test_a_repeated_scoring_call_replays_its_plan_and_matches_the_reference(replaying, rng):
+    args, hints = _verify_batch(rng)
+    check_call(args, **hints)
+    assert call_plans.size() == 1 and _replays(replaying) == 0
+    args[0].copy_(torch.randn(args[0].shape, generator=rng).to(args[0].dtype))  # new queries, same signature
+    logits, visible = check_call(args, **hints)
+    assert call_plans.size() == 1 and _replays(replaying) == 1
+    # Without `out`: the plan allocates the logits (a new signature, recorded once, then replayed).
+    for expected in (1, 2):
+        logits, visible = qsa_aiter.qsa_paged_mqa_logits(*args, **hints)
+        assert _replays(replaying) == expected
+    ref_logits, ref_visible = reference_of(args)
+    assert torch.equal(visible, ref_visible)
+    mask = torch.arange(logits.shape[1])[None, :] < visible[:, None]
+    torch.testing.assert_close(logits[mask], ref_logits[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_row_starts_are_zeroed_on_replay(replaying, rng):
+    args, hints = _verify_batch(rng)
+    row_starts = torch.full((args[0].shape[0],), 7, dtype=torch.int32)
+    for _ in range(2):
+        row_starts.fill_(7)
+        qsa_aiter.qsa_paged_mqa_logits(*args, row_starts=row_starts, out=poisoned_logits(args), **hints)
+        assert torch.equal(row_starts, torch.zeros_like(row_starts))
+    assert _replays(replaying) == 1
+
+
+def _reference_selection(args, token_topk):
+    """The selection of the torch reference's scores (its oracles; for inputs without near-ties at the cut)."""
+    q, cache, page_table, t2r, pos, ctx, ratio = args
+    logits, visible = reference_of(args)
+    groups = reference_block_topk(logits, visible, token_topk // ratio)
+    return reference_expand_block_indices(groups, pos, ctx, t2r, ratio, token_topk)
+
+
+def _validated_selection(args, hints, token_topk):
+    """The selection through the validating path (the plan cache emptied first)."""
+    call_plans.clear()
+    return qsa_aiter.qsa_select_paged_tokens(*args[:6], token_topk, args[6], **hints)
+
+
+def test_a_repeated_selection_call_replays_its_plan_and_matches_the_validating_path(replaying, rng):
+    args, hints = _verify_batch(rng)
+    out = torch.full((args[0].shape[0], TOKEN_TOPK + 3), -7, dtype=torch.int32)
+    qsa_aiter.qsa_select_paged_tokens(*args[:6], TOKEN_TOPK, args[6], out=out, **hints)
+    assert call_plans.size() == 1 and _replays(replaying) == 0
+    args[0].copy_(torch.randn(args[0].shape, generator=rng).to(args[0].dtype))
+    out.fill_(-7)
+    again = qsa_aiter.qsa_select_paged_tokens(*args[:6], TOKEN_TOPK, args[6], out=out, **hints)
+    assert _replays(replaying) == 2  # the scorer and the top-k
+    assert again is out and torch.equal(again, _validated_selection(args, hints, TOKEN_TOPK))
+
+
+def test_a_chunked_selection_is_not_cached(replaying, rng):
+    args, hints = _verify_batch(rng)
+    small = 4 * 8 * args[2].shape[1] * 16  # a workspace of 8 rows: several chunks
+    for _ in range(2):
+        got = qsa_aiter.qsa_select_paged_tokens(*args[:6], TOKEN_TOPK, args[6], logits_workspace_bytes=small,
+                                                **hints)
+        assert torch.equal(got, qsa_aiter.qsa_select_paged_tokens(*args[:6], TOKEN_TOPK, args[6], **hints))
+        call_plans.clear()
+    assert call_plans.size() == 0 and _replays(replaying) == 0
+
+
+def _call(args, hints, **changes):
+    kwargs = {**hints, **changes}
+    return qsa_aiter.qsa_paged_mqa_logits(*args, **kwargs)
+
+
+@pytest.mark.parametrize("change", ["settings", "reload", "broken", "index_dtype", "shape", "alignment", "ratio",
+                                    "hint", "divisor"])
+def test_every_change_of_what_a_plan_depends_on_misses_it(replaying, rng, monkeypatch, change):
+    args, hints = _verify_batch(rng)
+    _call(args, hints)
+    _call(args, hints)
+    assert (call_plans.size(), _replays(replaying)) == (1, 1)
+    if change == "settings":
+        monkeypatch.setenv("QSA_AITER_LOG_LEVEL", "error")  # any variable: a new settings object
+    elif change == "reload":
+        tuned.reload()
+    elif change == "broken":
+        registry.clear_broken()
+    elif change == "index_dtype":
+        args = args[:3] + tuple(t.long() for t in args[3:6]) + args[6:]
+    elif change == "shape":
+        args = (args[0][:-1], *args[1:3], args[3][:-1], args[4][:-1], *args[5:])
+    extra = {}
+    if change == "alignment":  # out 4 bytes past a 16-byte boundary: Triton specialises on the alignment
+        out = poisoned_logits(args)
+        extra["out"] = torch.empty(out.numel() + 1)[1:].view(out.shape)
+    elif change == "ratio":
+        args = args[:6] + (2,)
+    elif change == "hint":
+        extra["phase"] = "prefill"
+    elif change == "divisor":
+        extra["score_divisor"] = 3.0
+    before = _replays(replaying)
+    logits, visible = _call(args, hints, **extra)
+    assert _replays(replaying) == before, f"a call after a change of {change} replayed a plan"
+    ref_logits, ref_visible = reference_of(args, **{k: v for k, v in extra.items() if k == "score_divisor"})
+    assert torch.equal(visible, ref_visible)
+
+
+def test_the_cache_is_bounded_least_recently_used_first(replaying, rng, monkeypatch):
+    monkeypatch.setattr(call_plans, "MAX_PLANS", 2)
+    args, hints = _verify_batch(rng)
+    for divisor in (2.0, 3.0, 2.0, 5.0):  # 2.0 is used again before 5.0 arrives: 3.0 is dropped
+        _call(args, hints, score_divisor=divisor)
+    assert call_plans.size() == 2
+    before = _replays(replaying)
+    _call(args, hints, score_divisor=2.0)
+    assert _replays(replaying) == before + 1
+    _call(args, hints, score_divisor=3.0)
+    assert _replays(replaying) == before + 1
+
+
+def test_bad_input_is_rejected_after_a_plan_exists(replaying, rng):
+    args, hints = _verify_batch(rng)
+    _call(args, hints)
+    with pytest.raises(TypeError, match="page_table"):
+        qsa_aiter.qsa_paged_mqa_logits(args[0], args[1], args[2].float(), *args[3:], **hints)
+    with pytest.raises(TypeError, match="token_to_request"):
+        qsa_aiter.qsa_paged_mqa_logits(*args[:3], [0, 1], *args[4:], **hints)
+    with pytest.raises((TypeError, ValueError), match="max_query_len"):
+        qsa_aiter.qsa_paged_mqa_logits(*args, phase="verify", max_query_len=[4])
+
+
+def test_the_interpreter_caches_nothing(rng):
+    """Without the stand-ins the interpreter's launches return no compiled kernel: nothing is kept."""
+    call_plans.clear()
+    args, hints = _verify_batch(rng)
+    check_call(args, **hints)
+    check_call(args, **hints)
+    assert call_plans.size() == 0
+
+
+class _Fn:
+    def __init__(self, *names):
+        self.arg_names = list(names)
+
+
+def _plan(kernel, fn, constexprs):
+    return spec.LaunchPlan(kernel, fn, (1,), constexprs, {})
+
+
+def test_direct_launches_take_only_the_expected_kernels_with_trailing_constexprs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(triton_compat, "compiled_launcher", lambda kernel, grid, device: None)
+    fn = _Fn("x", "N", "BLOCK")
+    good = (_plan("a", fn, {"BLOCK": 4}), object(), ("x", 3))
+    other = (_plan("b", fn, {"BLOCK": 8}), object(), ("x", 3))
+    assert call_plans.direct_launches([good, other], ("a", "b"))[1].constexprs == (8,)
+    assert len(call_plans.direct_launches([good], ("a", "m?"))) == 1  # an optional kernel may be absent
+    assert call_plans.direct_launches([other, good], ("a", "b")) is None  # the wrong order
+    assert call_plans.direct_launches([good], ("a", "b")) is None  # one missing
+    assert call_plans.direct_launches([(good[0], None, good[2])], ("a",)) is None  # nothing compiled
+    interleaved = _Fn("x", "BLOCK", "N")
+    assert call_plans.direct_launches([(_plan("a", interleaved, {"BLOCK": 4}), object(), ("x",))], ("a",)) is None
+    assert call_plans.direct_launches([(_plan("a", interleaved, {"BLOCK": 4}), object(), ("x", 1, 3))],
+                                      ("a",)) is None  # BLOCK given positionally and as a constexpr
+    assert call_plans.direct_launches([(_plan("a", fn, {}), object(), ("x", 3))], ("a",)) is None  # BLOCK unknown
+
+
+def test_the_selection_scratch_parts_start_aligned():
+    for tokens, block_topk in ((13, 15), (37, 511), (1, 1), (64, 512)):
+        plan = ops.SelectionPlan(dataclasses.replace(_problem(), num_tokens=tokens), block_topk, 4 * block_topk,
+                                 None, None, None, 2 * max(16, 1 << (2 * block_topk - 1).bit_length()))
+        starts = list(itertools.accumulate(plan.scratch_sizes, initial=0))
+        assert all(starts[part] * 4 % 64 == 0 for part in (0, 1, 3)), plan.scratch_sizes  # part 2 is padding
+
+
+def test_signatures_tell_apart_what_validation_reads():
+    t = torch.zeros(8, 4)
+    sig = lambda *tensors, hosts=(): call_plans.signature(("op", 0), tensors, hosts)  # noqa: E731
+    assert sig(t) == sig(torch.ones(8, 4))
+    assert sig(t) != sig(t.double()) and sig(t) != sig(t[:4]) and sig(t) != sig(t.t())
+    assert sig(t) != sig(torch.zeros(33)[1:].view(8, 4))  # the same shape 4 bytes off a 16-byte boundary
+    assert sig(t, None) != sig(t, t) and sig(t, hosts=(1,)) != sig(t, hosts=(True,))
+    assert sig(t, [1]) is None  # not a tensor: the validating path names it
+
+
+@pytest.mark.gpu
+def test_cached_calls_on_the_gpu_run_the_compiled_kernels_eagerly_and_in_a_graph():
+    """Real compiled kernels: the replay equals the first call bit for bit, and a graph captured from a cached call
+    replays with new lengths written in place."""
+    from qsa_aiter.tools.bench import capture_graph
+
+    from helpers import write_new_lengths
+
+    call_plans.clear()
+    gen = torch.Generator().manual_seed(3)
+    batch = make_batch([5000, 12000, 800], 4, page_size=64, head_dim=128, device="cuda", generator=gen)
+    args, hints = batch.args(), dict(phase="verify", max_query_len=4)
+    token_topk = 2044  # 511 groups: the int32 scratch's parts need padding to stay aligned
+    out = torch.empty((batch.q.shape[0], token_topk + 3), dtype=torch.int32, device="cuda")
+    first = qsa_aiter.qsa_select_paged_tokens(*args[:6], token_topk, args[6], **hints).clone()
+    scored = [t.clone() for t in qsa_aiter.qsa_paged_mqa_logits(*args, **hints)]
+    assert call_plans.size() == 2
+    again = qsa_aiter.qsa_select_paged_tokens(*args[:6], token_topk, args[6], **hints)
+    logits, visible = qsa_aiter.qsa_paged_mqa_logits(*args, **hints)
+    assert torch.equal(again, first) and torch.equal(visible, scored[1])
+    mask = torch.arange(logits.shape[1], device="cuda")[None, :] < visible[:, None]
+    assert torch.equal(logits[mask], scored[0][mask])
+    assert torch.equal(first.cpu(), _reference_selection(tuple(a.cpu() if torch.is_tensor(a) else a for a in args),
+                                                         token_topk))
+    graph, _ = capture_graph(
+        lambda: qsa_aiter.qsa_select_paged_tokens(*args[:6], token_topk, args[6], out=out, **hints))
+    for step in range(2):
+        write_new_lengths(gen, batch.context_lens, batch.query_positions, 2000, 12000, 4)
+        graph.replay()
+        call_plans.clear()  # the validating path, for comparison
+        want = qsa_aiter.qsa_select_paged_tokens(*args[:6], token_topk, args[6], **hints)
+        assert torch.equal(out, want), f"replay {step}"
