@@ -19,7 +19,7 @@ import qsa_aiter
 from qsa_aiter import call_plans, registry, spec
 from qsa_aiter.jit import triton_compat
 from qsa_aiter.scoring.op import describe_call
-from qsa_aiter.selection import ops
+from qsa_aiter.selection import replay
 from qsa_aiter.selection.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.testing import poisoned_logits
 from qsa_aiter.tools.workloads import make_batch
@@ -128,6 +128,23 @@ def test_a_repeated_selection_call_replays_its_plan_and_matches_the_validating_p
     again = qsa_aiter.qsa_select_paged_tokens(*args[:6], TOKEN_TOPK, args[6], out=out, **hints)
     assert _replays(replaying) == 2  # the scorer and the top-k
     assert again is out and torch.equal(again, _validated_selection(args, hints, TOKEN_TOPK))
+
+
+def test_repeated_top_k_and_expansion_calls_replay_their_plans(replaying, rng):
+    tokens, columns, block_topk = 6, 300, 15
+    logits = torch.randn((tokens, columns), generator=rng)
+    visible = torch.tensor([300, 0, 15, 16, 299, 120], dtype=torch.int32)
+    groups = [qsa_aiter.qsa_block_topk(logits, visible, block_topk) for _ in range(2)]
+    assert _replays(replaying) == 1 and torch.equal(groups[0], groups[1])
+    assert torch.equal(groups[1], reference_block_topk(logits, visible, block_topk))
+    positions = torch.tensor([1199, -1, 63, 64, 1197, 480])
+    context_lens = torch.tensor([1200, 1198, 481])
+    t2r = torch.tensor([0, -1, 2, 2, 1, 2])
+    tokens_out = [qsa_aiter.qsa_expand_block_indices(groups[0], positions, context_lens, t2r, 4, TOKEN_TOPK)
+                  for _ in range(2)]
+    assert _replays(replaying) == 2
+    assert torch.equal(tokens_out[1], reference_expand_block_indices(groups[0], positions, context_lens, t2r, 4,
+                                                                     TOKEN_TOPK))
 
 
 def test_a_chunked_selection_is_not_cached(replaying, rng):
@@ -242,7 +259,7 @@ def test_direct_launches_take_only_the_expected_kernels_with_trailing_constexprs
 
 def test_the_selection_scratch_parts_start_aligned():
     for tokens, block_topk in ((13, 15), (37, 511), (1, 1), (64, 512)):
-        plan = ops.SelectionPlan(dataclasses.replace(_problem(), num_tokens=tokens), block_topk, 4 * block_topk,
+        plan = replay.SelectionPlan(dataclasses.replace(_problem(), num_tokens=tokens), block_topk, 4 * block_topk,
                                  None, None, None, 2 * max(16, 1 << (2 * block_topk - 1).bit_length()))
         starts = list(itertools.accumulate(plan.scratch_sizes, initial=0))
         assert all(starts[part] * 4 % 64 == 0 for part in (0, 1, 3)), plan.scratch_sizes  # part 2 is padding

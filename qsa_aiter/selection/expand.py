@@ -118,5 +118,10 @@ def launch(block_indices: torch.Tensor, query_positions: torch.Tensor, context_l
         return
     problem = SelectionProblem(tokens, 0, groups, compress_ratio, token_topk, False, context_lens.shape[0])
     SPEC.plan(problem, Platform.of(block_indices.device)).launch(
-        block_indices, query_positions, context_lens, token_to_request, out, context_lens.shape[0],
-        block_indices.stride(0), out.stride(0))
+        *kernel_args(block_indices, query_positions, context_lens, token_to_request, out))
+
+
+def kernel_args(block_indices, query_positions, context_lens, token_to_request, out) -> tuple:
+    """The kernel's positional arguments."""
+    return (block_indices, query_positions, context_lens, token_to_request, out, context_lens.shape[0],
+            block_indices.stride(0), out.stride(0))

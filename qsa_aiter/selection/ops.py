@@ -20,18 +20,16 @@ import math
 
 import torch
 
-from .. import call_plans, registry
+from .. import call_plans
 from ..backends import rocm
 from ..jit import scope as jit_scope
 from ..log import log_once
 from ..platform import triton_runs_on
 from ..problem import (
-    TOKEN_INDEX_LIMIT, ScoreProblem, check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget,
-    fail_argument,
+    TOKEN_INDEX_LIMIT, check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument,
 )
-from ..scoring.base import score_kernel_args
 from ..scoring.op import describe_call, score_validated
-from ..selection import expand, topk
+from ..selection import expand, replay, topk
 from ..settings import ConfigurationError, get_settings
 from ..traced import through_custom_op
 
@@ -98,10 +96,17 @@ def qsa_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int,
         Per row the kept groups in ascending order, then ``-1``: the ``block_topk`` first columns by
         ``(-score, index)``, or every visible column when ``visible <= block_topk``.
     """
+    settings = get_settings()
+    key = replay.topk_signature(settings, logits, visible, block_topk, out)
+    plan = call_plans.lookup(key)
+    if plan is not None:
+        return plan.run(logits, visible, out)
     op = "qsa_block_topk"
     block_topk = check_topk_args(op, logits, visible, block_topk)
     out = check_index_out(op, out, (logits.shape[0], block_topk), logits.device, "logits")
-    _block_topk_into(logits, visible, block_topk, out)
+    with call_plans.recording() as launches:
+        _block_topk_into(logits, visible, block_topk, out)
+    call_plans.store(key, replay.TopkPlan.of(block_topk, launches), settings)
     return out
 
 
@@ -178,6 +183,12 @@ def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch
         Per row the tokens ``g*R .. g*R+R-1`` of each selected group, then the causal tail ``((p+1)//R)*R .. p``,
         only tokens ``< context_len``, packed to the front, ``-1`` after them; padded rows all ``-1``.
     """
+    settings = get_settings()
+    key = replay.expand_signature(settings, block_indices, query_positions, context_lens, token_to_request,
+                                  compress_ratio, token_topk, out)
+    plan = call_plans.lookup(key)
+    if plan is not None:
+        return plan.run(block_indices, query_positions, context_lens, token_to_request, out)
     op = "qsa_expand_block_indices"
     check_tensor("block_indices", block_indices, ndim=2, dtypes=_INDEX_DTYPES, op=op)
     device = block_indices.device
@@ -196,7 +207,9 @@ def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch
         fail_argument(ValueError, "block_indices", "contiguous in its last dimension",
                       f"strides {block_indices.stride()}", op)
     out = check_index_out(op, out, (tokens, token_topk + ratio - 1), device, "block_indices")
-    _expand_into(block_indices, query_positions, context_lens, token_to_request, ratio, token_topk, out)
+    with call_plans.recording() as launches:
+        _expand_into(block_indices, query_positions, context_lens, token_to_request, ratio, token_topk, out)
+    call_plans.store(key, replay.ExpandPlan.of(token_topk + ratio - 1, launches), settings)
     return out
 
 
@@ -259,7 +272,7 @@ def qsa_select_paged_tokens(
     validated (int32, that shape, q's device, last dim contiguous) before anything is written.
     """
     settings = get_settings()
-    key = _selection_signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
+    key = replay.selection_signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
                                context_lens, token_topk, compress_ratio, out, logits_workspace_bytes, max_seq_len,
                                k_scale, phase, max_query_len)
     plan = call_plans.lookup(key)
@@ -291,71 +304,8 @@ def qsa_select_paged_tokens(
             _topk_and_expand_into(chunk_logits, visible, block_topk, groups[: r1 - r0], query_positions[r0:r1],
                                   context_lens, token_to_request[r0:r1], ratio, token_topk, out[r0:r1])
     if rows == tokens:  # one chunk: the plan replays it (a call of several chunks is dominated by their kernels)
-        call_plans.store(key, SelectionPlan.of(problem, block_topk, token_topk, launches), settings)
+        call_plans.store(key, replay.SelectionPlan.of(problem, block_topk, token_topk, launches), settings)
     return out
-
-
-def _selection_signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
-                         context_lens, token_topk, compress_ratio, out, logits_workspace_bytes, max_seq_len, k_scale,
-                         phase, max_query_len):
-    """The call's ``call_plans`` signature (None: not a cacheable call; the validating path names the problem)."""
-    return call_plans.signature(
-        ("qsa_select_paged_tokens", id(settings)),
-        (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale, out),
-        (token_topk, compress_ratio, logits_workspace_bytes, max_seq_len, phase, max_query_len))
-
-
-@dataclasses.dataclass(frozen=True)
-class SelectionPlan:
-    """A validated one-chunk ``qsa_select_paged_tokens`` signature and its recorded launches: the scorer, the
-    block maxima (or None) and the top-k with its expansion."""
-
-    problem: ScoreProblem
-    block_topk: int
-    token_topk: int
-    score: call_plans.DirectLaunch
-    maxima: call_plans.DirectLaunch | None
-    topk: call_plans.DirectLaunch
-    candidate_width: int
-
-    @property
-    def scratch_sizes(self) -> tuple[int, int, int, int]:
-        """Elements of the int32 scratch: the top-k's candidates, the groups, padding, the visible counts. Each
-        part starts 64-byte aligned (the candidate width is a power of two >= 16), as a buffer of its own would be
-        to the kernels, which Triton specialises on 16-byte alignment."""
-        tokens = self.problem.num_tokens
-        groups = tokens * self.block_topk
-        return tokens * self.candidate_width, groups, -groups % 16, tokens
-
-    @classmethod
-    def of(cls, problem: ScoreProblem, block_topk: int, token_topk: int, launches: list) -> "SelectionPlan | None":
-        """The plan of a call that made ``launches`` (None unless they were a scorer's, then the Triton top-k's)."""
-        if not launches:
-            return None
-        direct = call_plans.direct_launches(launches, (launches[0][0].kernel, "block_maxima?", "topk"))
-        if direct is None or launches[0][0].kernel not in registry.SCORER_KERNELS:
-            return None
-        topk_plan = launches[-1][0]
-        return cls(problem, block_topk, token_topk, direct[0], direct[1] if len(direct) == 3 else None, direct[-1],
-                   topk.buffer_width(block_topk, topk_plan.config, len(direct) == 3))
-
-    def run(self, q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale,
-            out) -> torch.Tensor:
-        """The call, for arguments of this plan's signature."""
-        tokens, columns, ratio = self.problem.num_tokens, self.problem.num_columns, self.problem.compress_ratio
-        if out is None:
-            out = q.new_empty((tokens, self.token_topk + ratio - 1), dtype=torch.int32)
-        logits = q.new_empty((tokens, columns), dtype=torch.float32)
-        # The int32 scratch in one allocation (an allocation costs more host time than a view).
-        sizes = self.scratch_sizes
-        candidates, groups, _, visible = q.new_empty((sum(sizes),), dtype=torch.int32).split(sizes)
-        groups = groups.view(tokens, self.block_topk)
-        self.score(*score_kernel_args(q, compressed_k_cache, k_scale, page_table, token_to_request, query_positions,
-                                      context_lens, logits, visible, columns, 1.0 / math.sqrt(self.problem.head_dim)))
-        topk.run(logits, visible, groups, self.block_topk,
-                 (query_positions, context_lens, token_to_request, out, ratio, self.token_topk), None, self.maxima,
-                 self.topk, candidates.view(tokens, self.candidate_width))
-        return out
 
 
 def _topk_and_expand_into(logits, visible, block_topk: int, groups, query_positions, context_lens, token_to_request,
