@@ -58,7 +58,10 @@ def lookup(key: tuple | None):
         return None
     if entry is None:
         return None
-    _plans.move_to_end(key)
+    try:
+        _plans.move_to_end(key)
+    except KeyError:  # another thread's store just dropped it: the plan is still valid for this call
+        pass
     return entry[0]
 
 

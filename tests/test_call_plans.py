@@ -37,12 +37,19 @@ class _Recorded:
         self.plan, self.replays = plan, 0
 
 
+class _Launches(list):
+    failing: set
+
+
 @pytest.fixture
 def replaying(monkeypatch):
     """Record each launch with a stand-in kernel, and count the replays; yields the list of stand-ins."""
-    recorded: list[_Recorded] = []
+    recorded = _Launches()
+    recorded.failing = set()  # kernels whose launch raises, as a kernel that fails to compile would
 
     def launch(self, *args):
+        if self.kernel in recorded.failing:
+            raise RuntimeError(f"{self.kernel} does not compile here")
         self.fn[self.grid](*args, **self.constexprs, **self.options)
         launches = spec._recording.get()
         if launches is not None:
@@ -195,6 +202,17 @@ def test_every_change_of_what_a_plan_depends_on_misses_it(replaying, rng, monkey
     assert _replays(replaying) == before, f"a call after a change of {change} replayed a plan"
     ref_logits, ref_visible = reference_of(args, **{k: v for k, v in extra.items() if k == "score_divisor"})
     assert torch.equal(visible, ref_visible)
+
+
+def test_a_kernel_that_failed_leaves_the_plan_of_the_kernel_that_served(replaying, rng):
+    """The stacked scorer fails, is marked broken, the row-wise one serves: the plan kept is the row-wise one's, and
+    its replay matches the reference."""
+    args, hints = _verify_batch(rng)
+    replaying.failing.add("stacked")
+    check_call(args, **hints)
+    assert [r.plan.kernel for r in replaying] == ["rowwise"] and call_plans.size() == 1
+    check_call(args, **hints)
+    assert _replays(replaying) == 1
 
 
 def test_the_cache_is_bounded_least_recently_used_first(replaying, rng, monkeypatch):

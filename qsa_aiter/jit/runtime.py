@@ -22,6 +22,7 @@ import torch
 from ..log import log_once
 from ..platform import Platform, interpreting
 from ..settings import QsaSettings, get_settings
+from ..tuning import table as tuned
 from .paths import jit_root
 from .routing import Activation, active_store
 from .store import Store
@@ -66,8 +67,9 @@ def _triton_driver_ready() -> None:
 
 def load(device: torch.device | int | None = None, settings: QsaSettings | None = None) -> Store | None:
     """Open the cache for ``device`` (default: the current CUDA device) and place its entries, and do Triton's
-    once-per-process launch set-up, now rather than at the first launch: an engine calls it at start-up so that
-    its first scoring call pays neither (``benchmarks/first_call.py``). None where there is no cache: off the GPU,
+    once-per-process launch set-up, and read the tuned tables, now rather than at the first launch: an engine calls it
+    at start-up so that its first scoring call pays none of it (``benchmarks/first_call.py``); a bad
+    ``QSA_AITER_TUNED_CONFIG`` file raises ``ConfigurationError`` here. None where there is no cache: off the GPU,
     under the interpreter. A cache that cannot be opened is logged once and None is returned; a bad
     ``QSA_AITER_JIT_DIR`` raises ``ValueError``."""
     if interpreting() or not torch.cuda.is_available():
@@ -77,6 +79,7 @@ def load(device: torch.device | int | None = None, settings: QsaSettings | None 
     if device.type != "cuda":
         return None
     settings = settings or get_settings()
+    tuned.load_tables(tuple(settings.tuned_config))  # memoised: the first call's dispatch reads them
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, settings.jit_dir, settings.rebuild)
     if key in _device_stores:

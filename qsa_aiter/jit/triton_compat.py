@@ -91,7 +91,6 @@ def install_compile_hooks(manager_class: type, before_compile, after_compile, ch
     return previous
 
 
-
 def compiled_launcher(kernel: CompiledKernel, grid: tuple[int, int, int], device: int):
     """A function ``launch(params)`` launching the compiled ``kernel`` on ``device``'s current stream as
     ``JITFunction.run`` does once it has found it (same launcher, metadata and hooks), without binding or

@@ -68,8 +68,8 @@ class _RowChecks(BaseModel):
 
     def tile(self) -> dict[str, int]:
         """The config fields this row sets."""
-        names = {f.name for f in dataclasses.fields(_config_classes()[self.kernel])}
-        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
+        return {name: getattr(self, name) for name in _config_fields(self.kernel)
+                if getattr(self, name, None) is not None}
 
 
 #: One CSV row: its key, its buckets, one column per tile-config field of the tunable kernels (empty keeps the
@@ -91,6 +91,12 @@ TunedRow = create_model(
     measured=(bool, Field(description="1: measured by the tuner on this arch; 0: a starting point from elsewhere")),
     source=(str, ""),
 )
+
+
+@functools.lru_cache(maxsize=None)
+def _config_fields(kernel: str) -> tuple[str, ...]:
+    """The field names of ``kernel``'s tile config (a row's ``tile()`` reads them for every row of a table)."""
+    return tuple(f.name for f in dataclasses.fields(_config_classes()[kernel]))
 
 
 def _config_classes() -> dict[str, type]:
@@ -141,7 +147,8 @@ def read_table(path: Path) -> list[TunedRow]:
                 problems = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'row'}: {e['msg']}"
                                      for e in err.errors())
                 raise ValueError(f"{path}:{line}: {problems}") from None
-            misplaced = [name for name in TILE_FIELDS if getattr(row, name) is not None and name not in row.tile()]
+            tile = row.tile()
+            misplaced = [name for name in TILE_FIELDS if getattr(row, name) is not None and name not in tile]
             if misplaced:
                 raise ValueError(f"{path}:{line}: {', '.join(misplaced)} is not a setting of the {row.kernel} kernel")
             rows.append(row)
