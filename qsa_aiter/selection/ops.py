@@ -273,8 +273,8 @@ def qsa_select_paged_tokens(
     """
     settings = get_settings()
     key = replay.selection_signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
-                               context_lens, token_topk, compress_ratio, out, logits_workspace_bytes, max_seq_len,
-                               k_scale, phase, max_query_len)
+                                     context_lens, token_topk, compress_ratio, out, logits_workspace_bytes,
+                                     max_seq_len, k_scale, phase, max_query_len)
     plan = call_plans.lookup(key)
     if plan is not None:
         return plan.run(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale,
