@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 # The Triton paths run on CPU tensors only under the interpreter; the stand-ins replace every launch, so nothing
 # is actually interpreted.
@@ -25,9 +24,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 import qsa_aiter  # noqa: E402
-from qsa_aiter import call_plans, spec  # noqa: E402
+from qsa_aiter import spec  # noqa: E402
 from qsa_aiter.jit import triton_compat  # noqa: E402
 from qsa_aiter.tools.bench import TOKEN_TOPK, points_named  # noqa: E402
+from qsa_aiter.tools.host_bench import batch_us  # noqa: E402
 from qsa_aiter.tools.workloads import make_batch  # noqa: E402
 
 
@@ -42,20 +42,6 @@ def stub_launches() -> None:
     spec.LaunchPlan.launch = launch
     triton_compat.compiled_launcher = lambda kernel, grid, device: lambda params: None
     torch.cuda.current_device = lambda: 0  # read only when recording a plan (as for a GPU call)
-
-
-def per_call_us(call, calls: int, batches: int, fresh: bool) -> float:
-    best = float("inf")
-    for _ in range(batches):
-        spent = 0.0
-        for _ in range(calls):
-            if fresh:
-                call_plans.clear()
-            start = time.perf_counter()
-            call()
-            spent += time.perf_counter() - start
-        best = min(best, spent / calls * 1e6)
-    return best
 
 
 def main() -> int:
@@ -87,8 +73,8 @@ def main() -> int:
     print(f"{'op':<26}{'cached':>9}{'first-call path':>17}")
     for name, call in calls.items():
         call()
-        cached = per_call_us(call, args.calls, args.batches, fresh=False)
-        first = per_call_us(call, args.calls, args.batches, fresh=True)
+        cached = min(batch_us(call, args.calls) for _ in range(args.batches))
+        first = min(batch_us(call, args.calls, fresh_plans=True) for _ in range(args.batches))
         print(f"{name:<26}{cached:>9.1f}{first:>17.1f}")
     return 0
 

@@ -92,13 +92,13 @@ class DirectLaunch:
     constexprs on the current stream of ``device`` (the current device when it was recorded: the signature holds
     it)."""
 
-    __slots__ = ("_launch", "constexprs", "grid", "kernel", "name")
+    __slots__ = ("_launch", "constexprs")
 
-    def __init__(self, kernel, grid: tuple[int, ...], constexprs: tuple, name: str, device: int):
+    def __init__(self, kernel, grid: tuple[int, ...], constexprs: tuple, device: int):
         from .jit.triton_compat import compiled_launcher  # Triton's private launch entry, adapted per release
 
-        self.kernel, self.grid, self.constexprs, self.name = kernel, (tuple(grid) + (1, 1))[:3], constexprs, name
-        self._launch = compiled_launcher(kernel, self.grid, device)
+        self.constexprs = constexprs
+        self._launch = compiled_launcher(kernel, (tuple(grid) + (1, 1))[:3], device)
 
     def __call__(self, *args) -> None:
         self._launch(args + self.constexprs)
@@ -118,7 +118,7 @@ def direct_launches(launches: list, expected: tuple[str, ...]) -> tuple[DirectLa
         tail = None if kernel is None else _constexpr_tail(plan, len(args))
         if tail is None:
             return None
-        out.append(DirectLaunch(kernel, plan.grid, tail, plan.kernel, torch.cuda.current_device()))
+        out.append(DirectLaunch(kernel, plan.grid, tail, torch.cuda.current_device()))
     return tuple(out)
 
 

@@ -26,28 +26,33 @@ TARGET_US = {"qsa_paged_mqa_logits": 25.0, "qsa_select_paged_tokens": 40.0}
 DEFAULT_POINTS = "9x4@64K-128K,64x4@98K,128x1@98K,prefill 4096@32K"
 
 
+def batch_us(call, calls: int, fresh_plans: bool = False) -> float:
+    """Host µs per call of ``calls`` back-to-back calls of ``call()``, from the first one's entry to the last one's
+    return; ``fresh_plans``: the plan cache is emptied before every call (the call's first-call path), outside the
+    time."""
+    if not fresh_plans:
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        return (time.perf_counter() - start) / calls * 1e6
+    spent = 0.0
+    for _ in range(calls):
+        call_plans.clear()
+        start = time.perf_counter()
+        call()
+        spent += time.perf_counter() - start
+    return spent / calls * 1e6
+
+
 def host_us(call, calls: int = 50, repeats: int = 15, fresh_plans: bool = False) -> float:
-    """Median host µs per call of ``call()`` over ``repeats`` batches of ``calls`` calls; ``fresh_plans``: the
-    plan cache is emptied before every call (the call's first-call path)."""
+    """Median of ``batch_us`` over ``repeats`` batches, the GPU drained between batches."""
     for _ in range(3):
         call()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
-        if fresh_plans:
-            spent = 0.0
-            for _ in range(calls):
-                call_plans.clear()
-                start = time.perf_counter()
-                call()
-                spent += time.perf_counter() - start
-        else:
-            start = time.perf_counter()
-            for _ in range(calls):
-                call()
-            spent = time.perf_counter() - start
+        times.append(batch_us(call, calls, fresh_plans))
         torch.cuda.synchronize()
-        times.append(spent / calls * 1e6)
     return statistics.median(times)
 
 
