@@ -41,7 +41,8 @@ def batch_for(phase: str, gen, **kw):
 
 
 def test_candidates_and_table():
-    assert set(registry.CANDIDATES) == {"tiled", "stacked", "rowwise", "torch"} | set(registry.ROCM_CANDIDATES)
+    assert set(registry.CANDIDATES) == ({"tiled", "stacked", "keys_major", "rowwise", "torch"}
+                                        | set(registry.ROCM_CANDIDATES))
     for name, cand in registry.CANDIDATES.items():
         assert cand.name == name and cand.description
     assert registry.KV_DTYPES == ("bf16", "fp8", "fp4")  # SPEC section 4: every cache dtype has its rows
@@ -116,8 +117,8 @@ def test_dispatch_reads_no_device_memory():
     problem = describe_call(*args, max_query_len=4)
     assert problem.phase == "verify" and problem.device_type == "meta"
     decision = registry.select(problem)
-    assert decision.order == ("stacked", "rowwise", "aiter", "torch")
-    for name in ("stacked", "rowwise"):
+    assert decision.order == ("stacked", "keys_major", "rowwise", "aiter", "torch")
+    for name in ("stacked", "keys_major", "rowwise"):
         assert "tensors are on meta" in " ".join(decision.rejected[name]), "Triton kernels do not serve meta tensors"
     assert decision.chosen == "torch"
     assert "meta" in qsa_aiter.explain(*args, max_query_len=4)
@@ -233,7 +234,7 @@ def test_failure_marks_broken_logs_once_and_falls_back(monkeypatch, rng, failing
     (key, message), = registry._broken.items()
     assert key[0] == "stacked" and "simulated launch failure of stacked" in message
     assert "second line" not in message, "the reason is the first line of the error"
-    assert qsa_aiter.selected_kernel(*batch.args(), **hints) == "rowwise"
+    assert qsa_aiter.selected_kernel(*batch.args(), **hints) == "keys_major"  # the next in the verify order
     assert "marked broken in this process" in qsa_aiter.explain(*batch.args(), **hints)
     # Again: the broken kernel is not tried again, and the warning is not repeated.
     check_call(batch.args(), **hints)
@@ -252,11 +253,12 @@ def test_failure_marks_broken_logs_once_and_falls_back(monkeypatch, rng, failing
 def test_failures_fall_through_every_candidate(monkeypatch, rng, failing):
     batch, hints = batch_for("verify", rng)
     failing("stacked")
+    failing("keys_major")
     calls = failing("rowwise")
     logits, visible = qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **hints)
     ref_logits, ref_visible = reference_of(batch.args())
     assert torch.equal(visible, ref_visible) and torch.equal(logits, ref_logits)  # the torch reference ran
-    assert len(calls) == 2 and {k[0] for k in registry._broken} == {"stacked", "rowwise"}
+    assert len(calls) == 3 and {k[0] for k in registry._broken} == {"stacked", "keys_major", "rowwise"}
 
 
 @needs_interpreter
@@ -330,7 +332,7 @@ def test_explain_names_the_choice_and_the_others_reasons(rng):
     batch, hints = batch_for("verify", rng)
     text = qsa_aiter.explain(*batch.args(), **hints)
     assert "phase verify (inferred: max_query_len=4" in text
-    assert "order stacked > rowwise > aiter > torch" in text
+    assert "order stacked > keys_major > rowwise > aiter > torch" in text
     assert "* stacked: serves" in text
     assert "- rowwise: serves, but an earlier candidate is preferred" in text
     assert "- torch: serves, but an earlier candidate is preferred" in text

@@ -4,6 +4,6 @@
 builds, the tuner, the benchmark and the tests iterate over it. A new scorer is a module plus a line here.
 """
 
-from . import rowwise, stacked, tiled
+from . import keys_major, rowwise, stacked, tiled
 
-SPECS = (tiled.SPEC, stacked.SPEC, rowwise.SPEC)
+SPECS = (tiled.SPEC, stacked.SPEC, keys_major.SPEC, rowwise.SPEC)

@@ -14,7 +14,7 @@ import torch
 from ..platform import Platform, triton_runs_on
 from ..quant.dequant import E4M3_MIN_HEAD_DIM, KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, fp8_dot, kernel_view, kv_kind
 from ..quant.formats import allocate_index_cache
-from ..spec import KernelSpec, cdiv
+from ..spec import KernelSpec, cdiv, is_pow2, next_pow2
 
 #: Scalars that change from call to call: never specialised (no recompiles when they hit 1 or a multiple of 16).
 DYNAMIC_SCALARS = ["num_tokens", "num_requests", "num_pages", "num_columns"]
@@ -88,6 +88,22 @@ def column_programs(row_blocks: int, num_columns: int, block_n: int, target: int
     return max(1, min(tiles, target // max(row_blocks, 1)))
 
 
+def stacked_shape_reason(problem) -> str | None:
+    """Why a kernel that stacks a block's rows x heads into one MMA operand cannot take ``problem``'s shape."""
+    if not (is_pow2(problem.num_heads) and problem.num_heads >= 4):
+        return f"needs a power-of-two head count >= 4 (got {problem.num_heads})"
+    if not (is_pow2(problem.head_dim) and problem.head_dim >= 16):
+        return f"needs a power-of-two head_dim >= 16 (got {problem.head_dim})"
+    return None
+
+
+def request_block_rows(problem) -> int:
+    """Rows per block of a stacked kernel: one request's verify rows (a power of two), enough that rows x heads reach
+    the MMA's 16, at most 16."""
+    rows = next_pow2(problem.max_query_len or max(1, problem.num_tokens // max(problem.num_requests, 1)))
+    return min(max(rows, 16 // problem.num_heads, 1), 16)
+
+
 class ScorerSpec(KernelSpec):
     """A scoring kernel: the common arguments (``ScoreArgs``), every cache format, and its place in the registry's
     order per phase (``ranks``: lower runs first; the ROCm libraries and the torch reference rank among them)."""
@@ -102,6 +118,8 @@ class ScorerSpec(KernelSpec):
     switch: ClassVar[str | None] = None
     #: Scores with ``tl.dot`` (tensor cores): under the interpreter its summation order follows the operand shapes.
     tensor_cores: ClassVar[bool] = True
+    #: Feeds e4m3fn and MXFP4 keys to e4m3 tensor cores where ``e4m3_mma`` allows (``FP8_DOT``).
+    e4m3_keys: ClassVar[bool] = False
 
     def reasons(self, problem, platform) -> list[str]:
         reasons = []
@@ -122,6 +140,11 @@ class ScorerSpec(KernelSpec):
     def key_reading(self, problem, platform) -> str:
         """One line for ``explain``: how this kernel reads ``problem``'s keys on ``platform``."""
         kind = kv_kind(problem.cache_dtype)
+        if self.e4m3_keys and e4m3_mma(problem, platform):
+            keys = ("MXFP4 nibbles placed as exact e4m3 bytes, one k32 MMA step per 32-element block, scaled by its "
+                    "e8m0 exponent in fp32" if kind == KV_FP4 else "the stored e4m3fn bytes as the MMA operand")
+            emulated = " (emulated with exact fp32 dots under TRITON_INTERPRET=1)" if platform.interpreter else ""
+            return f"e4m3 tensor cores (QSA_AITER_FP8_MMA=1): {keys}; q split into two e4m3 terms{emulated}"
         if kind == KV_16BIT:
             return "as stored"
         dtype = "fp32" if platform.upcast else str(dot_dtype(problem, False))

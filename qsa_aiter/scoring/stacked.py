@@ -20,8 +20,11 @@ import triton
 import triton.language as tl
 
 from ..quant.dequant import KIND_FP4, KV_16BIT, KV_FP4, dot_dtype, key_values, kv_kind
-from ..spec import COUNT_OR_ZERO, FLAG, cdiv, is_pow2, next_pow2
-from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma, scale_words_fit
+from ..spec import COUNT_OR_ZERO, FLAG, cdiv
+from .base import (
+    DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma, request_block_rows, scale_words_fit,
+    stacked_shape_reason,
+)
 from .tiles import (
     block_request, fp4_keys_major_dots, fp4_tile_exponents, fp8_keys_major_dots, fp8_tile_scales, key_tile_slots,
     load_keys, load_q_tile, pair_dot, row_visibility, stacked_head_scores, store_keys_major,
@@ -122,22 +125,17 @@ class StackedSpec(ScorerSpec):
     # Decode after the row-wise scorer: chosen there where the tuned tables measured it faster (registry).
     ranks = {"verify": 20, "draft": 20, "decode": 30}
     switch = "stacked_decode_scorer"
+    e4m3_keys = True
     tune_points = (("9x4@64K-128K", "verify"), ("64x4@98K", "verify"), ("4x4@262K", "verify"),
                    ("128x1@98K", "draft"), ("64x1@32K", "decode"), ("16x1@98K", "decode"), ("1x1@262K", "decode"))
     tune_grid = dict(block_n=(64, 128), num_stages=(2, 3, 5), scalar_pages=(0, 1), programs_per_sm=(2, 4, 8))
 
     def shape_reason(self, problem) -> str | None:
-        if not (is_pow2(problem.num_heads) and problem.num_heads >= 4):
-            return f"needs a power-of-two head count >= 4 (got {problem.num_heads})"
-        if not (is_pow2(problem.head_dim) and problem.head_dim >= 16):
-            return f"needs a power-of-two head_dim >= 16 (got {problem.head_dim})"
-        return None
+        return stacked_shape_reason(problem)
 
     def default_config(self, problem, platform) -> StackedConfig:
         """Tile settings for ``problem`` on ``platform``, from the tuner's H200 measurements (docs/kernels.md)."""
-        # One request's verify rows per block; M = rows x heads must reach the 16-row MMA tile.
-        rows = next_pow2(problem.max_query_len or max(1, problem.num_tokens // max(problem.num_requests, 1)))
-        rows = min(max(rows, 16 // problem.num_heads, 1), 16)
+        rows = request_block_rows(problem)
         kind = kv_kind(problem.cache_dtype)
         mma = e4m3_mma(problem, platform)
         if kind == KV_FP4 and mma:
@@ -174,15 +172,6 @@ class StackedSpec(ScorerSpec):
         if cfg.column_programs:  # fixed per row block (at most the column tiles)
             return blocks, column_programs(1, problem.num_columns, cfg.block_n, cfg.column_programs)
         return blocks, column_programs(blocks, problem.num_columns, cfg.block_n, platform.programs(cfg.programs_per_sm))
-
-    def key_reading(self, problem, platform) -> str:
-        if not e4m3_mma(problem, platform):
-            return super().key_reading(problem, platform)
-        keys = ("MXFP4 nibbles placed as exact e4m3 bytes, one k32 MMA step per 32-element block, scaled by its e8m0 "
-                "exponent in fp32" if kv_kind(problem.cache_dtype) == KV_FP4
-                else "the stored e4m3fn bytes as the MMA operand")
-        emulated = " (emulated with exact fp32 dots under TRITON_INTERPRET=1)" if platform.interpreter else ""
-        return f"e4m3 tensor cores (QSA_AITER_FP8_MMA=1): {keys}; q split into two e4m3 terms{emulated}"
 
 
 SPEC = StackedSpec()

@@ -169,6 +169,16 @@ def pair_dot(q_first, q_second, k_first, k_second, KV_KIND: tl.constexpr):
 
 
 @triton.jit
+def keys_major_pair_dot(q_first, q_second, k_first, k_second, KV_KIND: tl.constexpr):
+    """``pair_dot`` with the keys as the M operand: ``[BLOCK_N, M]`` fp32 (``store_keys_major`` scores it)."""
+    if KV_KIND == KIND_FP4:
+        dots = tl.dot(k_second, tl.trans(q_second), tl.dot(k_first, tl.trans(q_first)))
+    else:
+        dots = tl.dot(k_first, tl.trans(q_first))
+    return dots
+
+
+@triton.jit
 def fp8_keys_major_dots(keys, q_hi, q_lo, q_factor):
     """``FP8_DOT`` dots, keys major: e4m3 keys ``[BLOCK_N, D]`` (as stored) against q's two e4m3 terms ``[M, D]``
     (``load_q_tile``), one fp32 accumulator ``[BLOCK_N, M]`` times q's row scales ``[M]``. With the keys as the M

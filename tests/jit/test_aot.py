@@ -49,9 +49,9 @@ UNPACK_MARK = "0x1C1C1C1C"
 ALL_MARKS = sorted(set(DECODER_MARKS.values()) | set(ROWWISE_DECODER_MARKS.values()) | {UNPACK_MARK})
 # The builds that score with e4m3 tensor cores instead of decoding the keys (QSA_AITER_FP8_MMA): e4m3fn keys as
 # stored, MXFP4 keys unpacked to e4m3 bytes.
-FP8_MMA_BUILDS = {("stacked", "sm_90", "fp8"), ("stacked", "sm_90", "fp4")}
+FP8_MMA_BUILDS = {(kernel, "sm_90", variant) for kernel in ("stacked", "keys_major") for variant in ("fp8", "fp4")}
 # Those builds again with QSA_AITER_FP8_MMA=0 (``compile_kernel(..., e4m3_mma=False)``): the PTX decoders instead.
-DECODED_BUILDS = [("stacked", "sm_90", "fp8"), ("stacked", "sm_90", "fp4")]
+DECODED_BUILDS = sorted(FP8_MMA_BUILDS)
 
 _CHILD = r"""
 import json, sys
@@ -160,8 +160,8 @@ def test_tensor_core_use(compiled, kernel, target, variant):
 
 @EVERY_BUILD
 def test_quantised_decoders_per_target(compiled, kernel, target, variant):
-    """NVIDIA builds decode quantised keys with the PTX decoders, except the stacked scorer with bf16 q on e4m3fn keys,
-    which feeds the stored keys to e4m3 tensor cores, and on MXFP4 keys, which it unpacks to e4m3 bytes (the unpack's
+    """NVIDIA builds decode quantised keys with the PTX decoders, except the stacked and keys-major scorers with bf16 q
+    on e4m3fn keys, which feed the stored keys to e4m3 tensor cores, and on MXFP4 keys, which they unpack to e4m3 bytes (the unpack's
     PTX) for them; AMD builds (and 16-bit caches) use neither."""
     result = build(compiled, kernel, target, variant)
     marks = ROWWISE_DECODER_MARKS if kernel == "rowwise" else DECODER_MARKS
@@ -198,7 +198,7 @@ def test_unknown_kernel_or_target():
 
 def test_targets_and_kernels():
     assert set(TARGETS) == {"sm_90", "gfx942", "gfx950"}
-    assert set(SCORERS) == {"rowwise", "stacked", "tiled"}
+    assert set(SCORERS) == {"rowwise", "stacked", "keys_major", "tiled"}
 
 
 @pytest.mark.skipif(not interpreting(), reason="only kernels decorated under TRITON_INTERPRET=1 are affected")

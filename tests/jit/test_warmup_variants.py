@@ -164,7 +164,9 @@ def test_the_public_ops_launch_only_warmed_variants(arch, monkeypatch):
         keys = torch.randn(8, 128, generator=gen).to(q_dtype)
         qsa_aiter.qsa_write_index_cache(keys, torch.arange(8), cache, scale)
     kinds = collections.Counter(kernel for kernel, _ in launched)
-    assert set(kinds) == set(warmup.KERNELS), kinds
+    # The keys-major scorer serves where the tuned rows measured it faster: only the H200 has such rows.
+    expected = set(warmup.KERNELS) - ({"keys_major"} if arch != "sm_90" else set())
+    assert set(kinds) == expected, kinds
     missing = sorted({v for v in launched if v not in warmed})
     assert missing == [], f"{len(missing)} launched variants are not warmed, e.g. {missing[:2]}"
 
