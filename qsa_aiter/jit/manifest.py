@@ -41,7 +41,7 @@ class Entry(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kernel: str = Field(description="kernel module: rowwise, stacked, tiled, cache_writer, topk, expand")
+    kernel: str = Field(description="kernel module: rowwise, stacked, keys_major, tiled, cache_writer, topk, expand")
     function: str = Field(description="module-qualified name of the @triton.jit function")
     constexprs: dict[str, Any] = Field(description="constexpr (and value-specialised) arguments by name")
     options: dict[str, Any] = Field(description="launch options: num_warps, num_stages")
