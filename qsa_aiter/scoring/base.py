@@ -104,6 +104,20 @@ def request_block_rows(problem) -> int:
     return min(max(rows, 16 // problem.num_heads, 1), 16)
 
 
+def stacked_constexprs(problem, platform: Platform, cfg) -> dict:
+    """The constexprs the stacked and keys-major scorers share, from ``cfg`` (``block_rows``, ``block_n``,
+    ``scalar_pages``)."""
+    mma = e4m3_mma(problem, platform)
+    kind = kv_kind(problem.cache_dtype)
+    return dict(
+        RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
+        PAGE_SIZE=problem.block_size, BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n,
+        KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, mma),
+        FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
+        FP8_DOT=mma, SCALE_WORDS=problem.scale_aligned and scale_words_fit(problem.head_dim),
+    )
+
+
 class ScorerSpec(KernelSpec):
     """A scoring kernel: the common arguments (``ScoreArgs``), every cache format, and its place in the registry's
     order per phase (``ranks``: lower runs first; the ROCm libraries and the torch reference rank among them)."""

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import triton
 import triton.language as tl
 
-from ..quant.dequant import KIND_FP4, KV_16BIT, dot_dtype, key_values, kv_kind
+from ..quant.dequant import KIND_FP4, key_values
 from ..spec import COUNT_OR_ZERO, FLAG, cdiv
-from .base import DYNAMIC_SCALARS, ScorerSpec, e4m3_mma, request_block_rows, scale_words_fit, stacked_shape_reason
+from .base import DYNAMIC_SCALARS, ScorerSpec, request_block_rows, stacked_constexprs, stacked_shape_reason
 from .tiles import (
     block_request, fp4_keys_major_dots, fp4_tile_exponents, fp8_keys_major_dots, fp8_tile_scales, key_tile_slots,
     keys_major_pair_dot, load_keys, load_q_tile, row_visibility, store_keys_major,
@@ -145,15 +145,7 @@ class KeysMajorSpec(ScorerSpec):
         return KeysMajorConfig(block_rows=request_block_rows(problem), scalar_pages=int(problem.block_size >= 64))
 
     def constexprs(self, problem, platform, cfg: KeysMajorConfig) -> dict:
-        mma = e4m3_mma(problem, platform)
-        kind = kv_kind(problem.cache_dtype)
-        return dict(
-            RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
-            PAGE_SIZE=problem.block_size, BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n,
-            TILES=self._tiles(problem, cfg), KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, mma),
-            FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
-            FP8_DOT=mma, SCALE_WORDS=problem.scale_aligned and scale_words_fit(problem.head_dim),
-        )
+        return {**stacked_constexprs(problem, platform, cfg), "TILES": self._tiles(problem, cfg)}
 
     def _tiles(self, problem, cfg: KeysMajorConfig) -> int:
         if cfg.tiles_per_program:

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import triton
 import triton.language as tl
 
-from ..quant.dequant import KIND_FP4, KV_16BIT, KV_FP4, dot_dtype, key_values, kv_kind
+from ..quant.dequant import KIND_FP4, KV_16BIT, KV_FP4, key_values, kv_kind
 from ..spec import COUNT_OR_ZERO, FLAG, cdiv
 from .base import (
-    DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma, request_block_rows, scale_words_fit,
+    DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma, request_block_rows, stacked_constexprs,
     stacked_shape_reason,
 )
 from .tiles import (
@@ -157,15 +157,7 @@ class StackedSpec(ScorerSpec):
         return StackedConfig(block_rows=rows, scalar_pages=int(kind == KV_16BIT))
 
     def constexprs(self, problem, platform, cfg: StackedConfig) -> dict:
-        mma = e4m3_mma(problem, platform)
-        kind = kv_kind(problem.cache_dtype)
-        return dict(
-            RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
-            PAGE_SIZE=problem.block_size, BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n,
-            KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, mma),
-            FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
-            FP8_DOT=mma, SCALE_WORDS=problem.scale_aligned and scale_words_fit(problem.head_dim),
-        )
+        return stacked_constexprs(problem, platform, cfg)
 
     def grid(self, problem, platform, cfg: StackedConfig) -> tuple[int, int]:
         blocks = cdiv(problem.num_tokens, cfg.block_rows)
