@@ -15,7 +15,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from qsa_aiter import log, registry  # noqa: E402
+from qsa_aiter.jit.triton_compat import install_uniform_interpreter_dots  # noqa: E402
+from qsa_aiter.platform import interpreting  # noqa: E402
 from qsa_aiter.settings import ENV_VARIABLES  # noqa: E402
+
+if interpreting():
+    # Interpreted dots sum every element alike, as an MMA does, whatever BLAS kernel this CPU picks (tie tests).
+    install_uniform_interpreter_dots()
 
 
 def pytest_configure(config):

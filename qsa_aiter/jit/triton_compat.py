@@ -4,7 +4,8 @@ Tested on Triton 3.6 (the GPU machine's) and 3.9 (what current torch installs); 
 range. The JIT cache (the ``jit`` package) and the ahead-of-time builds (``jit.aot``) import Triton's private names from here
 only, and reach a ``JITFunction``'s internals (its per-device caches, binder and argument packing, compile path and
 launch entry) and Triton's hooks through the functions here, so a new release is adapted in this module. The JIT
-cache's two subclasses of Triton's classes (``CompiledKernel``, ``FileCacheManager``) are the other contact.
+cache's two subclasses of Triton's classes (``CompiledKernel``, ``FileCacheManager``) are the other contact; the
+interpreter's dot, replaced for the tests and the fuzzer (``install_uniform_interpreter_dots``), is the last.
 """
 
 from __future__ import annotations
@@ -135,3 +136,35 @@ def _launcher_entry(launcher) -> tuple | None:
 def _idle(hook) -> bool:
     """Whether a launch hook knob calls nothing (unset, or a ``HookChain`` without hooks)."""
     return hook is None or (isinstance(hook, HookChain) and not hook.calls)
+
+
+def install_uniform_interpreter_dots() -> None:
+    """Make the Triton interpreter's ``tl.dot`` sum every output element in the same order (idempotent).
+
+    The interpreter computes a dot with ``np.matmul``, whose BLAS kernel rounds an element by its place in the tile
+    (vector body against tail, fused or separate multiply-adds, chosen by the CPU), so identical keys can score
+    differently on one machine and alike on another. A GPU's MMA treats every element alike; this does too: fp32
+    products, then one add per K step in K order, the same for every element. The test suite and the fuzzer install
+    it; it changes nothing outside the interpreter.
+    """
+    import numpy as np
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "uniform_sums", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data
+        if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating():
+            a_data = interpreter._convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+        if b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating():
+            b_data = interpreter._convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+        acc = d.data.dtype
+        # [..., M, K, N] products summed over K: a reduction over a non-contiguous axis adds K slices in order.
+        products = a_data.astype(acc)[..., :, :, None] * b_data.astype(acc)[..., None, :, :]
+        return interpreter.TensorHandle(products.sum(axis=-2, dtype=acc) + d.data, d.dtype.scalar)
+
+    create_dot.uniform_sums = True
+    builder.create_dot = create_dot

@@ -130,7 +130,7 @@ class ScorerSpec(KernelSpec):
     universal: ClassVar[bool] = False
     #: A ``QsaSettings`` switch that, when off, rules the kernel out (None: none).
     switch: ClassVar[str | None] = None
-    #: Scores with ``tl.dot`` (tensor cores): under the interpreter its summation order follows the operand shapes.
+    #: Scores with ``tl.dot`` (tensor cores).
     tensor_cores: ClassVar[bool] = True
     #: Feeds e4m3fn and MXFP4 keys to e4m3 tensor cores where ``e4m3_mma`` allows (``FP8_DOT``).
     e4m3_keys: ClassVar[bool] = False

@@ -35,6 +35,7 @@ import torch
 from .. import registry
 from ..cache.reference import write_reference
 from ..cli_args import positive_int
+from ..jit.triton_compat import install_uniform_interpreter_dots
 from ..platform import interpreting
 from ..scoring import SPECS as SCORING_SPECS
 from ..scoring.op import describe_call, qsa_paged_mqa_logits
@@ -48,10 +49,9 @@ SCORING_PATHS = tuple(spec.name for spec in SCORING_SPECS) + ("torch", "auto")
 SELECTION_PATHS = ("topk", "topk_torch", "expand", "expand_torch")
 PATHS = SCORING_PATHS + SELECTION_PATHS
 PAGE_SIZES = (1, 3, 5, 16, 33, 64, 100)
-#: Paths whose row scored alone must equal the row in the batch bitwise. Under the interpreter a ``tl.dot`` is
-#: NumPy's matmul, whose summation order changes with the operands' shapes (a stacked tile's M follows the rows per
-#: request), so there the tensor-core kernels are left out; on a GPU the MMA's order is fixed and every kernel counts.
-ALONE_CHECKED = tuple(spec.name for spec in SCORING_SPECS if not (spec.tensor_cores and interpreting())) + ("torch",)
+#: Paths whose row scored alone must equal the row in the batch bitwise: every one (under the interpreter too, where
+#: ``run`` makes every ``tl.dot`` sum in one fixed order, as an MMA does).
+ALONE_CHECKED = tuple(spec.name for spec in SCORING_SPECS) + ("torch",)
 CACHE_KINDS = ("bf16", "bf16", "fp16", "fp8", "fp8_fnuz", "fp4")
 
 
@@ -344,6 +344,8 @@ def run(paths: tuple[str, ...], cases: int, seed: int, device: torch.device,
         progress: Callable[[str], None] | None = None) -> list[PathResult]:
     """Run ``cases`` cases (seeds ``seed .. seed + cases - 1``) through each path. A scoring case is drawn once and
     run through every scoring path."""
+    if interpreting():
+        install_uniform_interpreter_dots()
     results = {path: PathResult(path) for path in paths}
     scoring = [p for p in paths if p in SCORING_PATHS]
     for i in range(cases):
