@@ -158,13 +158,14 @@ class WarmContext:
                     if not candidate.reasons(work, self.platform, self.settings):
                         yield f"{spec.name} {cache_name} page {page} ({phase} {requests}x{rows})", work
 
-    def selection_problem(self, requests: int, fused: bool, with_maxima: bool = False) -> SelectionProblem:
-        """The model's selection budget on ``requests`` rows of ``_LOGITS_WIDTH`` logits (``_LONG_LOGITS_WIDTH``
-        ``with_maxima``: the long rows that take the column-block maxima)."""
+    def selection_problem(self, requests: int, fused: bool, with_maxima: bool = False,
+                          rows: int | None = None) -> SelectionProblem:
+        """The model's selection budget on ``rows`` (default: ``requests``, one each) rows of ``_LOGITS_WIDTH``
+        logits (``_LONG_LOGITS_WIDTH`` ``with_maxima``: the long rows that take the column-block maxima)."""
         ratio, token_topk = MODEL["compress_ratio"], MODEL["token_topk"]
         width = _LONG_LOGITS_WIDTH if with_maxima else _LOGITS_WIDTH
-        return SelectionProblem(requests, width, token_topk // ratio, ratio, token_topk, fused, requests,
-                                with_maxima)
+        return SelectionProblem(requests if rows is None else rows, width, token_topk // ratio, ratio, token_topk,
+                                fused, requests, with_maxima)
 
     def writer_kinds(self):
         """``(cache name, keys dtype, writer kind)`` of the matrix's caches."""

@@ -313,6 +313,19 @@ class TopkConfig:
                 raise ValueError(f"{name} must be a power of two; got {getattr(self, name)}")
 
 
+#: From this many rows per multiprocessor (prefill batches) programs of 4 warps, not 8: there the rows fill the GPU
+#: many times over and 4 warps measured faster on the H200 (docs/selection.md).
+FEW_WARPS_ROWS_PER_MULTIPROCESSOR = 4
+
+
+def warps_for(rows: int, platform: Platform) -> int:
+    """Warps per program of a launch over ``rows`` rows: 8 (one row's chain of radix steps runs fastest), 4 once the
+    rows are many times the multiprocessors."""
+    if platform.multiprocessors and rows >= FEW_WARPS_ROWS_PER_MULTIPROCESSOR * platform.multiprocessors:
+        return 4
+    return TopkConfig.num_warps
+
+
 def capacity(block_topk: int, cfg: TopkConfig) -> int:
     """Lanes of the maxima pass and candidates held in registers for ``block_topk`` groups per row."""
     return max(16, next_pow2(cfg.capacity_factor * block_topk))
@@ -346,7 +359,7 @@ class TopkSpec(KernelSpec):
     Config = TopkConfig
 
     def default_config(self, problem, platform) -> TopkConfig:
-        return TopkConfig()
+        return TopkConfig(num_warps=warps_for(problem.rows, platform))
 
     def constexprs(self, problem: SelectionProblem, platform, cfg: TopkConfig) -> dict:
         fused = (expand.constexprs(problem.compress_ratio, problem.block_topk, problem.token_topk)
@@ -377,6 +390,12 @@ class TopkSpec(KernelSpec):
             yield f"topk+expand {requests} requests", context.selection_problem(requests, fused=True)
             yield (f"topk+expand {requests} requests, long rows",
                    context.selection_problem(requests, fused=True, with_maxima=True))
+        # A prefill batch: rows enough for programs of fewer warps (``warps_for``).
+        multiprocessors = context.platform.multiprocessors or 1
+        prefill_rows = FEW_WARPS_ROWS_PER_MULTIPROCESSOR * multiprocessors
+        for requests in context.request_counts:
+            yield (f"topk+expand {requests} requests, {prefill_rows} prefill rows",
+                   context.selection_problem(requests, fused=True, rows=prefill_rows))
 
 
 SPEC = TopkSpec()

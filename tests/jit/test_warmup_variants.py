@@ -56,12 +56,13 @@ def test_the_matrix_covers_every_kernel_cache_page_and_index_dtype(matrix_varian
         kinds = collections.Counter(v["kernel"] for v in variants)
         # scorers: 5 cache dtypes x 2 page sizes x 2 index dtypes, at least one config each; the writer: 5 x 2;
         # top-k: alone (no index tensors: one variant) and fused with the expansion for 3 request-count kinds x 2,
-        # each for short rows and for long rows through the block maxima; the block maxima: one; the expansion:
+        # each for short rows, for long rows through the block maxima and for a prefill batch (programs of 4 warps,
+        # topk.warps_for); the block maxima: one; the expansion:
         # 3 x 2. Tuned rows add their buckets' configs (sm_90 has rows for every scorer).
         assert kinds["rowwise"] >= 20 and kinds["tiled"] >= 20 and kinds["stacked"] >= 20
         if arch == "gfx950":  # rows for the stacked scorer only
             assert kinds["rowwise"] == kinds["tiled"] == 20
-        assert (kinds["cache_writer"], kinds["topk"], kinds["block_maxima"], kinds["expand"]) == (10, 14, 1, 6)
+        assert (kinds["cache_writer"], kinds["topk"], kinds["block_maxima"], kinds["expand"]) == (10, 20, 1, 6)
         for kernel in SCORERS:
             mine = [v for v in variants if v["kernel"] == kernel]
             assert {v["constexprs"]["KV_KIND"] for v in mine} == {"0", "1", "2", "3"}

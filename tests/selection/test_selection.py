@@ -289,6 +289,21 @@ def test_long_rows_take_the_block_maxima_where_rows_leave_multiprocessors_idle()
     assert "already give each of the 132" in topk.maxima_reason(256, 67072, h200)
 
 
+def test_prefill_batches_take_programs_of_four_warps():
+    from qsa_aiter.platform import Platform
+    from qsa_aiter.selection import topk
+    from qsa_aiter.selection.problem import SelectionProblem
+
+    h200 = Platform.named("sm_90")
+    assert topk.warps_for(256, h200) == 8  # 64x4 verify
+    assert topk.warps_for(4 * 132 - 1, h200) == 8
+    assert topk.warps_for(4 * 132, h200) == 4
+    assert topk.warps_for(4096, h200) == 4  # a 4096-row prefill chunk
+    assert topk.warps_for(4096, Platform.named("gfx942")) == 4  # 304 CUs: 1216 rows and more
+    plan = topk.SPEC.plan(SelectionProblem(4096, 8192, 512), h200)
+    assert plan.options["num_warps"] == 4 and plan.config.num_warps == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["random", "ties", "equal"])
