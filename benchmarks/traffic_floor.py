@@ -132,7 +132,8 @@ def main() -> None:
             continue
         scorer = time_launcher(inputs, lambda p, args: registry.plan_for(
             stacked.SPEC, p, Platform.of(args.q.device)).launch(*args.kernel_args()), a.replays)
-        pct = lambda us: 100 * inputs.nbytes / (us * 1e-6) / copy_bps  # noqa: E731
+        nbytes = inputs.nbytes
+        pct = lambda us: 100 * nbytes / (us * 1e-6) / copy_bps  # noqa: E731
         print(f"{point.name:12s} {kv:4s} {page:4d} {best[0]:9.2f} {pct(best[0]):6.1f} {scorer:10.2f} "
               f"{pct(scorer):6.1f} {scorer / best[0]:13.3f}  {best[1]}")
         del inputs
