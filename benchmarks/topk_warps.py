@@ -15,9 +15,9 @@ import torch
 
 from qsa_aiter.selection import topk
 from qsa_aiter.selection.ops import torch_block_topk
-from qsa_aiter.tools.bench import selection_inputs, time_graph, work_points
+from qsa_aiter.tools.bench import points_named, selection_inputs, time_graph
 
-POINTS = ("9x4@64K-128K", "4x4@262K", "1x1@262K", "64x4@98K", "128x1@98K", "prefill 16K@96K")
+POINTS = "9x4@64K-128K,4x4@262K,1x1@262K,64x4@98K,128x1@98K,prefill 16K@96K"
 PREFILL_ROWS = (256, 512, 1024, 2048, 4096, 16384)
 
 
@@ -28,9 +28,7 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=30)
     a = ap.parse_args()
     print("point,rows,columns,w8_us,w4_us,w2_us,w4_over_w8")
-    for point in work_points():
-        if point.name not in POINTS:
-            continue
+    for point in points_named(POINTS):
         inputs = selection_inputs(point, a.page, a.kv)
         logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
         block_topk = groups.shape[1]

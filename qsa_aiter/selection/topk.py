@@ -390,10 +390,9 @@ class TopkSpec(KernelSpec):
             yield f"topk+expand {requests} requests", context.selection_problem(requests, fused=True)
             yield (f"topk+expand {requests} requests, long rows",
                    context.selection_problem(requests, fused=True, with_maxima=True))
-        # A prefill batch: rows enough for programs of fewer warps (``warps_for``).
-        multiprocessors = context.platform.multiprocessors or 1
-        prefill_rows = FEW_WARPS_ROWS_PER_MULTIPROCESSOR * multiprocessors
-        for requests in context.request_counts:
+        # A prefill batch: rows enough for programs of fewer warps (``warps_for``; none without a multiprocessor count).
+        prefill_rows = FEW_WARPS_ROWS_PER_MULTIPROCESSOR * (context.platform.multiprocessors or 0)
+        for requests in context.request_counts if prefill_rows else ():
             yield (f"topk+expand {requests} requests, {prefill_rows} prefill rows",
                    context.selection_problem(requests, fused=True, rows=prefill_rows))
 
