@@ -3,14 +3,15 @@ every change that could make a plan stale misses it.
 
 On the CPU the interpreter compiles nothing, so the ``replaying`` fixture stands a recorder in for the compiled
 kernels: the first call's launches are recorded as usual, and a replay runs the interpreted kernel on the arguments
-the cached plan built (with the recorded grid and constexprs). That checks what the cache adds: the signature, the
-argument building and the invalidation. The GPU test at the end runs the real compiled kernels.
+the cached plan built (with the recorded grid and constexprs), each pointer argument (an integer address) rebuilt as a
+tensor over that memory with the layout of the recorded call's tensor. That checks what the cache adds: the
+signature, the addresses (a wrong scratch offset reads the wrong memory), the recorded scalars and the invalidation.
+The GPU test at the end runs the real compiled kernels.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
+import ctypes
 
 import pytest
 import torch
@@ -18,7 +19,6 @@ import torch
 import qsa_aiter
 from qsa_aiter import call_plans, registry, spec
 from qsa_aiter.jit import triton_compat
-from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.selection import replay
 from qsa_aiter.selection.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.testing import poisoned_logits
@@ -31,10 +31,19 @@ TOKEN_TOPK = 60  # 15 groups of R = 4 (an odd count: the replay's scratch parts 
 
 
 class _Recorded:
-    """Stands in for a compiled kernel: its replays run the plan's (interpreted) function."""
+    """Stands in for a compiled kernel: its replays run the plan's (interpreted) function; ``args`` are the recorded
+    call's positional arguments."""
 
-    def __init__(self, plan):
-        self.plan, self.replays = plan, 0
+    def __init__(self, plan, args):
+        self.plan, self.args, self.replays = plan, args, 0
+
+
+def _over(address: int, like: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over the memory at ``address`` laid out as ``like`` (same dtype, shape and strides)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(like.shape, like.stride())) if like.numel() else 0
+    nbytes = span * like.element_size()
+    raw = torch.frombuffer((ctypes.c_char * max(nbytes, 1)).from_address(address), dtype=torch.uint8)
+    return raw[:nbytes].view(like.dtype).as_strided(like.shape, like.stride())
 
 
 class _Launches(list):
@@ -53,13 +62,15 @@ def replaying(monkeypatch):
         self.fn[self.grid](*args, **self.constexprs, **self.options)
         launches = spec._recording.get()
         if launches is not None:
-            recorded.append(_Recorded(self))
+            recorded.append(_Recorded(self, args))
             launches.append((self, recorded[-1], args))
 
     def launcher(kernel, grid, device):
         def run(params):
+            assert all(isinstance(p, int) for p, a in zip(params, kernel.args) if isinstance(a, torch.Tensor))
             kernel.replays += 1
-            kernel.plan.fn[grid](*params, **kernel.plan.options)
+            tensors = [_over(p, a) if isinstance(a, torch.Tensor) else p for p, a in zip(params, kernel.args)]
+            kernel.plan.fn[grid](*tensors, *params[len(tensors):], **kernel.plan.options)
         return run
 
     monkeypatch.setattr(spec.LaunchPlan, "launch", launch)
@@ -73,11 +84,6 @@ def replaying(monkeypatch):
 def _verify_batch(gen):
     batch = make_batch([700, 1201, 403], [4, 3, 4], padded_rows=2, page_size=16, head_dim=64, generator=gen)
     return batch.args(), dict(phase="verify", max_query_len=batch.max_query_len)
-
-
-def _problem():
-    args, hints = _verify_batch(torch.Generator().manual_seed(0))
-    return describe_call(*args, **hints)
 
 
 def _replays(recorded) -> int:
@@ -152,6 +158,18 @@ def test_repeated_top_k_and_expansion_calls_replay_their_plans(replaying, rng):
     assert _replays(replaying) == 2
     assert torch.equal(tokens_out[1], reference_expand_block_indices(groups[0], positions, context_lens, t2r, 4,
                                                                      TOKEN_TOPK))
+
+
+def test_a_repeated_top_k_of_long_rows_replays_its_block_maxima(replaying, rng):
+    """Rows of at least ``MAXIMA_MIN_COLUMNS`` take the block maxima first: the replay puts them in its scratch
+    after the candidates."""
+    from qsa_aiter.selection.topk import MAXIMA_MIN_COLUMNS
+
+    logits = torch.randn((2, MAXIMA_MIN_COLUMNS + 37), generator=rng)
+    visible = torch.tensor([MAXIMA_MIN_COLUMNS + 37, 40000], dtype=torch.int32)
+    groups = [qsa_aiter.qsa_block_topk(logits, visible, 15) for _ in range(2)]
+    assert [r.plan.kernel for r in replaying] == ["block_maxima", "topk"] and _replays(replaying) == 2
+    assert torch.equal(groups[1], reference_block_topk(logits, visible, 15))
 
 
 def test_a_chunked_selection_is_not_cached(replaying, rng):
@@ -257,13 +275,19 @@ def _plan(kernel, fn, constexprs):
     return spec.LaunchPlan(kernel, fn, (1,), constexprs, {})
 
 
-def test_direct_launches_take_only_the_expected_kernels_with_trailing_constexprs(monkeypatch):
+def test_direct_launches_take_only_the_expected_kernels_with_leading_pointers_and_trailing_constexprs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(triton_compat, "compiled_launcher", lambda kernel, grid, device: None)
     fn = _Fn("x", "N", "BLOCK")
-    good = (_plan("a", fn, {"BLOCK": 4}), object(), ("x", 3))
-    other = (_plan("b", fn, {"BLOCK": 8}), object(), ("x", 3))
-    assert call_plans.direct_launches([good, other], ("a", "b"))[1].constexprs == (8,)
+    x = torch.zeros(4)
+    good = (_plan("a", fn, {"BLOCK": 4}), object(), (x, 3))
+    other = (_plan("b", fn, {"BLOCK": 8}), object(), (x, 3))
+    direct = call_plans.direct_launches([good, other], ("a", "b"))
+    assert (direct[1].pointers, direct[1].tail) == (1, (3, 8))  # the recorded scalar, then the constexpr
+    two = _Fn("x", "y", "N", "BLOCK")
+    assert call_plans.direct_launches([(_plan("a", two, {"BLOCK": 4}), object(), (x, x, 3))], ("a",))[0].pointers == 2
+    # A tensor after a scalar: its address could not lead the replayed arguments.
+    assert call_plans.direct_launches([(_plan("a", two, {"BLOCK": 4}), object(), (x, 3, x))], ("a",)) is None
     assert len(call_plans.direct_launches([good], ("a", "m?"))) == 1  # an optional kernel may be absent
     assert call_plans.direct_launches([other, good], ("a", "b")) is None  # the wrong order
     assert call_plans.direct_launches([good], ("a", "b")) is None  # one missing
@@ -275,22 +299,23 @@ def test_direct_launches_take_only_the_expected_kernels_with_trailing_constexprs
     assert call_plans.direct_launches([(_plan("a", fn, {}), object(), ("x", 3))], ("a",)) is None  # BLOCK unknown
 
 
-def test_the_selection_scratch_parts_start_aligned():
-    for tokens, block_topk in ((13, 15), (37, 511), (1, 1), (64, 512)):
-        plan = replay.SelectionPlan(dataclasses.replace(_problem(), num_tokens=tokens), block_topk, 4 * block_topk,
-                                 None, None, None, 2 * max(16, 1 << (2 * block_topk - 1).bit_length()))
-        starts = list(itertools.accumulate(plan.scratch_sizes, initial=0))
-        assert all(starts[part] * 4 % 64 == 0 for part in (0, 1, 3)), plan.scratch_sizes  # part 2 is padding
+def test_the_replay_scratch_parts_start_aligned_and_apart():
+    for sizes in ((13 * 301, 13 * 32, 13 * 15, 13, 0), (37 * 7, 37 * 1024, 37 * 511, 37, 37 * 16), (1, 1, 1, 1, 1)):
+        offsets, elements = replay._scratch_parts(*sizes)
+        assert all(offset % 64 == 0 for offset in offsets), offsets
+        ends = [offset + 4 * size for offset, size in zip(offsets, sizes)]
+        assert all(end <= start for end, start in zip(ends, offsets[1:])) and ends[-1] <= 4 * elements
 
 
 def test_signatures_tell_apart_what_validation_reads():
     t = torch.zeros(8, 4)
-    sig = lambda *tensors, hosts=(): call_plans.signature(("op", 0), tensors, hosts)  # noqa: E731
+    sig = lambda *tensors, hosts=(): call_plans.signature(("op", 0), tensors, hosts)[0]  # noqa: E731
     assert sig(t) == sig(torch.ones(8, 4))
     assert sig(t) != sig(t.double()) and sig(t) != sig(t[:4]) and sig(t) != sig(t.t())
     assert sig(t) != sig(torch.zeros(33)[1:].view(8, 4))  # the same shape 4 bytes off a 16-byte boundary
     assert sig(t, None) != sig(t, t) and sig(t, hosts=(1,)) != sig(t, hosts=(True,))
     assert sig(t, [1]) is None  # not a tensor: the validating path names it
+    assert call_plans.signature(("op", 0), (t, None), ())[1] == [t.data_ptr(), 0]  # what a replay passes
 
 
 @pytest.mark.gpu
@@ -317,6 +342,12 @@ def test_cached_calls_on_the_gpu_run_the_compiled_kernels_eagerly_and_in_a_graph
     assert torch.equal(logits[mask], scored[0][mask])
     assert torch.equal(first.cpu(), _reference_selection(tuple(a.cpu() if torch.is_tensor(a) else a for a in args),
                                                          token_topk))
+    # One long request (more columns than MAXIMA_MIN_COLUMNS): the replay's scratch holds the block maxima too.
+    long = make_batch([300_000], 4, page_size=64, head_dim=128, device="cuda", generator=gen)
+    long_args = long.args()
+    picked = [qsa_aiter.qsa_select_paged_tokens(*long_args[:6], token_topk, long_args[6], **hints).clone()
+              for _ in range(2)]
+    assert torch.equal(picked[0], picked[1])
     graph, _ = capture_graph(
         lambda: qsa_aiter.qsa_select_paged_tokens(*args[:6], token_topk, args[6], out=out, **hints))
     for step in range(2):

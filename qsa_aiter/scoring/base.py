@@ -47,22 +47,21 @@ class ScoreArgs:
     k_scale: torch.Tensor | None = None
 
     def kernel_args(self) -> tuple:
-        """Positional arguments of every scoring kernel, in the order of their signatures."""
-        return score_kernel_args(self.q, self.k_cache, self.k_scale, self.page_table, self.token_to_request,
-                                 self.query_positions, self.context_lens, self.logits, self.visible, self.num_columns,
-                                 self.scale)
+        """Positional arguments of every scoring kernel, in the order of their signatures: ``SCORE_POINTERS``
+        tensors, then the scalars (a cached call replays them with the tensors' addresses, ``ScoringPlan``)."""
+        cache = kernel_view(self.k_cache)
+        # 16-bit caches have no scale tensor: the cache stands in for the never-read pointer.
+        k_scale = cache if self.k_scale is None else kernel_view(self.k_scale)
+        return (
+            self.q, cache, k_scale, self.page_table, self.token_to_request, self.query_positions, self.context_lens,
+            self.logits, self.visible, self.q.shape[0], self.page_table.shape[0], self.k_cache.shape[0],
+            self.num_columns, self.page_table.stride(0), self.logits.stride(0), self.scale,
+        )
 
 
-def score_kernel_args(q, k_cache, k_scale, page_table, token_to_request, query_positions, context_lens, logits,
-                      visible, num_columns: int, scale: float) -> tuple:
-    """``ScoreArgs.kernel_args`` of these fields (the host path of a cached call builds them without the dataclass)."""
-    cache = kernel_view(k_cache)
-    # 16-bit caches have no scale tensor: the cache stands in for the never-read pointer.
-    k_scale = cache if k_scale is None else kernel_view(k_scale)
-    return (
-        q, cache, k_scale, page_table, token_to_request, query_positions, context_lens, logits, visible,
-        q.shape[0], page_table.shape[0], k_cache.shape[0], num_columns, page_table.stride(0), logits.stride(0), scale,
-    )
+#: Pointer arguments leading every scoring kernel's signature: q, the cache, its scales (or the cache again), the page
+#: table, token_to_request, query_positions, context_lens, the logits, the visible counts.
+SCORE_POINTERS = 9
 
 
 def e4m3_mma(problem, platform: Platform) -> bool:

@@ -10,7 +10,7 @@ from .. import call_plans, registry
 from ..problem import ScoreProblem, validate_scoring_call
 from ..settings import get_settings
 from ..traced import through_custom_op
-from .base import ScoreArgs, score_kernel_args
+from .base import SCORE_POINTERS, ScoreArgs
 
 
 def _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
@@ -70,12 +70,12 @@ def qsa_paged_mqa_logits(
         written; int32 ``[tokens]`` visible group counts ``max(0, min((p+1)//R, ctx//R, num_columns))``.
     """
     settings = get_settings()  # read once per call
-    key = _signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                     compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len)
+    key, addresses = _signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
+                                context_lens, compress_ratio, score_divisor, max_columns, row_starts, k_scale, out,
+                                phase, max_query_len)
     plan = call_plans.lookup(key)
     if plan is not None:
-        return plan.run(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale,
-                        out, row_starts)
+        return plan.run(addresses, q, out, row_starts, k_scale is not None)
     with call_plans.recording() as launches:
         problem, divisor = _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions,
                                     context_lens, compress_ratio, score_divisor, max_columns, row_starts, k_scale,
@@ -86,14 +86,14 @@ def qsa_paged_mqa_logits(
             row_starts.zero_()
         visible = score_validated(problem, divisor, q, compressed_k_cache, page_table, token_to_request,
                                   query_positions, context_lens, k_scale, logits, settings)
-    call_plans.store(key, ScoringPlan.of(problem, 1.0 / divisor, launches), settings)
+    call_plans.store(key, ScoringPlan.of(problem, launches), settings)
     return logits, visible
 
 
 def _signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
                compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len):
-    """The call's ``call_plans`` signature: everything validation and dispatch read (None: not a cacheable call,
-    the validating path names what is wrong)."""
+    """The call's ``call_plans`` signature (``(key, addresses)``): everything validation and dispatch read (a None
+    key: not a cacheable call, the validating path names what is wrong)."""
     return call_plans.signature(
         ("qsa_paged_mqa_logits", id(settings)),
         (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, row_starts, k_scale, out),
@@ -102,30 +102,29 @@ def _signature(settings, q, compressed_k_cache, page_table, token_to_request, qu
 
 @dataclass(frozen=True)
 class ScoringPlan:
-    """A validated ``qsa_paged_mqa_logits`` signature: its problem, score scale and recorded kernel launch."""
+    """A validated ``qsa_paged_mqa_logits`` signature: its problem and recorded kernel launch."""
 
     problem: ScoreProblem
-    scale: float  # 1 / score_divisor
     launch: call_plans.DirectLaunch
 
     @classmethod
-    def of(cls, problem: ScoreProblem, scale: float, launches: list) -> "ScoringPlan | None":
+    def of(cls, problem: ScoreProblem, launches: list) -> "ScoringPlan | None":
         """The plan of a call that made ``launches`` (None unless it was one scoring kernel's launch)."""
         if problem.num_tokens == 0 or len(launches) != 1 or launches[0][0].kernel not in registry.SCORER_KERNELS:
             return None
         direct = call_plans.direct_launches(launches, (launches[0][0].kernel,))
-        return cls(problem, scale, direct[0]) if direct else None
+        return cls(problem, direct[0]) if direct and direct[0].pointers == SCORE_POINTERS else None
 
-    def run(self, q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale, out,
-            row_starts) -> tuple[torch.Tensor, torch.Tensor]:
-        """The call, for arguments of this plan's signature."""
+    def run(self, addresses, q, out, row_starts, has_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call, for arguments of this plan's signature: ``addresses`` of its tensors in ``_signature``'s order."""
+        q_at, cache_at, table_at, request_at, position_at, lens_at, _, scale_at, _ = addresses
         tokens, columns = self.problem.num_tokens, self.problem.num_columns
         logits = out if out is not None else q.new_empty((tokens, columns), dtype=torch.float32)
         if row_starts is not None:
             row_starts.zero_()
         visible = q.new_empty((tokens,), dtype=torch.int32)
-        self.launch(*score_kernel_args(q, compressed_k_cache, k_scale, page_table, token_to_request, query_positions,
-                                       context_lens, logits, visible, columns, self.scale))
+        self.launch(q_at, cache_at, scale_at if has_scale else cache_at, table_at, request_at, position_at, lens_at,
+                    logits.data_ptr(), visible.data_ptr())
         return logits, visible
 
 

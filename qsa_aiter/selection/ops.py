@@ -97,16 +97,16 @@ def qsa_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int,
         ``(-score, index)``, or every visible column when ``visible <= block_topk``.
     """
     settings = get_settings()
-    key = replay.topk_signature(settings, logits, visible, block_topk, out)
+    key, addresses = replay.topk_signature(settings, logits, visible, block_topk, out)
     plan = call_plans.lookup(key)
     if plan is not None:
-        return plan.run(logits, visible, out)
+        return plan.run(addresses, logits, out)
     op = "qsa_block_topk"
     block_topk = check_topk_args(op, logits, visible, block_topk)
     out = check_index_out(op, out, (logits.shape[0], block_topk), logits.device, "logits")
     with call_plans.recording() as launches:
         _block_topk_into(logits, visible, block_topk, out)
-    call_plans.store(key, replay.TopkPlan.of(block_topk, launches), settings)
+    call_plans.store(key, replay.TopkPlan.of(logits, block_topk, launches), settings)
     return out
 
 
@@ -184,11 +184,11 @@ def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch
         only tokens ``< context_len``, packed to the front, ``-1`` after them; padded rows all ``-1``.
     """
     settings = get_settings()
-    key = replay.expand_signature(settings, block_indices, query_positions, context_lens, token_to_request,
-                                  compress_ratio, token_topk, out)
+    key, addresses = replay.expand_signature(settings, block_indices, query_positions, context_lens,
+                                             token_to_request, compress_ratio, token_topk, out)
     plan = call_plans.lookup(key)
     if plan is not None:
-        return plan.run(block_indices, query_positions, context_lens, token_to_request, out)
+        return plan.run(addresses, block_indices, out)
     op = "qsa_expand_block_indices"
     check_tensor("block_indices", block_indices, ndim=2, dtypes=_INDEX_DTYPES, op=op)
     device = block_indices.device
@@ -272,13 +272,12 @@ def qsa_select_paged_tokens(
     validated (int32, that shape, q's device, last dim contiguous) before anything is written.
     """
     settings = get_settings()
-    key = replay.selection_signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
-                                     context_lens, token_topk, compress_ratio, out, logits_workspace_bytes,
-                                     max_seq_len, k_scale, phase, max_query_len)
+    key, addresses = replay.selection_signature(settings, q, compressed_k_cache, page_table, token_to_request,
+                                                query_positions, context_lens, token_topk, compress_ratio, out,
+                                                logits_workspace_bytes, max_seq_len, k_scale, phase, max_query_len)
     plan = call_plans.lookup(key)
     if plan is not None:
-        return plan.run(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale,
-                        out)
+        return plan.run(addresses, q, out, k_scale is not None)
     op = "qsa_select_paged_tokens"
     ratio, token_topk = check_topk_budget(op, compress_ratio, token_topk)
     workspace = check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)

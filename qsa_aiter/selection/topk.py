@@ -445,27 +445,20 @@ def launch(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block
     plan = SPEC.plan(problem, platform, config=cfg)
     candidates = torch.empty((tokens, buffer_width(block_topk, plan.config, with_maxima)), dtype=torch.int32,
                              device=logits.device)
-    run(logits, visible, out, block_topk, expand_into, block_maxima, maxima_plan.launch if maxima_plan else None,
-        plan.launch, candidates)
-
-
-def run(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int, expand_into: tuple | None,
-        block_maxima: torch.Tensor | None, maxima_launch, topk_launch, candidates: torch.Tensor) -> None:
-    """The launches of ``launch`` once it has chosen them: ``maxima_launch`` (None: no maxima launch) and
-    ``topk_launch`` take their kernels' positional arguments; ``candidates`` is the per-row scratch (int32
-    ``[tokens, buffer_width(...)]``, last dim contiguous). A cached selection call (``call_plans``) replays its
-    recorded kernels through it."""
-    tokens = logits.shape[0]
     if expand_into is None:
         pos = ctx = t2r = tok = visible  # unread: EXPAND is off
-        num_requests, tok_stride = 0, 0
+        tok_stride = 0
     else:
         pos, ctx, t2r, tok, _, _ = expand_into
-        num_requests, tok_stride = ctx.shape[0], tok.stride(0)
-    if maxima_launch is not None:
-        block_maxima = torch.empty(maxima.maxima_shape(tokens, logits.shape[1], block_topk), dtype=torch.float32,
+        tok_stride = tok.stride(0)
+    if maxima_plan is not None:
+        block_maxima = torch.empty(maxima.maxima_shape(tokens, columns, block_topk), dtype=torch.float32,
                                    device=logits.device)
-        maxima_launch(*maxima.kernel_args(logits, visible, block_maxima))
+        maxima_plan.launch(*maxima.kernel_args(logits, visible, block_maxima))
     block_max = block_maxima if block_maxima is not None else logits  # unread without maxima
-    topk_launch(logits, visible, out, candidates, block_max, pos, ctx, t2r, tok, logits.stride(0), out.stride(0),
-                candidates.stride(0), block_max.stride(0), num_requests, tok_stride, logits.shape[1])
+    plan.launch(logits, visible, out, candidates, block_max, pos, ctx, t2r, tok, logits.stride(0), out.stride(0),
+                candidates.stride(0), block_max.stride(0), num_requests, tok_stride, columns)
+
+
+#: Pointer arguments leading the top-k kernel's signature (a cached call replays them as addresses).
+TOPK_POINTERS = 9

@@ -247,7 +247,7 @@ def merge_rows(path: Path, rows: list[dict]) -> None:
     out = [replaced.pop(key(r), r) for r in existing] + list(replaced.values())
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer = csv.DictWriter(handle, fieldnames=fields, lineterminator="\n")  # the shipped tables' endings
         writer.writeheader()
         for r in out:
             writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})

@@ -89,6 +89,7 @@ def test_rows_are_written_in_place_and_load_back(tmp_path):
     assert all(any(line[i] for line in lines) for i in range(len(original), len(header)))
     assert set(header) <= set(tuned.TunedRow.model_fields)
     assert not list(tmp_path.glob("*.tmp"))
+    assert b"\r" not in path.read_bytes()  # line endings as the shipped tables have them
 
 
 def test_a_row_written_for_another_kernel_keeps_its_own_fields(tmp_path):
