@@ -6,6 +6,12 @@ per-head ``[BLOCK_M, D]`` operands (four dots per key tile, ReLU'd and summed in
 head counts as one rows x heads stacked M operand (one dot, ReLU per head, heads summed out of M). A row tile
 that spans requests walks them (in any order), one page-table row at a time, storing only the rows of the request in
 hand; column tiles past a request's visible range are never visited.
+
+With ``keys_major`` (4 heads) the operands swap: each key tile is the M operand and each head's q the N one, the
+four ``[BLOCK_N, BLOCK_M]`` results are ReLU'd and summed in registers and stored transposed. Decoded quantised
+keys then go to the tensor cores from registers rather than through shared memory, and e4m3fn keys with bf16
+queries go to e4m3 MMAs as stored, against q split into two e4m3 terms (``dequant.split_query_e4m3``), read from
+shared memory.
 """
 
 from __future__ import annotations
@@ -15,10 +21,13 @@ from dataclasses import dataclass, field
 import triton
 import triton.language as tl
 
-from ..quant.dequant import KV_16BIT, dot_dtype, kv_kind
+from ..quant.dequant import KV_16BIT, KV_FP4, dot_dtype, key_values, kv_kind
 from ..spec import FLAG, cdiv, is_pow2
-from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs
-from .tiles import load_keys, load_q_tile, pair_dot, row_visibility, stacked_head_scores
+from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma
+from .tiles import (
+    fp8_keys_major_dots, fp8_tile_scales, key_tile_slots, keys_major_pair_dot, load_keys, load_q_tile, pair_dot,
+    row_visibility, stacked_head_scores,
+)
 
 _NO_REQUEST = tl.constexpr(2147483647)  # larger than any request id
 
@@ -30,7 +39,7 @@ def _tiled_prefill_kernel(
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr,
     KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
-    SCALAR_PAGES: tl.constexpr,
+    SCALAR_PAGES: tl.constexpr, KEYS_MAJOR: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -45,10 +54,10 @@ def _tiled_prefill_kernel(
         # same accumulator layout, so ReLU and the head sum are plain register arithmetic.
         q_ok = rows < num_tokens
         q_head = rows.to(tl.int64) * 4
-        q0a, q0b, _ = load_q_tile(q_ptr, q_head, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
-        q1a, q1b, _ = load_q_tile(q_ptr, q_head + 1, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
-        q2a, q2b, _ = load_q_tile(q_ptr, q_head + 2, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
-        q3a, q3b, _ = load_q_tile(q_ptr, q_head + 3, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, False)
+        q0a, q0b, q0f = load_q_tile(q_ptr, q_head, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FP8_DOT)
+        q1a, q1b, q1f = load_q_tile(q_ptr, q_head + 1, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FP8_DOT)
+        q2a, q2b, q2f = load_q_tile(q_ptr, q_head + 2, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FP8_DOT)
+        q3a, q3b, q3f = load_q_tile(q_ptr, q_head + 3, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FP8_DOT)
     else:
         # Other head counts: the tile's rows x heads stacked into one M operand.
         q_rows = first_row.to(tl.int64) * NUM_HEADS + tl.arange(0, BLOCK_M * NUM_HEADS)
@@ -67,24 +76,56 @@ def _tiled_prefill_kernel(
         # stored without a per-element mask (most tiles of a prefill chunk).
         whole_tile = tl.sum(mine.to(tl.int32), axis=0) == BLOCK_M
         min_vis = tl.min(tl.where(mine, vis, _NO_REQUEST), axis=0)
-        for tile in range(col_prog, tl.cdiv(req_vis, BLOCK_N), col_progs):
+        n_tiles = tl.cdiv(req_vis, BLOCK_N)
+        if FP8_DOT:
+            # The fp8 scales a tile ahead (tiles.fp8_tile_scales); the stored key bytes are the MMA's M operand.
+            ahead = fp8_tile_scales(ks_ptr, pt_row, col_prog, n_tiles, req_vis, num_pages, scale, BLOCK_N, PAGE_SIZE,
+                                    SCALAR_PAGES)
+        for tile in range(col_prog, n_tiles, col_progs):
             cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            ka, kb, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages, scale, BLOCK_N,
-                                                PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE, SCALAR_PAGES)
-            if PER_HEAD:
-                acc = tl.maximum(pair_dot(q0a, q0b, ka, kb, KV_KIND), 0.0)
-                acc += tl.maximum(pair_dot(q1a, q1b, ka, kb, KV_KIND), 0.0)
-                acc += tl.maximum(pair_dot(q2a, q2b, ka, kb, KV_KIND), 0.0)
-                acc += tl.maximum(pair_dot(q3a, q3b, ka, kb, KV_KIND), 0.0)
-                score = tl.where(page_ok[None, :], acc * factor[None, :], float("-inf"))
+            if FP8_DOT:
+                factor = ahead
+                ahead = fp8_tile_scales(ks_ptr, pt_row, tile + col_progs, n_tiles, req_vis, num_pages, scale,
+                                        BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
+                slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
+                keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+                acc_t = tl.maximum(fp8_keys_major_dots(keys, q0a, q0b, q0f), 0.0)
+                acc_t += tl.maximum(fp8_keys_major_dots(keys, q1a, q1b, q1f), 0.0)
+                acc_t += tl.maximum(fp8_keys_major_dots(keys, q2a, q2b, q2f), 0.0)
+                acc_t += tl.maximum(fp8_keys_major_dots(keys, q3a, q3b, q3f), 0.0)
             else:
-                score = stacked_head_scores(pair_dot(qa, qb, ka, kb, KV_KIND), page_ok, factor, BLOCK_M, NUM_HEADS,
-                                            BLOCK_N)
-            if whole_tile & (tile * BLOCK_N + BLOCK_N <= min_vis):
-                tl.store(out_rows[:, None] + cols[None, :], score)
+                ka, kb, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages, scale, BLOCK_N,
+                                                    PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE,
+                                                    SCALAR_PAGES)
+            if KEYS_MAJOR:
+                # Keys as M and each head's q as N: per-head [BLOCK_N, BLOCK_M] results summed in registers, stored
+                # transposed (BLOCK_N contiguous columns per row).
+                if not FP8_DOT:
+                    acc_t = tl.maximum(keys_major_pair_dot(q0a, q0b, ka, kb, KV_KIND), 0.0)
+                    acc_t += tl.maximum(keys_major_pair_dot(q1a, q1b, ka, kb, KV_KIND), 0.0)
+                    acc_t += tl.maximum(keys_major_pair_dot(q2a, q2b, ka, kb, KV_KIND), 0.0)
+                    acc_t += tl.maximum(keys_major_pair_dot(q3a, q3b, ka, kb, KV_KIND), 0.0)
+                score_t = tl.where(page_ok[:, None], acc_t * factor[:, None], float("-inf"))
+                if whole_tile & (tile * BLOCK_N + BLOCK_N <= min_vis):
+                    tl.store(out_rows[None, :] + cols[:, None], score_t)
+                else:
+                    keep_t = mine[None, :] & (cols[:, None] < vis[None, :])
+                    tl.store(out_rows[None, :] + cols[:, None], score_t, mask=keep_t)
             else:
-                keep = mine[:, None] & (cols[None, :] < vis[:, None])
-                tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
+                if PER_HEAD:
+                    acc = tl.maximum(pair_dot(q0a, q0b, ka, kb, KV_KIND), 0.0)
+                    acc += tl.maximum(pair_dot(q1a, q1b, ka, kb, KV_KIND), 0.0)
+                    acc += tl.maximum(pair_dot(q2a, q2b, ka, kb, KV_KIND), 0.0)
+                    acc += tl.maximum(pair_dot(q3a, q3b, ka, kb, KV_KIND), 0.0)
+                    score = tl.where(page_ok[None, :], acc * factor[None, :], float("-inf"))
+                else:
+                    score = stacked_head_scores(pair_dot(qa, qb, ka, kb, KV_KIND), page_ok, factor, BLOCK_M,
+                                                NUM_HEADS, BLOCK_N)
+                if whole_tile & (tile * BLOCK_N + BLOCK_N <= min_vis):
+                    tl.store(out_rows[:, None] + cols[None, :], score)
+                else:
+                    keep = mine[:, None] & (cols[None, :] < vis[:, None])
+                    tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
         cur = tl.min(tl.where((vis > 0) & (req > cur), req, _NO_REQUEST), axis=0)
 
 
@@ -97,6 +138,8 @@ class TiledConfig:
     programs_per_sm: int = 2
     stack_heads: int = field(default=0, metadata=FLAG)  # 1: one stacked rows x heads dot even with 4 heads
     scalar_pages: int = field(default=0, metadata=FLAG)  # 1: a key tile's page ids read as scalars (load_keys)
+    # 1 (4 heads): key tiles as the MMA's M operand and each head's q as N; fp8 (e4m3fn) keys then go to e4m3 MMAs
+    keys_major: int = field(default=0, metadata=FLAG)
 
 
 class TiledSpec(ScorerSpec):
@@ -124,15 +167,19 @@ class TiledSpec(ScorerSpec):
         return TiledConfig(block_m=max(1, 128 // problem.num_heads), block_n=128, stack_heads=1)
 
     def constexprs(self, problem, platform, cfg: TiledConfig) -> dict:
-        # Quantised keys are always decoded to q's dtype here: e4m3 MMAs against a split q need two terms per head,
-        # which overflow the registers with four heads (docs/kernels.md).
+        # With q as the M operand quantised keys are decoded to q's dtype: e4m3 MMAs against a split q need two
+        # terms per head, which overflowed the registers with four heads (docs/kernels.md). Keys-major tiles read q's
+        # terms from shared memory as N, so there e4m3fn keys go to e4m3 MMAs (MXFP4 keys are still decoded).
         kind = kv_kind(problem.cache_dtype)
+        keys_major = bool(cfg.keys_major) and problem.num_heads == 4 and not cfg.stack_heads
+        fp8_dot = keys_major and kind != KV_FP4 and e4m3_mma(problem, platform)
         return dict(
             RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
             PAGE_SIZE=problem.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PER_HEAD=problem.num_heads == 4 and not cfg.stack_heads,
-            KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast),
+            KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, fp8_dot),
             FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
+            KEYS_MAJOR=keys_major, FP8_DOT=fp8_dot,
         )
 
     def grid(self, problem, platform, cfg: TiledConfig) -> tuple[int, int]:
@@ -141,7 +188,7 @@ class TiledSpec(ScorerSpec):
                                           platform.programs(cfg.programs_per_sm))
 
     def decoding_reason(self, problem, platform) -> str:
-        return "the prefill tiles always decode"
+        return "the prefill tiles decode (keys-major tiles, TiledConfig.keys_major, feed e4m3fn keys to e4m3 MMAs)"
 
 
 SPEC = TiledSpec()

@@ -131,3 +131,18 @@ def test_a_small_sweep_times_the_default_and_writes_a_row(tmp_path):
     assert row.us <= row.default_us
     timed = list(csv.DictReader(open(results)))
     assert len(timed) >= 2 and all(float(r["us"]) > 0 for r in timed if r["us"])
+
+
+def test_config_check_tolerates_e4m3_rounding_only_where_asked():
+    """The tuner's check of a config against the default: within the tolerance (a float or per logit), equal
+    infinities match, NaN (an unwritten logit) never does."""
+    import torch
+
+    from qsa_aiter.tuning.tuner import _close
+
+    expected = torch.tensor([[1.0, float("-inf"), 0.0]])
+    assert _close(expected + torch.tensor([[5e-5, 0.0, 0.0]]), expected, 1e-4)
+    assert not _close(expected + torch.tensor([[5e-3, 0.0, 0.0]]), expected, 1e-4)
+    assert _close(expected + torch.tensor([[5e-3, 0.0, 0.0]]), expected, torch.tensor([[1e-2, 1e-4, 1e-4]]))
+    assert not _close(torch.tensor([[1.0, float("-inf"), float("nan")]]), expected, 1.0)
+    assert not _close(torch.tensor([[1.0, 0.0, 0.0]]), expected, 1.0)  # -inf expected, a finite logit got
