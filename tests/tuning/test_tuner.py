@@ -133,7 +133,7 @@ def test_a_small_sweep_times_the_default_and_writes_a_row(tmp_path):
     assert len(timed) >= 2 and all(float(r["us"]) > 0 for r in timed if r["us"])
 
 
-def test_config_check_tolerates_e4m3_rounding_only_where_asked():
+def test_config_check_tolerance_infinities_and_nan():
     """The tuner's check of a config against the default: within the tolerance (a float or per logit), equal
     infinities match, NaN (an unwritten logit) never does."""
     import torch
@@ -146,3 +146,33 @@ def test_config_check_tolerates_e4m3_rounding_only_where_asked():
     assert _close(expected + torch.tensor([[5e-3, 0.0, 0.0]]), expected, torch.tensor([[1e-2, 1e-4, 1e-4]]))
     assert not _close(torch.tensor([[1.0, float("-inf"), float("nan")]]), expected, 1.0)
     assert not _close(torch.tensor([[1.0, 0.0, 0.0]]), expected, 1.0)  # -inf expected, a finite logit got
+
+
+def test_config_check_allows_e4m3_rounding_only_where_a_config_uses_e4m3_mmas():
+    """1e-4 where neither config scores with e4m3 tensor cores (a 16-bit cache); with them (an e4m3fn cache, which
+    the interpreter emulates) 1e-4 plus ``FP8_MMA_TOL`` of the per-logit magnitude bound."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from qsa_aiter.platform import Platform
+    from qsa_aiter.scoring.base import example_problem, example_score_args
+    from qsa_aiter.scoring.stacked import SPEC
+    from qsa_aiter.testing import FP8_MMA_TOL
+    from qsa_aiter.tuning.tuner import Sweep, _atol
+
+    for kv, cache_dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+        problem = example_problem(device_type="cpu", kv_dtype=kv, cache_dtype=cache_dtype, num_tokens=4,
+                                  num_requests=2, num_columns=1024, max_query_len=2)
+        args = example_score_args(problem, torch.int32, "cpu")
+        args.q.normal_()
+        cfg = SPEC.default_config(problem, Platform.of(torch.device("cpu")))
+        atol = _atol(Sweep("stacked", f"check {kv}", "verify", kv, 64), SimpleNamespace(problems=[problem],
+                     launches=[args]), cfg, cfg)
+        if kv == "bf16":
+            assert atol == 1e-4
+        else:
+            assert atol.shape == args.logits.shape
+            finite = torch.isfinite(atol)
+            assert finite.any() and bool((atol[finite] >= 1e-4).all())
+            assert bool((atol[finite] <= 1e-4 + FP8_MMA_TOL * args.q.abs().sum() * 64).all())
