@@ -63,11 +63,17 @@ def magnitude_bound(args: tuple, **kwargs) -> torch.Tensor:
     return reference_paged_mqa_logits(*magnitude_args(args, kwargs.get("k_scale")), **extra)[0]
 
 
+def e4m3_atol(args: tuple, atol: float, **kwargs) -> torch.Tensor:
+    """Per logit, ``atol`` plus ``FP8_MMA_TOL`` of the magnitude bound: the tolerance of scores from e4m3 tensor
+    cores."""
+    return atol + FP8_MMA_TOL * magnitude_bound(args, **kwargs)
+
+
 def mma_atol(args: tuple, atol: float, **kwargs):
     """``atol``, plus ``FP8_MMA_TOL`` of the magnitude bound where the call scores with e4m3 tensor cores."""
     if not uses_fp8_mma(args, **kwargs):
         return atol
-    return atol + FP8_MMA_TOL * magnitude_bound(args, **kwargs)
+    return e4m3_atol(args, atol, **kwargs)
 
 
 def visible_mask(visible: torch.Tensor, num_columns: int) -> torch.Tensor:

@@ -32,6 +32,38 @@ from .tiles import (
 _NO_REQUEST = tl.constexpr(2147483647)  # larger than any request id
 
 
+@triton.jit
+def _head_scores(q_first, q_second, q_factor, k_first, k_second, KV_KIND: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+                 FP8_DOT: tl.constexpr):
+    """One head's ReLU'd dots of a key tile: ``[BLOCK_M, BLOCK_N]``, or keys-major ``[BLOCK_N, BLOCK_M]`` (with
+    ``FP8_DOT`` the stored e4m3 keys against q's two terms, ``tiles.fp8_keys_major_dots``). Operands as
+    ``load_q_tile`` and ``load_keys`` give them."""
+    if FP8_DOT:
+        dots = fp8_keys_major_dots(k_first, q_first, q_second, q_factor)
+    elif KEYS_MAJOR:
+        dots = keys_major_pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
+    else:
+        dots = pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
+    return tl.maximum(dots, 0.0)
+
+
+@triton.jit
+def _store_tile(out_rows, cols, score, mine, vis, unmasked, KEYS_MAJOR: tl.constexpr):
+    """Store a tile's scores (``[BLOCK_M, BLOCK_N]``, keys-major ``[BLOCK_N, BLOCK_M]``: transposed, ``BLOCK_N``
+    contiguous columns per row) for the rows that are ``mine``, below each row's ``vis``; ``unmasked``: every
+    element is wanted, so no mask is built."""
+    if KEYS_MAJOR:
+        ptrs = out_rows[None, :] + cols[:, None]
+    else:
+        ptrs = out_rows[:, None] + cols[None, :]
+    if unmasked:
+        tl.store(ptrs, score)
+    elif KEYS_MAJOR:
+        tl.store(ptrs, score, mask=mine[None, :] & (cols[:, None] < vis[None, :]))
+    else:
+        tl.store(ptrs, score, mask=mine[:, None] & (cols[None, :] < vis[:, None]))
+
+
 @triton.jit(do_not_specialize=DYNAMIC_SCALARS)
 def _tiled_prefill_kernel(
     q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr,
@@ -88,44 +120,26 @@ def _tiled_prefill_kernel(
                 ahead = fp8_tile_scales(ks_ptr, pt_row, tile + col_progs, n_tiles, req_vis, num_pages, scale,
                                         BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
                 slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
-                keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
-                acc_t = tl.maximum(fp8_keys_major_dots(keys, q0a, q0b, q0f), 0.0)
-                acc_t += tl.maximum(fp8_keys_major_dots(keys, q1a, q1b, q1f), 0.0)
-                acc_t += tl.maximum(fp8_keys_major_dots(keys, q2a, q2b, q2f), 0.0)
-                acc_t += tl.maximum(fp8_keys_major_dots(keys, q3a, q3b, q3f), 0.0)
+                ka = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+                kb = ka
             else:
                 ka, kb, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages, scale, BLOCK_N,
                                                     PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE,
                                                     SCALAR_PAGES)
-            if KEYS_MAJOR:
-                # Keys as M and each head's q as N: per-head [BLOCK_N, BLOCK_M] results summed in registers, stored
-                # transposed (BLOCK_N contiguous columns per row).
-                if not FP8_DOT:
-                    acc_t = tl.maximum(keys_major_pair_dot(q0a, q0b, ka, kb, KV_KIND), 0.0)
-                    acc_t += tl.maximum(keys_major_pair_dot(q1a, q1b, ka, kb, KV_KIND), 0.0)
-                    acc_t += tl.maximum(keys_major_pair_dot(q2a, q2b, ka, kb, KV_KIND), 0.0)
-                    acc_t += tl.maximum(keys_major_pair_dot(q3a, q3b, ka, kb, KV_KIND), 0.0)
-                score_t = tl.where(page_ok[:, None], acc_t * factor[:, None], float("-inf"))
-                if whole_tile & (tile * BLOCK_N + BLOCK_N <= min_vis):
-                    tl.store(out_rows[None, :] + cols[:, None], score_t)
+            if PER_HEAD:
+                acc = _head_scores(q0a, q0b, q0f, ka, kb, KV_KIND, KEYS_MAJOR, FP8_DOT)
+                acc += _head_scores(q1a, q1b, q1f, ka, kb, KV_KIND, KEYS_MAJOR, FP8_DOT)
+                acc += _head_scores(q2a, q2b, q2f, ka, kb, KV_KIND, KEYS_MAJOR, FP8_DOT)
+                acc += _head_scores(q3a, q3b, q3f, ka, kb, KV_KIND, KEYS_MAJOR, FP8_DOT)
+                if KEYS_MAJOR:
+                    score = tl.where(page_ok[:, None], acc * factor[:, None], float("-inf"))
                 else:
-                    keep_t = mine[None, :] & (cols[:, None] < vis[None, :])
-                    tl.store(out_rows[None, :] + cols[:, None], score_t, mask=keep_t)
-            else:
-                if PER_HEAD:
-                    acc = tl.maximum(pair_dot(q0a, q0b, ka, kb, KV_KIND), 0.0)
-                    acc += tl.maximum(pair_dot(q1a, q1b, ka, kb, KV_KIND), 0.0)
-                    acc += tl.maximum(pair_dot(q2a, q2b, ka, kb, KV_KIND), 0.0)
-                    acc += tl.maximum(pair_dot(q3a, q3b, ka, kb, KV_KIND), 0.0)
                     score = tl.where(page_ok[None, :], acc * factor[None, :], float("-inf"))
-                else:
-                    score = stacked_head_scores(pair_dot(qa, qb, ka, kb, KV_KIND), page_ok, factor, BLOCK_M,
-                                                NUM_HEADS, BLOCK_N)
-                if whole_tile & (tile * BLOCK_N + BLOCK_N <= min_vis):
-                    tl.store(out_rows[:, None] + cols[None, :], score)
-                else:
-                    keep = mine[:, None] & (cols[None, :] < vis[:, None])
-                    tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
+            else:
+                score = stacked_head_scores(pair_dot(qa, qb, ka, kb, KV_KIND), page_ok, factor, BLOCK_M, NUM_HEADS,
+                                            BLOCK_N)
+            _store_tile(out_rows, cols, score, mine, vis, whole_tile & (tile * BLOCK_N + BLOCK_N <= min_vis),
+                        KEYS_MAJOR)
         cur = tl.min(tl.where((vis > 0) & (req > cur), req, _NO_REQUEST), axis=0)
 
 
@@ -171,12 +185,13 @@ class TiledSpec(ScorerSpec):
         # terms per head, which overflowed the registers with four heads (docs/kernels.md). Keys-major tiles read q's
         # terms from shared memory as N, so there e4m3fn keys go to e4m3 MMAs (MXFP4 keys are still decoded).
         kind = kv_kind(problem.cache_dtype)
-        keys_major = bool(cfg.keys_major) and problem.num_heads == 4 and not cfg.stack_heads
+        per_head = problem.num_heads == 4 and not cfg.stack_heads
+        keys_major = per_head and bool(cfg.keys_major)
         fp8_dot = keys_major and kind != KV_FP4 and e4m3_mma(problem, platform)
         return dict(
             RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
             PAGE_SIZE=problem.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            PER_HEAD=problem.num_heads == 4 and not cfg.stack_heads,
+            PER_HEAD=per_head,
             KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, fp8_dot),
             FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
             KEYS_MAJOR=keys_major, FP8_DOT=fp8_dot,

@@ -153,18 +153,18 @@ def _atol(sweep: Sweep, inputs, default, cfg):
     """The absolute tolerance of ``cfg``'s logits against the default config's: 1e-4, plus ``FP8_MMA_TOL`` of the
     magnitude bound (``testing.magnitude_bound``, per logit) where either scores with e4m3 tensor cores, which
     round inside their sums (a config may feed them where the default decodes)."""
-    from ..testing import FP8_MMA_TOL, magnitude_bound
+    from ..testing import e4m3_atol
 
     problem, args = inputs.problems[0], inputs.launches[0]
     if not any(_uses_fp8_mma(sweep.kernel, problem, args.q.device, c) for c in (default, cfg)):
         return 1e-4
-    key = ("bound", sweep)
+    key = ("e4m3 atol", sweep)
     if key not in _WORKER_INPUTS:
-        _WORKER_INPUTS[key] = magnitude_bound(
+        _WORKER_INPUTS[key] = e4m3_atol(
             (args.q, args.k_cache, args.page_table, args.token_to_request, args.query_positions, args.context_lens,
-             args.compress_ratio), score_divisor=1.0 / args.scale, max_columns=args.num_columns,
+             args.compress_ratio), 1e-4, score_divisor=1.0 / args.scale, max_columns=args.num_columns,
             k_scale=args.k_scale)
-    return 1e-4 + FP8_MMA_TOL * _WORKER_INPUTS[key]
+    return _WORKER_INPUTS[key]
 
 
 def _close(got, expected, atol) -> bool:

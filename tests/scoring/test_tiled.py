@@ -15,7 +15,7 @@ from qsa_aiter.scoring import tiled
 from qsa_aiter.scoring.base import ScoreArgs
 from qsa_aiter.scoring.op import describe_call
 from qsa_aiter.scoring.reference import reference_paged_mqa_logits
-from qsa_aiter.testing import FP8_MMA_TOL, POISON, assert_matches_reference, magnitude_bound
+from qsa_aiter.testing import POISON, assert_matches_reference, e4m3_atol
 from qsa_aiter.tools.workloads import make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,7 +44,7 @@ def test_keys_major_tiles(monkeypatch, rng, cache, page_size):
         plan.launch(*args.kernel_args())
         ref_logits, ref_visible = reference_paged_mqa_logits(*batch.args(), k_scale=batch.k_scale)
         # The registry's choice (q-major tiles) decodes: the allowance for e4m3 MMAs is this plan's own.
-        atol = TOL + FP8_MMA_TOL * magnitude_bound(batch.args(), **batch.kwargs()) if (
+        atol = e4m3_atol(batch.args(), TOL, **batch.kwargs()) if (
             plan.constexprs["FP8_DOT"] and DEVICE == "cuda") else TOL
         assert_matches_reference(logits.cpu(), visible.cpu(), ref_logits.cpu(), ref_visible.cpu(), rtol=TOL,
                                  atol=atol if isinstance(atol, float) else atol.cpu(),
