@@ -1,15 +1,16 @@
 """Where a cached eager call's host time goes, piece by piece, on a GPU.
 
-The 9x4 @ 64K-128K verify batch (page 64, bf16, seed 0), the scoring call with its logits given (as
-``bench --eager``). Each piece is timed alone, as ``--calls`` back-to-back repetitions with no synchronisation
-between them (the GPU drained between batches), and reported as the median over ``--batches`` batches, in µs per
-repetition: the whole cached call, then what its host path does in order (the settings, the signature, the plan
-lookup, the plan's replay: the visible-count allocation and the direct launch), and the launch's own parts (the
-stream query, Triton's C launch entry given the pointer arguments as tensors, which makes it call ``data_ptr`` and
-ask the driver about each one, or as integer addresses, as a replay does).
+A work point's batch (``--point``, default the 9x4 @ 64K-128K verify batch; page 64, bf16, seed 0), the scoring
+call with its logits given (as ``bench --eager``). Each piece is timed alone, as ``--calls`` back-to-back
+repetitions with no synchronisation between them (the GPU drained between batches), and reported as the median over
+``--batches`` batches, in µs per repetition: the whole cached call, then what its host path does in order (the
+settings, the signature, the plan lookup, the plan's replay: the visible-count allocation and the direct launch),
+and the launch's own parts (the stream query, Triton's C launch entry given the pointer arguments as tensors, which
+makes it call ``data_ptr`` and ask the driver about each one, or as integer addresses, as a replay does).
 
     python benchmarks/host_path_pieces.py
     python benchmarks/host_path_pieces.py --calls 200 --batches 21
+    python benchmarks/host_path_pieces.py --point "prefill 4096@32K"
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--batches", type=int, default=15)
+    parser.add_argument("--point", default="9x4@64K-128K", help="a work point's name (qsa_aiter.tools.bench)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
-    s = selection_inputs(points_named("9x4@64K-128K")[0], 64)
+    s = selection_inputs(points_named(args.point)[0], 64)
     kwargs = dict(s.hints, out=s.logits)
     qsa_paged_mqa_logits(*s.args, **kwargs)  # records the plan
     settings = get_settings()
@@ -91,7 +93,8 @@ def main() -> int:
         "torch.cuda.current_device": torch.cuda.current_device,
         "is_compiling": torch.compiler.is_compiling,
     }
-    print(f"{torch.cuda.get_device_name()}: host µs per repetition, median of {args.batches} x {args.calls}")
+    print(f"{torch.cuda.get_device_name()}, {args.point}: host µs per repetition, median of {args.batches} x "
+          f"{args.calls}")
     for name, piece in pieces.items():
         print(f"{name:<28}{per_call_us(piece, args.calls, args.batches):>8.2f}", flush=True)
     return 0

@@ -113,10 +113,15 @@ class KernelSpec:
         raise NotImplementedError
 
     def options(self, config) -> dict:
-        """Compile options of a launch with ``config``: its warps, and its pipeline stages where it sets them (else
-        Triton's default)."""
-        stages = {"num_stages": config.num_stages} if hasattr(config, "num_stages") else {}
-        return {"num_warps": config.num_warps, **stages}
+        """Compile options of a launch with ``config``: its warps, its pipeline stages where it sets them (else
+        Triton's default), and its register cap where it sets one (``max_registers`` > 0: ptxas's ``maxnreg``, so
+        more programs fit on a multiprocessor; NVIDIA targets only, AMD's backend has no such option)."""
+        options = {"num_warps": config.num_warps}
+        if hasattr(config, "num_stages"):
+            options["num_stages"] = config.num_stages
+        if getattr(config, "max_registers", 0):
+            options["maxnreg"] = config.max_registers
+        return options
 
     def example_args(self, problem, index_dtype, device) -> tuple:
         """Positional arguments of a small launch with ``problem``'s dtypes and specialisations (index tensors of

@@ -44,7 +44,8 @@ class Entry(BaseModel):
     kernel: str = Field(description="kernel module: rowwise, stacked, keys_major, tiled, cache_writer, topk, expand")
     function: str = Field(description="module-qualified name of the @triton.jit function")
     constexprs: dict[str, Any] = Field(description="constexpr (and value-specialised) arguments by name")
-    options: dict[str, Any] = Field(description="launch options: num_warps, num_stages")
+    options: dict[str, Any] = Field(description="launch options: num_warps, num_stages, and maxnreg where a config "
+                                                 "caps registers")
     arguments: dict[str, str] = Field(description="the other arguments as Triton specialised them: type, `%16` for an "
                                                   "integer divisible by 16, `unaligned` for a pointer that is not "
                                                   "16-byte aligned")

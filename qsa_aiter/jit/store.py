@@ -283,7 +283,9 @@ class Store:
         entry = Entry(
             kernel=kernel_name, function=function,
             constexprs={fn.arg_names[path[0]]: _plain(v) for path, v in sorted(constants.items())},
-            options={k: options[k] for k in ("num_warps", "num_stages") if k in options}, arguments=arguments,
+            options={**{k: options[k] for k in ("num_warps", "num_stages") if k in options},
+                     **({"maxnreg": spec["options"]["maxnreg"]} if spec["options"].get("maxnreg") else {})},
+            arguments=arguments,
             runtime_key=key, specialization=specialization, group=group_dir.name, metadata=metadata, binary=binary,
             files={n: FileRecord(size=p.stat().st_size, sha256=file_sha256(p)) for n, p in zip(names, group_files)},
             sources=kernel_sources_hash(), triton_env=triton_env(), built_by=built_by,

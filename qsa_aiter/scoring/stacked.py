@@ -115,6 +115,8 @@ class StackedConfig:
     scalar_pages: int = field(default=0, metadata=FLAG)  # 1: a key tile's page ids read as scalars (load_keys)
     # > 0: programs per row block, fixed (else from programs_per_sm)
     column_programs: int = field(default=0, metadata=COUNT_OR_ZERO)
+    # > 0: registers per thread ptxas may use (``KernelSpec.options``), else its own choice
+    max_registers: int = field(default=0, metadata=COUNT_OR_ZERO)
 
 
 class StackedSpec(ScorerSpec):

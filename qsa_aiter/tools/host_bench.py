@@ -2,12 +2,13 @@
 its GPU time.
 
 Method: per work point (page 64, the bench's batches, seed 0) and op, the call is made a few times (its launch plan
-is recorded by the first, ``call_plans``), then timed as ``calls`` back-to-back calls with no synchronisation
-between them, from the first call's entry to the last one's return (the kernels queue behind each other; fewer than
-the launch queue holds, so no call waits for the GPU); the median over ``repeats`` batches is kept. "first-call path"
-is the same with the plan cache emptied before every call: what a call with a new signature costs (validation,
-dispatch, Triton's launcher). Before any timing, the first point's calls are timed once and discarded (the host's
-warm-up). The GPU time is the CUDA-graph replay median of the same call (``bench.time_graph``).
+is recorded by the first, ``call_plans``); then ``ROUNDS`` rounds, each timing every (point, op) once as ``CALLS``
+back-to-back calls with no synchronisation between them, from the first call's entry to the last one's return (the
+kernels queue behind each other; fewer than the launch queue holds, so no call waits for the GPU), the GPU drained
+after each. Each (point, op) keeps its median over the rounds: interleaved, a stretch of slow host (its clocks, other
+tenants) lands on every op alike instead of on whichever was measured then. "first-call path" is the same with the
+plan cache emptied before every call: what a call with a new signature costs (validation, dispatch, Triton's
+launcher). The GPU time is the CUDA-graph replay median of the same call (``bench.time_graph``).
 """
 
 from __future__ import annotations
@@ -45,16 +46,19 @@ def batch_us(call, calls: int, fresh_plans: bool = False) -> float:
     return spent / calls * 1e6
 
 
-def host_us(call, calls: int = 50, repeats: int = 15, fresh_plans: bool = False) -> float:
-    """Median of ``batch_us`` over ``repeats`` batches, the GPU drained between batches."""
-    for _ in range(3):
-        call()
+def interleaved_us(calls: dict, rounds: int, per_batch: int, fresh_plans: bool = False) -> dict:
+    """Median over ``rounds`` of ``batch_us`` for each of ``calls`` (name -> call), every call timed once per round,
+    the GPU drained after each batch."""
+    for call in calls.values():
+        for _ in range(3):
+            call()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        times.append(batch_us(call, calls, fresh_plans))
-        torch.cuda.synchronize()
-    return statistics.median(times)
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(batch_us(call, per_batch, fresh_plans))
+            torch.cuda.synchronize()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def op_calls(point) -> dict:
@@ -79,24 +83,27 @@ def op_calls(point) -> dict:
     }
 
 
+#: Rounds and calls per batch of the cached calls, then of the first-call path.
+ROUNDS, CALLS = 15, 50
+FIRST_ROUNDS, FIRST_CALLS = 5, 20
+
+
 def main(points: str = "", replays: int = 30) -> int:
     """``points``: a substring of the work points' names (default: ``DEFAULT_POINTS``)."""
     if not torch.cuda.is_available():
         print("the eager benchmark needs a CUDA GPU")
         return 2
-    print(f"{torch.cuda.get_device_name()}: host µs per eager call (median of 15 x 50 calls), GPU µs (graph)")
-    print(f"{'point':<18} {'op':<26}{'host':>8}{'first-call path':>17}{'GPU':>9}  target")
     chosen = [p for p in work_points() if points in p.name] if points else points_named(DEFAULT_POINTS)
-    # One untimed pass over the first point's calls: a process's first timed batches ran up to 1.4x slower (the
-    # host's clocks and caches warming), which landed on whichever op was measured first.
-    for call in op_calls(chosen[0]).values():
-        host_us(call, repeats=5)
-    for point in chosen:
-        for name, call in op_calls(point).items():
-            host = host_us(call)
-            first = host_us(call, calls=20, repeats=5, fresh_plans=True)
-            gpu = time_graph(call, 1, replays)
-            target = TARGET_US.get(name)
-            verdict = "" if target is None else f"<= {target:.0f} us: {'met' if host <= target else 'missed'}"
-            print(f"{point.name:<18} {name:<26}{host:>8.1f}{first:>17.1f}{gpu:>9.2f}  {verdict}", flush=True)
+    calls = {(point.name, name): call for point in chosen for name, call in op_calls(point).items()}
+    print(f"{torch.cuda.get_device_name()}: host µs per eager call (median of {ROUNDS} interleaved rounds of "
+          f"{CALLS} calls), GPU µs (graph)")
+    host = interleaved_us(calls, ROUNDS, CALLS)
+    first = interleaved_us(calls, FIRST_ROUNDS, FIRST_CALLS, fresh_plans=True)
+    print(f"{'point':<18} {'op':<26}{'host':>8}{'first-call path':>17}{'GPU':>9}  target")
+    for (point, name), call in calls.items():
+        gpu = time_graph(call, 1, replays)
+        target = TARGET_US.get(name)
+        verdict = "" if target is None else f"<= {target:.0f} us: {'met' if host[point, name] <= target else 'missed'}"
+        print(f"{point:<18} {name:<26}{host[point, name]:>8.1f}{first[point, name]:>17.1f}{gpu:>9.2f}  {verdict}",
+              flush=True)
     return 0

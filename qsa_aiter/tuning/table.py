@@ -151,6 +151,9 @@ def read_table(path: Path) -> list[TunedRow]:
             misplaced = [name for name in TILE_FIELDS if getattr(row, name) is not None and name not in tile]
             if misplaced:
                 raise ValueError(f"{path}:{line}: {', '.join(misplaced)} is not a setting of the {row.kernel} kernel")
+            if tile.get("max_registers") and not row.arch.startswith("sm_"):
+                raise ValueError(f"{path}:{line}: max_registers (ptxas's register cap) applies to NVIDIA archs "
+                                 f"(sm_*) only, not {row.arch}")
             rows.append(row)
     return rows
 

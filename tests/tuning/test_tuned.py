@@ -78,6 +78,23 @@ def test_a_malformed_row_is_an_error_naming_file_and_line(tmp_path, row, message
         tuned.read_table(path)
 
 
+def test_a_register_cap_is_an_nvidia_setting(tmp_path):
+    """``max_registers`` (ptxas's ``maxnreg``) reaches the launch options of a row's config; on an AMD arch, whose
+    backend has no such option, the row is an error naming the file and line."""
+    from qsa_aiter.scoring.stacked import SPEC, StackedConfig
+
+    header = "arch,kernel,kv_dtype,page_size,heads,head_dim,rows,context,block_n,max_registers,measured\n"
+    row = "sm_90,stacked,fp4,64,4,128,256,100352,64,80,1\n"
+    path = tmp_path / "caps.csv"
+    path.write_text(header + row)
+    cap = tuned.read_table(path)[0].tile()["max_registers"]
+    assert SPEC.options(StackedConfig(max_registers=cap)) == {"num_warps": 4, "num_stages": 2, "maxnreg": 80}
+    assert "maxnreg" not in SPEC.options(StackedConfig())
+    path.write_text(header + row.replace("sm_90", "gfx950"))
+    with pytest.raises(ValueError, match=r"caps\.csv:2: max_registers .*NVIDIA archs \(sm_\*\) only, not gfx950"):
+        tuned.read_table(path)
+
+
 def test_nearest_bucket_and_merging(tmp_path, monkeypatch):
     base = write_table(tmp_path, "base.csv",
                        "cpu,stacked,bf16,16,4,64,4,4096,,,32,,,,,,,10.0,1,small",
