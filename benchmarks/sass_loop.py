@@ -67,7 +67,7 @@ def innermost_loops(sass: str) -> list[list[str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", default="stacked", choices=("stacked", "tiled"))
+    ap.add_argument("--kernel", default="stacked", choices=("stacked", "keys_major", "tiled"))
     ap.add_argument("--kv", default="fp4", choices=sorted(CACHES))
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--rows", type=int, default=4, help="verify rows per request (stacked)")

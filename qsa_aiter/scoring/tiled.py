@@ -7,11 +7,13 @@ head counts as one rows x heads stacked M operand (one dot, ReLU per head, heads
 that spans requests walks them (in any order), one page-table row at a time, storing only the rows of the request in
 hand; column tiles past a request's visible range are never visited.
 
-With ``keys_major`` (4 heads) the operands swap: each key tile is the M operand and each head's q the N one, the
-four ``[BLOCK_N, BLOCK_M]`` results are ReLU'd and summed in registers and stored transposed. Decoded quantised
-keys then go to the tensor cores from registers rather than through shared memory, and e4m3fn keys with bf16
-queries go to e4m3 MMAs as stored, against q split into two e4m3 terms (``dequant.split_query_e4m3``), read from
-shared memory.
+With ``keys_major`` the operands swap: each key tile is the M operand and q the N one, and the scores
+``[BLOCK_N, BLOCK_M]`` are stored transposed. q is N per head (4 heads: four dots per key tile) or, with
+``stack_heads`` (any power-of-two head count), as one head-major stack of ``heads x BLOCK_M`` columns: one MMA per
+key tile at N = 256 for the model's 4 heads and 64-row tiles, and since a row's heads lie ``BLOCK_M`` columns apart,
+the head sum stays inside each thread's registers. Decoded quantised keys go to the tensor cores from registers
+rather than through shared memory, and e4m3fn keys with bf16 queries go to e4m3 MMAs as stored, against q split into
+two e4m3 terms (``dequant.split_query_e4m3``), read from shared memory.
 """
 
 from __future__ import annotations
@@ -90,8 +92,15 @@ def _tiled_prefill_kernel(
         q1a, q1b, q1f = load_q_tile(q_ptr, q_head + 1, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FP8_DOT)
         q2a, q2b, q2f = load_q_tile(q_ptr, q_head + 2, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FP8_DOT)
         q3a, q3b, q3f = load_q_tile(q_ptr, q_head + 3, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FP8_DOT)
+    elif KEYS_MAJOR:
+        # Rows x heads stacked as one N operand, head-major (column h * BLOCK_M + r): one MMA per key tile at
+        # N = heads x BLOCK_M, and a row's heads lie BLOCK_M columns apart, in the same thread of the result.
+        n = tl.arange(0, NUM_HEADS * BLOCK_M)
+        n_rows = first_row + n % BLOCK_M
+        qa, qb, qf = load_q_tile(q_ptr, n_rows.to(tl.int64) * NUM_HEADS + n // BLOCK_M, n_rows < num_tokens,
+                                 HEAD_DIM, KV_KIND, DOT_DTYPE, FP8_DOT)
     else:
-        # Other head counts: the tile's rows x heads stacked into one M operand.
+        # Rows x heads stacked into one M operand.
         q_rows = first_row.to(tl.int64) * NUM_HEADS + tl.arange(0, BLOCK_M * NUM_HEADS)
         qa, qb, _ = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND, DOT_DTYPE,
                                 False)
@@ -135,6 +144,10 @@ def _tiled_prefill_kernel(
                     score = tl.where(page_ok[:, None], acc * factor[:, None], float("-inf"))
                 else:
                     score = tl.where(page_ok[None, :], acc * factor[None, :], float("-inf"))
+            elif KEYS_MAJOR:
+                dots = _head_scores(qa, qb, qf, ka, kb, KV_KIND, KEYS_MAJOR, FP8_DOT)
+                acc = tl.sum(tl.reshape(dots, (BLOCK_N, NUM_HEADS, BLOCK_M)), axis=1)
+                score = tl.where(page_ok[:, None], acc * factor[:, None], float("-inf"))
             else:
                 score = stacked_head_scores(pair_dot(qa, qb, ka, kb, KV_KIND), page_ok, factor, BLOCK_M, NUM_HEADS,
                                             BLOCK_N)
@@ -150,9 +163,10 @@ class TiledConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 2
-    stack_heads: int = field(default=0, metadata=FLAG)  # 1: one stacked rows x heads dot even with 4 heads
+    # 1: one stacked rows x heads q operand even with 4 heads (M, or with keys_major N, head-major)
+    stack_heads: int = field(default=0, metadata=FLAG)
     scalar_pages: int = field(default=0, metadata=FLAG)  # 1: a key tile's page ids read as scalars (load_keys)
-    # 1 (4 heads): key tiles as the MMA's M operand and each head's q as N; fp8 (e4m3fn) keys then go to e4m3 MMAs
+    # 1: key tiles as the MMA's M operand and q as N; fp8 (e4m3fn) keys then go to e4m3 MMAs
     keys_major: int = field(default=0, metadata=FLAG)
 
 
@@ -163,7 +177,7 @@ class TiledSpec(ScorerSpec):
     Config = TiledConfig
     ranks = {"prefill": 20}
     tune_points = (("prefill 4096@32K", "prefill"), ("prefill 16K@96K", "prefill"))
-    tune_grid = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3), scalar_pages=(0, 1))
+    tune_grid = dict(block_m=(32, 64), block_n=(64, 128), num_stages=(2, 3), keys_major=(0, 1), stack_heads=(0, 1))
 
     def shape_reason(self, problem) -> str | None:
         if not is_pow2(problem.num_heads):
@@ -186,7 +200,7 @@ class TiledSpec(ScorerSpec):
         # terms from shared memory as N, so there e4m3fn keys go to e4m3 MMAs (MXFP4 keys are still decoded).
         kind = kv_kind(problem.cache_dtype)
         per_head = problem.num_heads == 4 and not cfg.stack_heads
-        keys_major = per_head and bool(cfg.keys_major)
+        keys_major = bool(cfg.keys_major)
         fp8_dot = keys_major and kind != KV_FP4 and e4m3_mma(problem, platform)
         return dict(
             RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,

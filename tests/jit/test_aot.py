@@ -53,8 +53,15 @@ FP8_MMA_BUILDS = {(kernel, "sm_90", variant) for kernel in ("stacked", "keys_maj
 # Those builds again with QSA_AITER_FP8_MMA=0 (``compile_kernel(..., e4m3_mma=False)``): the PTX decoders instead.
 DECODED_BUILDS = sorted(FP8_MMA_BUILDS)
 
+#: Tiled keys-major builds with every head stacked as N: (name, ``VARIANTS`` key, rows per tile, targets). 32-row
+#: tiles on every target (a 64-row tile's q stack takes 64 KiB: all of a gfx942 CU's LDS), 64-row ones on sm_90 (the
+#: shipped H200 rows).
+STACKED_N_BUILDS = [("stacked-n-bf16-32", "default", 32, list(TARGETS)),
+                    ("stacked-n-bf16-64", "default", 64, ["sm_90"]),
+                    ("stacked-n-fp8-32", "fp8", 32, ["sm_90"]), ("stacked-n-fp4-32", "fp4", 32, ["sm_90"])]
+
 _CHILD = r"""
-import json, sys
+import json, re, sys
 import torch
 from qsa_aiter.jit.aot import SCORERS, TARGETS, compile_kernel, compile_selection_kernel
 from qsa_aiter.scoring.base import example_problem
@@ -92,6 +99,24 @@ for variant, (overrides, index_dtype, targets) in json.loads(sys.argv[4]).items(
                 "decoder_marks": [m for m in marks if m in text],
                 "e4m3_mma": ".e4m3.e4m3" in text,
             }
+for name, kv, block_m, targets in json.loads(sys.argv[5]):  # tiled keys-major tiles with every head stacked as N
+    overrides = dict(variants[kv][0])
+    overrides["cache_dtype"] = getattr(torch, overrides.get("cache_dtype", "bfloat16"))
+    problem = example_problem(phase="prefill", num_tokens=4096, num_requests=1, max_query_len=4096, **overrides)
+    for target in targets:
+        try:
+            asm = compile_kernel("tiled", target, problem, overrides={"keys_major": 1, "stack_heads": 1,
+                                                                       "block_m": block_m, "block_n": 64}).asm
+        except Exception as err:
+            results[f"{name}/{target}"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+            continue
+        text = asm.get("ptx") or asm.get("amdgcn") or ""
+        shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", text)))
+        results[f"{name}/{target}"] = {"binary_bytes": len(asm.get("cubin") or asm.get("hsaco") or b""),
+                                       "mma": "mma" in text, "mfma": "mfma" in text, "wgmma_shapes": shapes}
+for cap in (0, 80):  # a register cap (StackedConfig.max_registers) reaches the PTX as .maxnreg
+    ptx = compile_kernel("stacked", "sm_90", overrides={"max_registers": cap}).asm["ptx"]
+    results[f"register-cap-{cap}/stacked/sm_90"] = {"maxnreg": [l.strip() for l in ptx.splitlines() if ".maxnreg" in l]}
 for label, kernel, with_maxima in (("topk", "topk", False), ("topk+maxima", "topk", True),
                                    ("block_maxima", "block_maxima", False), ("expand", "expand", False)):
     for target in TARGETS:
@@ -114,7 +139,8 @@ def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(VARIANTS), json.dumps(ALL_MARKS),
-                           json.dumps(DECODED_BUILDS), json.dumps(builds)], cwd=ROOT, env=env, capture_output=True,
+                           json.dumps(DECODED_BUILDS), json.dumps(builds), json.dumps(STACKED_N_BUILDS)], cwd=ROOT,
+                          env=env, capture_output=True,
                           text=True, timeout=1800)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("AOT-RESULTS ")]
     assert proc.returncode == 0 and lines, f"compile process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
@@ -199,6 +225,25 @@ def test_unknown_kernel_or_target():
 def test_targets_and_kernels():
     assert set(TARGETS) == {"sm_90", "gfx942", "gfx950"}
     assert set(SCORERS) == {"rowwise", "stacked", "keys_major", "tiled"}
+
+
+@pytest.mark.parametrize("name,target", [(name, t) for name, _, _, targets in STACKED_N_BUILDS for t in targets])
+def test_tiled_stacked_heads_as_n_builds(compiled, name, target):
+    """Keys-major tiles with every head's rows stacked as one N operand build for their targets on the tensor cores;
+    on sm_90 the 64-row bf16 tile is one m64n256k16 wgmma chain (4 heads x 64 rows), the 32-row ones m64n128k16."""
+    result = compiled[f"{name}/{target}"]
+    assert "error" not in result, result.get("error")
+    assert result["binary_bytes"] > 0
+    assert result["mma"] if target.startswith("sm_") else result["mfma"]
+    if name == "stacked-n-bf16-64":
+        assert result["wgmma_shapes"] == ["m64n256k16"]
+    elif target == "sm_90" and name == "stacked-n-bf16-32":
+        assert result["wgmma_shapes"] == ["m64n128k16"]
+
+
+def test_register_cap_reaches_the_ptx(compiled):
+    assert compiled["register-cap-0/stacked/sm_90"]["maxnreg"] == []
+    assert compiled["register-cap-80/stacked/sm_90"]["maxnreg"] == [".maxnreg 80"]
 
 
 @pytest.mark.skipif(not interpreting(), reason="only kernels decorated under TRITON_INTERPRET=1 are affected")
