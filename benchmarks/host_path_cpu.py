@@ -60,6 +60,8 @@ def main() -> int:
     visible = torch.full((tokens,), logits.shape[1], dtype=torch.int32)
     groups = torch.zeros((tokens, TOKEN_TOPK // ratio), dtype=torch.int32)
     picked = torch.empty((tokens, TOKEN_TOPK + ratio - 1), dtype=torch.int32)
+    new_keys = torch.randn((tokens, batch.q.shape[2])).to(batch.compressed_k_cache.dtype)
+    new_slots = torch.arange(tokens, dtype=torch.int64)
     calls = {
         "qsa_paged_mqa_logits": lambda: qsa_aiter.qsa_paged_mqa_logits(*scoring, out=logits, **hints),
         "qsa_select_paged_tokens": lambda: qsa_aiter.qsa_select_paged_tokens(*scoring, TOKEN_TOPK, ratio,
@@ -68,6 +70,9 @@ def main() -> int:
         "qsa_expand_block_indices": lambda: qsa_aiter.qsa_expand_block_indices(
             groups, batch.query_positions, batch.context_lens, batch.token_to_request, ratio, TOKEN_TOPK,
             out=picked),
+        # One new key per query row into the batch's bf16 cache (no plan cache: both columns take the full path).
+        "qsa_write_index_cache": lambda: qsa_aiter.qsa_write_index_cache(
+            new_keys, new_slots, batch.compressed_k_cache),
     }
     print(f"host µs per call, launches stubbed (CPU, {point.name}, min of {args.batches} x {args.calls} calls)")
     print(f"{'op':<26}{'cached':>9}{'first-call path':>17}")

@@ -1,8 +1,9 @@
 """Index-cache writer: quantise new keys and scatter them into a paged cache by slot (SPEC section 3).
 
-One program per new token: ``slot = page * P + offset`` (``-1``, or a slot outside the cache, writes nothing). The
-encodings are done with integer arithmetic (no hardware fp8/fp4 conversion), so the bytes are the same on every
-target and under the interpreter, and equal those of the torch reference (``cache.reference``).
+One program per new token: ``slot = page * P + offset`` (``-1``, or a slot outside the cache, writes nothing; a slot
+named twice is written by its last key). The encodings are done with integer arithmetic (no hardware fp8/fp4
+conversion), so the bytes are the same on every target and under the interpreter, and equal those of the torch
+reference (``cache.reference``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from ..quant.dequant import (
 )
 from ..quant.formats import allocate_index_cache
 from ..spec import KernelSpec, next_pow2
+from .reference import last_writer_slots
+
+#: Calls of at most this many keys find the slots a later key names again inside the kernel (each program reads
+#: the slots after its own, ``LATER_BLOCK`` at a time): no sort and no extra launches on the host. Longer calls
+#: (prefill chunks), where that reading grows with the square of the count, drop those entries with torch first.
+SCAN_MAX_TOKENS = 4096
+LATER_BLOCK = 256
 
 # Kinds: the scorers' ``KV_KIND`` codes (a 16-bit copy, fp8 e4m3fn, fp8 e4m3fnuz, MXFP4).
 KIND_CODES = {"bf16": KV_16BIT, "fp8_e4m3fn": KV_FP8_E4M3FN, "fp8_e4m3fnuz": KV_FP8_E4M3FNUZ, "fp4": KV_FP4}
@@ -80,14 +88,30 @@ def _e2m1_codes(x):
 
 
 @triton.jit
+def not_named_later(slot_ptr, token, slot, scan_tokens, LATER_BLOCK: tl.constexpr):
+    """Whether none of the tokens after ``token`` among the first ``scan_tokens`` names ``slot`` (int64, >= 0) in
+    ``slot_ptr``'s ``[tokens]`` slot mapping: ``LATER_BLOCK`` slots read at a time."""
+    free = slot >= 0
+    for start in range(token + 1, scan_tokens, LATER_BLOCK):
+        later = start + tl.arange(0, LATER_BLOCK)
+        named = tl.load(slot_ptr + later, mask=later < scan_tokens, other=-1).to(tl.int64)
+        free = free & (tl.max((named == slot).to(tl.int32), axis=0) == 0)
+    return free
+
+
+@triton.jit(do_not_specialize=("scan_tokens",))
 def _write_index_cache_kernel(
-    keys_ptr, slot_ptr, cache_ptr, scale_ptr, num_slots, keys_stride,
+    keys_ptr, slot_ptr, cache_ptr, scale_ptr, num_slots, keys_stride, scan_tokens,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, FP8_MAX: tl.constexpr,
-    N_BLOCKS: tl.constexpr,
+    N_BLOCKS: tl.constexpr, LATER_BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    if (slot >= 0) & (slot < num_slots):
+    write = (slot >= 0) & (slot < num_slots)
+    if write:
+        # The last key naming a slot is the one written (0 tokens scanned: the host dropped the others first).
+        write = not_named_later(slot_ptr, token, slot, scan_tokens, LATER_BLOCK)
+    if write:
         src = keys_ptr + token.to(tl.int64) * keys_stride
         if KIND == KIND_FP4:
             # MXFP4: [blocks of 32] x [16 element pairs] x (even, odd); one e8m0 exponent per block.
@@ -139,7 +163,7 @@ def constexprs(kind: str, head_dim: int) -> dict:
     """The kernel's specialisation for a cache ``kind`` (a ``KIND_CODES`` key) and ``head_dim``."""
     fp8_max = float(torch.finfo(_FP8_DTYPES[kind]).max) if kind in _FP8_DTYPES else 1.0
     return dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), KIND=KIND_CODES[kind], FP8_MAX=fp8_max,
-                N_BLOCKS=next_pow2(max(1, head_dim // 32)))
+                N_BLOCKS=next_pow2(max(1, head_dim // 32)), LATER_BLOCK=LATER_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -190,7 +214,7 @@ class WriterSpec(KernelSpec):
         slots = torch.arange(problem.tokens, dtype=index_dtype, device=device)
         cache = kernel_view(cache)
         return (keys, slots, cache, kernel_view(scale) if scale is not None else cache, pages * page_size,
-                keys.stride(0))
+                keys.stride(0), problem.tokens)
 
     def warm_problems(self, context):
         for name, keys_dtype, kind in context.writer_kinds():
@@ -201,8 +225,13 @@ SPEC = WriterSpec()
 
 
 def launch(keys, slot_mapping, cache_bytes, scale, kind: str, head_dim: int, num_slots: int) -> None:
-    """keys: ``[tokens, D]`` (last dim contiguous); cache_bytes: the cache (uint8 view for fp8/fp4); scale: fp32
-    ``[pages, P]`` (fp8), uint8 ``[pages, P, 1, D // 32]`` (fp4) or None."""
-    problem = WriterProblem(keys.shape[0], kind, head_dim, keys.dtype)
+    """keys: ``[tokens, D]`` (last dim contiguous); slot_mapping: ``[tokens]`` int32/int64, a slot named more than
+    once written by its last key; cache_bytes: the cache (uint8 view for fp8/fp4); scale: fp32 ``[pages, P]``
+    (fp8), uint8 ``[pages, P, 1, D // 32]`` (fp4) or None."""
+    tokens = keys.shape[0]
+    scan = tokens <= SCAN_MAX_TOKENS
+    slots = slot_mapping if scan else last_writer_slots(slot_mapping)
+    problem = WriterProblem(tokens, kind, head_dim, keys.dtype)
     SPEC.plan(problem, Platform.of(keys.device)).launch(
-        keys, slot_mapping, cache_bytes, scale if scale is not None else cache_bytes, num_slots, keys.stride(0))
+        keys, slots, cache_bytes, scale if scale is not None else cache_bytes, num_slots, keys.stride(0),
+        tokens if scan else 0)

@@ -10,7 +10,7 @@ from ..quant.dequant import kernel_view
 from ..quant.formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
 from ..settings import get_settings
 from ..traced import through_custom_op
-from .reference import last_writer_slots, write_reference
+from .reference import write_reference
 
 
 def _fail(kind: type[Exception], name: str, expected: str, got: object) -> None:
@@ -25,7 +25,7 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     Args:
         keys: ``[tokens, 1, D]`` or ``[tokens, D]``, bf16/fp16/fp32, last dim contiguous.
         slot_mapping: ``[tokens]`` int32/int64. Slots outside ``[0, pages * page_size)`` write nothing; a slot named
-            more than once takes the last of its keys (``cache.reference.last_writer_slots``).
+            more than once takes the last of its keys (``cache.reference.last_writer_slots``'s rule).
         cache: ``[pages, P, 1, D]`` bf16/fp16/``float8_e4m3fn``/``float8_e4m3fnuz``, or ``[pages, P, 1, D // 2]``
             ``float4_e2m1fn_x2``; contiguous.
         k_scale: fp32 ``[pages, P]`` for fp8; ``float8_e8m0fnu`` ``[pages, P, 1, D // 32]`` for fp4; None otherwise.
@@ -92,6 +92,6 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     from ..jit import scope as jit_scope
 
     name = cache_writer.kind_of(cache, kind)
-    slots = last_writer_slots(slot_mapping)  # the kernel's programs run in any order: no slot is written twice
     with jit_scope(keys.device, settings):  # compiled once into the JIT cache (docs/jit_and_configs.md)
-        cache_writer.launch(keys, slots, kernel_view(cache), kernel_view(k_scale), name, head_dim, pages * page_size)
+        cache_writer.launch(keys, slot_mapping, kernel_view(cache), kernel_view(k_scale), name, head_dim,
+                            pages * page_size)

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from qsa_aiter.cache import cache_writer
 from qsa_aiter.cache.op import qsa_write_index_cache
-from qsa_aiter.cache.reference import write_reference
+from qsa_aiter.cache.reference import last_writer_slots, write_reference
 from qsa_aiter.quant.formats import (
     E2M1_VALUES, allocate_index_cache, dequantize_cache, e2m1_codes, quantize_fp4, quantize_fp8,
 )
@@ -167,24 +170,60 @@ def test_gpu_writer_matches_reference_bytes(kind, fp8_dtype):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind,fp8_dtype", FORMATS, ids=["bf16", "fp16", "fp8", "fp8_fnuz", "fp4"])
-def test_a_slot_written_twice_takes_the_last_key(rng, kind, fp8_dtype, device):
-    """Duplicate slots in one call: the later key wins, in the Triton writer and the reference alike."""
-    keys = torch.randn(40, 128, generator=rng).to(torch.bfloat16)
-    slots = torch.randint(0, 12, (40,), generator=rng)  # 40 keys into 12 slots: most slots named several times
+@pytest.mark.parametrize("tokens,scan_max", [(40, None), (600, None), (40, 0)],
+                         ids=["in-kernel", "in-kernel-past-one-block", "torch-first"])
+def test_a_slot_written_twice_takes_the_last_key(monkeypatch, rng, kind, fp8_dtype, device, tokens, scan_max):
+    """Duplicate slots in one call: the later key wins, in the Triton writer and the reference alike: found inside
+    the kernel (600 keys: a slot's later names lie more than one ``LATER_BLOCK`` on), or by ``last_writer_slots``
+    before it (a call longer than ``SCAN_MAX_TOKENS``)."""
+    if scan_max is not None:
+        monkeypatch.setattr(cache_writer, "SCAN_MAX_TOKENS", scan_max)
+    keys = torch.randn(tokens, 128, generator=rng).to(torch.bfloat16)
+    # Most slots named several times; int64 slots from randint.
+    slots = torch.randint(0, 12 if tokens < 100 else 40, (tokens,), generator=rng)
     slots[[3, 17]] = -1
+    slots[5] = 4 * 16  # past the cache: writes nothing
     cache, scale = _alloc(kind, fp8_dtype, device=device)
     qsa_write_index_cache(keys.to(device), slots.to(device), cache, scale)
     ref_cache, ref_scale = _alloc(kind, fp8_dtype)
     write_reference(keys, slots, ref_cache, ref_scale)
     # The oracle: one key at a time, in call order.
     seq_cache, seq_scale = _alloc(kind, fp8_dtype)
-    for i in range(40):
+    for i in range(tokens):
         write_reference(keys[i : i + 1], slots[i : i + 1], seq_cache, seq_scale)
     assert torch.equal(_bytes(ref_cache), _bytes(seq_cache))
     assert torch.equal(_bytes(cache).cpu(), _bytes(seq_cache))
     if scale is not None:
         assert torch.equal(_bytes(ref_scale), _bytes(seq_scale))
         assert torch.equal(_bytes(scale).cpu(), _bytes(seq_scale))
+
+
+@triton.jit
+def _not_named_later_kernel(slot_ptr, out_ptr, scan_tokens, LATER_BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    tl.store(out_ptr + token, cache_writer.not_named_later(slot_ptr, token, slot, scan_tokens, LATER_BLOCK).to(
+        tl.int32))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("later_block", [16, cache_writer.LATER_BLOCK])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_in_kernel_last_writer_rule_matches_last_writer_slots(rng, index_dtype, later_block, device):
+    """The writer kernel's own duplicate check (``not_named_later``) keeps exactly the entries that
+    ``last_writer_slots`` keeps, at any distance between a slot's names (the interpreter runs a grid's programs in
+    order, so the writer's output alone would not show a kept duplicate). Compared where a slot is not -1 (the
+    writer asks only for slots it would write)."""
+    slots = torch.randint(-1, 50, (300,), generator=rng).to(index_dtype)
+    slots[[0, 299]] = 7  # the first and the last token name one slot
+    out = torch.empty(300, dtype=torch.int32, device=device)
+    _not_named_later_kernel[(300,)](slots.to(device), out, 300, later_block)
+    real = slots >= 0
+    assert torch.equal(out.cpu().bool()[real], (last_writer_slots(slots) == slots)[real])
+    assert out[0].item() == 0 and out[299].item() == 1
+    # Nothing scanned: every slot is free.
+    _not_named_later_kernel[(300,)](slots.to(device), out, 0, later_block)
+    assert bool(out.cpu().bool()[real].all())
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
