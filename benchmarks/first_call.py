@@ -6,8 +6,8 @@ Every measurement is a fresh Python process on the GPU. It builds the target-ver
 counts Triton compilations (``triton.knobs.compilation.listener``: one per call of Triton's compiler, cache hits
 included). The cold process starts from an empty JIT directory and an empty Triton cache; the warm ones from the same
 directories after a warm-up: one calls at once, the other first does what an engine does at start-up,
-``qsa_aiter.jit.load()`` (``integrations.atom.install`` calls it), timed apart. The target: a warm process
-compiles nothing and its first call takes <= 50 ms.
+``qsa_aiter.jit.load()`` (``integrations.atom.install`` calls it), timed apart. The target: a warm process that
+did that start-up compiles nothing and its first call takes <= 10 ms.
 
     python benchmarks/first_call.py                    # warm-up of the verify kernels only (quick)
     python benchmarks/first_call.py --full-warmup      # warm-up of the whole variant matrix first
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET_MS = 50.0
+TARGET_MS = 10.0
 
 _MEASURE = r"""
 import json, sys, time
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
               f"second call {result['second_ms']:.2f} ms, import {result['import_s']:.2f} s{startup}, "
               f"kernel {result['kernel']}")
     ok = started["compiles"] == 0 and started["first_ms"] <= TARGET_MS
-    print(f"target: a warm process compiles nothing and its first call takes <= {TARGET_MS:.0f} ms: "
+    print(f"target: a warm process with jit.load() at start-up compiles nothing and its first call takes "
+          f"<= {TARGET_MS:.0f} ms: "
           f"{'met' if ok else 'NOT met'}")
     return 0 if ok else 1
 

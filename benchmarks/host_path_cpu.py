@@ -70,7 +70,7 @@ def main() -> int:
         "qsa_expand_block_indices": lambda: qsa_aiter.qsa_expand_block_indices(
             groups, batch.query_positions, batch.context_lens, batch.token_to_request, ratio, TOKEN_TOPK,
             out=picked),
-        # One new key per query row into the batch's bf16 cache (no plan cache: both columns take the full path).
+        # One new key per query row into the batch's bf16 cache.
         "qsa_write_index_cache": lambda: qsa_aiter.qsa_write_index_cache(
             new_keys, new_slots, batch.compressed_k_cache),
     }

@@ -18,7 +18,10 @@ import torch
 
 import qsa_aiter
 from qsa_aiter import call_plans, registry, spec
+from qsa_aiter.cache import cache_writer
+from qsa_aiter.cache.reference import write_reference
 from qsa_aiter.jit import triton_compat
+from qsa_aiter.quant.formats import allocate_index_cache
 from qsa_aiter.selection import replay
 from qsa_aiter.selection.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.testing import poisoned_logits
@@ -172,6 +175,35 @@ def test_a_repeated_top_k_of_long_rows_replays_its_block_maxima(replaying, rng):
     assert torch.equal(groups[1], reference_block_topk(logits, visible, 15))
 
 
+@pytest.mark.parametrize("kind,fp8_dtype", [("bf16", None), ("fp8", torch.float8_e4m3fn), ("fp4", None)],
+                         ids=["bf16", "fp8", "fp4"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_a_repeated_cache_write_replays_its_plan_and_matches_the_reference(replaying, rng, monkeypatch, kind,
+                                                                           fp8_dtype, index_dtype):
+    extra = {"fp8_dtype": fp8_dtype} if fp8_dtype else {}
+    cache, scale = allocate_index_cache(kind, 4, 16, 64, **extra)
+    want, want_scale = allocate_index_cache(kind, 4, 16, 64, **extra)
+
+    def write(tokens: int) -> None:
+        keys = torch.randn((tokens, 1, 64), generator=rng).to(torch.bfloat16)
+        slots = torch.randperm(64, generator=rng)[:tokens].to(index_dtype)
+        slots[3], slots[7] = -1, slots[2]  # a skipped key, a slot named twice
+        qsa_aiter.qsa_write_index_cache(keys, slots, cache, scale)
+        write_reference(keys[:, 0], slots, want, want_scale)
+        assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+        if scale is not None:
+            assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
+
+    for _ in range(3):
+        write(10)
+    assert (call_plans.size(), _replays(replaying)) == (1, 2)
+    # A call longer than SCAN_MAX_TOKENS writes a deduplicated copy of its slots: no plan is kept for it.
+    monkeypatch.setattr(cache_writer, "SCAN_MAX_TOKENS", 8)
+    for _ in range(2):
+        write(12)
+    assert (call_plans.size(), _replays(replaying)) == (1, 2)
+
+
 def test_a_chunked_selection_is_not_cached(replaying, rng):
     args, hints = _verify_batch(rng)
     small = 4 * 8 * args[2].shape[1] * 16  # a workspace of 8 rows: several chunks
@@ -307,15 +339,79 @@ def test_the_replay_scratch_parts_start_aligned_and_apart():
         assert all(end <= start for end, start in zip(ends, offsets[1:])) and ends[-1] <= 4 * elements
 
 
-def test_signatures_tell_apart_what_validation_reads():
+@pytest.mark.parametrize("guards", ["compiled", "python"])
+def test_a_plan_is_found_only_for_calls_alike_in_what_validation_reads(monkeypatch, guards):
+    if guards == "python":
+        monkeypatch.setattr(call_plans, "_build_guards", call_plans._PythonGuards)
+    else:
+        assert call_plans._compiled_guards() is not None  # PyTorch's C++ guard serves on this release
+    call_plans.clear()
     t = torch.zeros(8, 4)
     sig = lambda *tensors, hosts=(): call_plans.signature(("op", 0), tensors, hosts)[0]  # noqa: E731
-    assert sig(t) == sig(torch.ones(8, 4))
-    assert sig(t) != sig(t.double()) and sig(t) != sig(t[:4]) and sig(t) != sig(t.t())
-    assert sig(t) != sig(torch.zeros(33)[1:].view(8, 4))  # the same shape 4 bytes off a 16-byte boundary
-    assert sig(t, None) != sig(t, t) and sig(t, hosts=(1,)) != sig(t, hosts=(True,))
-    assert sig(t, [1]) is None  # not a tensor: the validating path names it
+    found = lambda *tensors, hosts=(): call_plans.lookup(sig(*tensors, hosts=hosts))  # noqa: E731
+    call_plans.store(sig(t, None, hosts=(1,)), "plan", None)
+    assert found(torch.ones(8, 4), None, hosts=(1,)) == "plan"
+    others = [((t.double(), None), (1,)), ((t[:4], None), (1,)), ((t.t(), None), (1,)),
+              ((torch.zeros(33)[1:].view(8, 4), None), (1,)),  # the same shape 4 bytes off a 16-byte boundary
+              ((torch.zeros(8, 4, requires_grad=True), None), (1,)), ((t, t), (1,)), ((t, None), (True,)),
+              ((t, None), (2,)), ((t, None), ()), ((torch.zeros(8, 4, device="meta"), None), (1,))]
+    assert [found(*tensors, hosts=hosts) for tensors, hosts in others] == [None] * len(others)
+    assert sig(t, [1]) is None and sig([1], t) is None  # not a tensor: the validating path names it
+    assert call_plans.lookup(sig(t, hosts=([1],))) is None  # unhashable: no plan, no error
     assert call_plans.signature(("op", 0), (t, None), ())[1] == [t.data_ptr(), 0]  # what a replay passes
+    call_plans.store(sig(torch.nn.Parameter(t), None, hosts=(1,)), "parameter", None)  # a subclass: not kept
+    assert call_plans.size() == 1
+    call_plans.clear()
+
+
+def test_a_compiled_guard_that_tells_nothing_apart_is_not_used(monkeypatch):
+    """The C++ guard is a private PyTorch API: a release where it accepts what it should reject, or fails, leaves the
+    Python check in its place."""
+    from torch._C._dynamo import guards
+
+    class AcceptsAll:
+        def __init__(self, *tensors, **sizes):
+            pass
+
+        def check(self, *tensors):
+            return True
+
+    class Fails(AcceptsAll):
+        def check(self, *tensors):
+            raise RuntimeError("changed")
+
+    for stand_in in (AcceptsAll, Fails):
+        monkeypatch.setattr(guards, "TensorGuards", stand_in)
+        assert call_plans._compiled_guards() is None
+
+
+def test_a_change_of_the_current_device_misses_the_plan(monkeypatch):
+    """A plan's launches go to the stream of the device that was current when it was recorded: another current
+    device is another key (tensors on another device are told apart by the guard, above)."""
+    call_plans.clear()
+    t = torch.zeros(8, 4)
+    current = [0]
+    monkeypatch.setattr(call_plans, "_current_device", lambda first: current[0])
+    sig = lambda: call_plans.signature(("op", 0), (t,), ())[0]  # noqa: E731
+    call_plans.store(sig(), "on 0", None)
+    assert call_plans.lookup(sig()) == "on 0"
+    current[0] = 1
+    assert call_plans.lookup(sig()) is None
+    call_plans.clear()
+
+
+def test_plans_under_one_key_are_told_apart_by_their_guards_and_bounded(monkeypatch):
+    monkeypatch.setattr(call_plans, "MAX_PLANS", 3)
+    call_plans.clear()
+    sig = lambda t: call_plans.signature(("op", 0), (t,), ())[0]  # noqa: E731
+    shapes = [(4, 4), (5, 4), (6, 4), (7, 4)]
+    for i, shape in enumerate(shapes[:3]):
+        call_plans.store(sig(torch.zeros(shape)), i, None)
+    assert [call_plans.lookup(sig(torch.zeros(shape))) for shape in shapes] == [0, 1, 2, None]
+    call_plans.store(sig(torch.zeros(shapes[3])), 3, None)  # (4, 4) is the least recently used: dropped
+    assert call_plans.size() == 3
+    assert [call_plans.lookup(sig(torch.zeros(shape))) for shape in shapes] == [None, 1, 2, 3]
+    call_plans.clear()
 
 
 @pytest.mark.gpu

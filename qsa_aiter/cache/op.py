@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from .. import call_plans
 from ..platform import triton_runs_on
 from ..problem import fail_argument
 from ..quant.dequant import kernel_view
@@ -34,6 +37,13 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     runs on GPU tensors (and under ``TRITON_INTERPRET=1``); CPU tensors otherwise take the torch reference, which
     writes the same bytes.
     """
+    settings = get_settings()  # a bad variable is a ConfigurationError on every path, raised before any work
+    key, addresses = call_plans.signature(("qsa_write_index_cache", id(settings)),
+                                          (keys, slot_mapping, cache, k_scale), ())
+    plan = call_plans.lookup(key)
+    if plan is not None:
+        plan.run(addresses)
+        return
     if not isinstance(keys, torch.Tensor):
         _fail(TypeError, "keys", "a torch.Tensor", type(keys).__name__)
     if keys.dim() == 3:
@@ -82,7 +92,6 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
                   f"{k_scale.dtype} {tuple(k_scale.shape)}")
         if k_scale.device != keys.device:
             _fail(ValueError, "k_scale", f"on {keys.device} like `keys`", k_scale.device)
-    settings = get_settings()  # a bad variable is a ConfigurationError on every path, raised before any work
     if keys.shape[0] == 0:
         return
     if not triton_runs_on(keys.device.type):
@@ -92,6 +101,39 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     from ..jit import scope as jit_scope
 
     name = cache_writer.kind_of(cache, kind)
-    with jit_scope(keys.device, settings):  # compiled once into the JIT cache (docs/jit_and_configs.md)
+    # Compiled once into the JIT cache (docs/jit_and_configs.md); the launch is recorded for the call's plan.
+    with jit_scope(keys.device, settings), call_plans.recording() as launches:
         cache_writer.launch(keys, slot_mapping, kernel_view(cache), kernel_view(k_scale), name, head_dim,
                             pages * page_size)
+    call_plans.store(key, WriterPlan.of(addresses, launches), settings)
+
+
+@dataclass(frozen=True)
+class WriterPlan:
+    """A validated ``qsa_write_index_cache`` signature and its recorded launch."""
+
+    launch: call_plans.DirectLaunch
+
+    @classmethod
+    def of(cls, addresses: list[int], launches: list) -> "WriterPlan | None":
+        """The plan of a call with tensors at ``addresses`` (keys, slots, cache, scale or 0) that made ``launches``:
+        None unless it was one writer launch whose pointer arguments are those tensors (a call longer than
+        ``SCAN_MAX_TOKENS`` launches on a deduplicated copy of the slots: not replayable)."""
+        from .cache_writer import SPEC
+
+        if len(launches) != 1 or not all(isinstance(a, torch.Tensor) for a in launches[0][2][:4]):
+            return None
+        if [t.data_ptr() for t in launches[0][2][:4]] != _pointer_args(addresses):
+            return None
+        direct = call_plans.direct_launches(launches, (SPEC.name,))
+        return None if direct is None or direct[0].pointers != 4 else cls(direct[0])
+
+    def run(self, addresses: list[int]) -> None:
+        self.launch(*_pointer_args(addresses))
+
+
+def _pointer_args(addresses: list[int]) -> list[int]:
+    """The writer kernel's pointer arguments for a call's tensors at ``addresses``: the scale's stands in for the
+    cache's when there is none."""
+    keys_at, slots_at, cache_at, scale_at = addresses
+    return [keys_at, slots_at, cache_at, scale_at or cache_at]

@@ -43,9 +43,9 @@ def store_for(root: Path, arch: str, rebuild: bool = False) -> Store:
     return _stores[key]
 
 
-#: Modules Triton's launch-time argument specialiser imports at its first call in a process (Triton 3.6: the Gluon
-#: layout and descriptor types it checks arguments against).
-_TRITON_LAUNCH_IMPORTS = ("triton.experimental.gluon",)
+#: Modules Triton's launch path imports at its first launch in a process (Triton 3.6: the Gluon layout and
+#: descriptor types its argument specialiser checks arguments against, and the tensor-descriptor type).
+_TRITON_LAUNCH_IMPORTS = ("triton.experimental.gluon", "triton.tools.tensor_descriptor")
 
 
 def _import_triton_launch_modules() -> None:

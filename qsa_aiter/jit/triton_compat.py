@@ -123,14 +123,19 @@ def _launcher_entry(launcher) -> tuple | None:
     inserts after ``function``, where that is all the call does: Triton 3.6's CUDA launcher (``__call__(gridX, gridY,
     gridZ, stream, function, *args)``) for a kernel without global or profile scratch memory. None elsewhere (other
     releases and backends go through the launcher's ``__call__``)."""
-    if type(launcher).__name__ != "CudaLauncher":
-        return None
-    params = list(inspect.signature(type(launcher).__call__).parameters)
-    if params != ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]:
+    if type(launcher).__name__ != "CudaLauncher" or not _plain_call(type(launcher)):
         return None
     if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
         return None
     return launcher.launch, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
+
+
+@lru_cache(maxsize=None)
+def _plain_call(launcher_type: type) -> bool:
+    """Whether ``launcher_type.__call__`` takes ``(gridX, gridY, gridZ, stream, function, *args)`` (read once per
+    type: ``inspect.signature`` is slow, and every plan's launches ask)."""
+    params = list(inspect.signature(launcher_type.__call__).parameters)
+    return params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
 
 
 def _idle(hook) -> bool:
