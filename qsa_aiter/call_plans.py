@@ -172,12 +172,11 @@ def store(key: tuple | None, plan, settings) -> None:
         hash(name)
     except TypeError:
         return
-    guards = _build_guards(*(t for t in tensors if t is not None))
     with _store_lock:
         bucket = _plans.get(name)
         if bucket is None:
             bucket = _plans[name] = _Bucket([i for i, t in enumerate(tensors) if t is not None])
-        bucket.entries.insert(0, [guards, plan, settings])
+        bucket.entries.insert(0, [_build_guards(*bucket.pick(tensors)), plan, settings])
         _count += 1
         _plans.move_to_end(name)
         while _count > MAX_PLANS:

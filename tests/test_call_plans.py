@@ -345,7 +345,6 @@ def test_a_plan_is_found_only_for_calls_alike_in_what_validation_reads(monkeypat
         monkeypatch.setattr(call_plans, "_build_guards", call_plans._PythonGuards)
     else:
         assert call_plans._compiled_guards() is not None  # PyTorch's C++ guard serves on this release
-    call_plans.clear()
     t = torch.zeros(8, 4)
     sig = lambda *tensors, hosts=(): call_plans.signature(("op", 0), tensors, hosts)[0]  # noqa: E731
     found = lambda *tensors, hosts=(): call_plans.lookup(sig(*tensors, hosts=hosts))  # noqa: E731
@@ -361,7 +360,6 @@ def test_a_plan_is_found_only_for_calls_alike_in_what_validation_reads(monkeypat
     assert call_plans.signature(("op", 0), (t, None), ())[1] == [t.data_ptr(), 0]  # what a replay passes
     call_plans.store(sig(torch.nn.Parameter(t), None, hosts=(1,)), "parameter", None)  # a subclass: not kept
     assert call_plans.size() == 1
-    call_plans.clear()
 
 
 def test_a_compiled_guard_that_tells_nothing_apart_is_not_used(monkeypatch):
@@ -388,7 +386,6 @@ def test_a_compiled_guard_that_tells_nothing_apart_is_not_used(monkeypatch):
 def test_a_change_of_the_current_device_misses_the_plan(monkeypatch):
     """A plan's launches go to the stream of the device that was current when it was recorded: another current
     device is another key (tensors on another device are told apart by the guard, above)."""
-    call_plans.clear()
     t = torch.zeros(8, 4)
     current = [0]
     monkeypatch.setattr(call_plans, "_current_device", lambda first: current[0])
@@ -397,12 +394,10 @@ def test_a_change_of_the_current_device_misses_the_plan(monkeypatch):
     assert call_plans.lookup(sig()) == "on 0"
     current[0] = 1
     assert call_plans.lookup(sig()) is None
-    call_plans.clear()
 
 
 def test_plans_under_one_key_are_told_apart_by_their_guards_and_bounded(monkeypatch):
     monkeypatch.setattr(call_plans, "MAX_PLANS", 3)
-    call_plans.clear()
     sig = lambda t: call_plans.signature(("op", 0), (t,), ())[0]  # noqa: E731
     shapes = [(4, 4), (5, 4), (6, 4), (7, 4)]
     for i, shape in enumerate(shapes[:3]):
@@ -411,7 +406,6 @@ def test_plans_under_one_key_are_told_apart_by_their_guards_and_bounded(monkeypa
     call_plans.store(sig(torch.zeros(shapes[3])), 3, None)  # (4, 4) is the least recently used: dropped
     assert call_plans.size() == 3
     assert [call_plans.lookup(sig(torch.zeros(shape))) for shape in shapes] == [None, 1, 2, 3]
-    call_plans.clear()
 
 
 @pytest.mark.gpu

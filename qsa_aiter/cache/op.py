@@ -121,9 +121,7 @@ class WriterPlan:
         ``SCAN_MAX_TOKENS`` launches on a deduplicated copy of the slots: not replayable)."""
         from .cache_writer import SPEC
 
-        if len(launches) != 1 or not all(isinstance(a, torch.Tensor) for a in launches[0][2][:4]):
-            return None
-        if [t.data_ptr() for t in launches[0][2][:4]] != _pointer_args(addresses):
+        if len(launches) != 1 or [t.data_ptr() for t in launches[0][2][:4]] != _pointer_args(addresses):
             return None
         direct = call_plans.direct_launches(launches, (SPEC.name,))
         return None if direct is None or direct[0].pointers != 4 else cls(direct[0])
