@@ -6,7 +6,7 @@ Every measurement is a fresh Python process on the GPU. It builds the target-ver
 counts Triton compilations (``triton.knobs.compilation.listener``: one per call of Triton's compiler, cache hits
 included). The cold process starts from an empty JIT directory and an empty Triton cache; the warm ones from the same
 directories after a warm-up: one calls at once, the other first does what an engine does at start-up,
-``qsa_aiter.jit.load()`` (``integrations.atom.install`` calls it), timed apart. The target: a warm process that
+``qsa_aiter.runtime.jit.load()`` (``integrations.atom.install`` calls it), timed apart. The target: a warm process that
 did that start-up compiles nothing and its first call takes <= 10 ms.
 
     python benchmarks/first_call.py                    # warm-up of the verify kernels only (quick)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(proc.stdout.strip())
         warm = _measure(opts.cache, env, opts.profile)
         started = _measure(opts.cache, env, opts.profile, startup=True)
-    for name, result in (("cold", cold), ("warm", warm), ("warm, qsa_aiter.jit.load() at start-up", started)):
+    for name, result in (("cold", cold), ("warm", warm), ("warm, qsa_aiter.runtime.jit.load() at start-up", started)):
         startup = f", start-up {result['startup_ms']:.1f} ms" if result["startup_ms"] is not None else ""
         print(f"{name} process: first call {result['first_ms']:8.1f} ms ({result['compiles']} Triton compilations), "
               f"second call {result['second_ms']:.2f} ms, import {result['import_s']:.2f} s{startup}, "

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from test_quantised import fill_random_codes  # noqa: E402
 
-from qsa_aiter.scoring.op import qsa_paged_mqa_logits  # noqa: E402
-from qsa_aiter.scoring.reference import reference_paged_mqa_logits  # noqa: E402
+from qsa_aiter.ops.scoring import qsa_paged_mqa_logits  # noqa: E402
+from qsa_aiter.kernels.scoring.reference import reference_paged_mqa_logits  # noqa: E402
 from qsa_aiter.tools.workloads import make_batch  # noqa: E402
 
 from helpers import FP8_MMA_TOL, magnitude_bound, uses_fp8_mma  # noqa: E402

@@ -24,8 +24,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 import qsa_aiter  # noqa: E402
-from qsa_aiter import spec  # noqa: E402
-from qsa_aiter.jit import triton_compat  # noqa: E402
+from qsa_aiter.kernels import spec  # noqa: E402
+from qsa_aiter.runtime.jit import triton_compat  # noqa: E402
 from qsa_aiter.tools.bench import TOKEN_TOPK, points_named  # noqa: E402
 from qsa_aiter.tools.host_bench import batch_us  # noqa: E402
 from qsa_aiter.tools.workloads import make_batch  # noqa: E402

@@ -21,11 +21,12 @@ import time
 
 import torch
 
-from qsa_aiter import call_plans, qsa_paged_mqa_logits
-from qsa_aiter.jit.triton_compat import driver
-from qsa_aiter.scoring import op as scoring_op
-from qsa_aiter.scoring.base import ScoreArgs
-from qsa_aiter.settings import get_settings
+from qsa_aiter.runtime import replay
+from qsa_aiter import qsa_paged_mqa_logits
+from qsa_aiter.runtime.jit.triton_compat import driver
+from qsa_aiter.ops import scoring as scoring_op
+from qsa_aiter.kernels.scoring.base import ScoreArgs
+from qsa_aiter.runtime.settings import get_settings
 from qsa_aiter.tools.bench import points_named, selection_inputs
 
 
@@ -64,7 +65,7 @@ def main() -> int:
                                      s.hints["max_query_len"])
 
     key, addresses = signature()
-    plan = call_plans.lookup(key)
+    plan = replay.lookup(key)
     if plan is None:
         print("the call recorded no plan")
         return 1
@@ -83,7 +84,7 @@ def main() -> int:
         "cached call": lambda: qsa_paged_mqa_logits(*s.args, **kwargs),
         "get_settings": get_settings,
         "signature": signature,
-        "lookup": lambda: call_plans.lookup(key),
+        "lookup": lambda: replay.lookup(key),
         "visible allocation": lambda: b.q.new_empty((b.q.shape[0],), dtype=torch.int32),
         "plan replay": lambda: plan.run(addresses, b.q, s.logits, None, b.k_scale is not None),
         "direct launch": lambda: launch(*pointers),

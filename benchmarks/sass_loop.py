@@ -1,6 +1,6 @@
 """Instruction counts of a scoring kernel's key-tile loop in sm_90 SASS, without a GPU.
 
-Compiles ``stacked`` or ``tiled`` ahead of time (``qsa_aiter.jit.aot``; run without ``TRITON_INTERPRET``) for a
+Compiles ``stacked`` or ``tiled`` ahead of time (``qsa_aiter.tools.aot``; run without ``TRITON_INTERPRET``) for a
 model-shaped problem, disassembles the cubin with the ``nvdisasm`` that ships with Triton, finds the innermost loops
 (backward branches) and prints, for the first one (the key-tile loop of the first request walk), its instruction count,
 an opcode histogram, the registers per thread and the shared memory, plus warp instructions per 128 keys (instructions
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import triton
 
-from qsa_aiter.jit.aot import compile_kernel, kernel_config
-from qsa_aiter.scoring.base import example_problem
+from qsa_aiter.tools.aot import compile_kernel, kernel_config
+from qsa_aiter.kernels.scoring.base import example_problem
 
 CACHES = {"bf16": {}, "fp8": dict(cache_dtype=torch.float8_e4m3fn, kv_dtype="fp8"),
           "fp4": dict(cache_dtype=torch.float4_e2m1fn_x2, kv_dtype="fp4")}

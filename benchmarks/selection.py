@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import qsa_aiter
-from qsa_aiter.selection.ops import torch_block_topk
+from qsa_aiter.ops.selection import torch_block_topk
 from qsa_aiter.tools.bench import KV_CACHES, selection_inputs, time_graph, work_points
 
 

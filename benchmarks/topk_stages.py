@@ -1,7 +1,7 @@
 """Where the block top-k's time goes, stage by stage, beside scoring alone and the whole selection.
 
 ``qsa_select_paged_tokens`` is scoring, then one launch that ranks each row and expands it
-(``qsa_aiter/selection/topk.py``, one program per row). This script builds kernels from that launch's own building
+(``qsa_aiter/kernels/selection/topk.py``, one program per row). This script builds kernels from that launch's own building
 blocks that stop after each stage and times them in CUDA graphs on the logits scoring has just written, as the selection
 op reads them:
 
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_aiter.selection import topk
+from qsa_aiter.kernels.selection import topk
 from qsa_aiter.tools.bench import TOKEN_TOPK, points_named, selection_inputs, time_graph
 
 #: Stages a staged kernel can stop after (its ``STAGE``), in order.

@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
-from qsa_aiter.selection import topk
-from qsa_aiter.selection.ops import torch_block_topk
+from qsa_aiter.kernels.selection import topk
+from qsa_aiter.ops.selection import torch_block_topk
 from qsa_aiter.tools.bench import points_named, selection_inputs, time_graph
 
 POINTS = "9x4@64K-128K,4x4@262K,1x1@262K,64x4@98K,128x1@98K,prefill 16K@96K"

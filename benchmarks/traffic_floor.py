@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from qsa_aiter import registry
-from qsa_aiter.platform import Platform
-from qsa_aiter.scoring import stacked
-from qsa_aiter.scoring.tiles import block_request, key_tile_slots, row_visibility
+from qsa_aiter.runtime import dispatch
+from qsa_aiter.kernels.platform import Platform
+from qsa_aiter.kernels.scoring import stacked
+from qsa_aiter.kernels.scoring.tiles import block_request, key_tile_slots, row_visibility
 from qsa_aiter.tools.bench import copy_bandwidth, point_inputs, points_named, time_launcher
 
 
@@ -130,7 +130,7 @@ def main() -> None:
         if best is None:
             print(f"{point.name:12s} {kv:4s} {page:4d} no tile of the grid fits in shared memory")
             continue
-        scorer = time_launcher(inputs, lambda p, args: registry.plan_for(
+        scorer = time_launcher(inputs, lambda p, args: dispatch.plan_for(
             stacked.SPEC, p, Platform.of(args.q.device)).launch(*args.kernel_args()), a.replays)
         nbytes = inputs.nbytes
         pct = lambda us: 100 * nbytes / (us * 1e-6) / copy_bps  # noqa: E731

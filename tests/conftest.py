@@ -14,10 +14,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from qsa_aiter import log, registry  # noqa: E402
-from qsa_aiter.jit.triton_compat import install_uniform_interpreter_dots  # noqa: E402
-from qsa_aiter.platform import interpreting  # noqa: E402
-from qsa_aiter.settings import ENV_VARIABLES  # noqa: E402
+from qsa_aiter.runtime import log, dispatch  # noqa: E402
+from qsa_aiter.runtime.jit.triton_compat import install_uniform_interpreter_dots  # noqa: E402
+from qsa_aiter.kernels.platform import interpreting  # noqa: E402
+from qsa_aiter.runtime.settings import ENV_VARIABLES  # noqa: E402
 
 if interpreting():
     # Interpreted dots sum every element alike, as an MMA does, whatever BLAS kernel this CPU picks (tie tests).
@@ -44,12 +44,12 @@ def _clean_qsa_state(monkeypatch):
     """Every test starts from the default switches, no kernel marked broken and an empty log-once memory."""
     for name in ENV_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    registry.clear_broken()
+    dispatch.clear_broken()
     log.reset_log_once()
     # Make the next log call set the logger's level from the settings again (caplog may have changed it).
     monkeypatch.setattr(log, "_configured_level", None)
     yield
-    registry.clear_broken()
+    dispatch.clear_broken()
     log.reset_log_once()
 
 

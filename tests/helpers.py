@@ -9,32 +9,24 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter import registry
-from qsa_aiter.problem import PHASES
-from qsa_aiter.scoring import SPECS
-from qsa_aiter.scoring.op import describe_call
-from qsa_aiter.scoring.reference import reference_paged_mqa_logits
-from qsa_aiter.testing import (  # noqa: F401 (re-exported for the tests)
-    FP8_MMA_TOL,
-    POISON,
-    assert_matches_reference,
-    magnitude_args,
-    magnitude_bound,
-    mma_atol,
-    poisoned_logits,
-    uses_fp8_mma,
-    visible_bits,
-    visible_mask,
+from qsa_aiter.runtime import dispatch
+from qsa_aiter.kernels.scoring.problem import PHASES
+from qsa_aiter.kernels.scoring import SPECS
+from qsa_aiter.ops.scoring import describe_call
+from qsa_aiter.kernels.scoring.reference import reference_paged_mqa_logits
+from qsa_aiter.tools.testing import (  # noqa: F401 (re-exported for the tests)
+    FP8_MMA_TOL, POISON, assert_matches_reference, magnitude_args, magnitude_bound, mma_atol, poisoned_logits,
+    uses_fp8_mma, visible_bits, visible_mask,
 )
 from qsa_aiter.tools.workloads import make_batch
 
-#: Triton kernels of the registry, by candidate name (every scoring spec).
+#: Triton kernels of the dispatch, by candidate name (every scoring spec).
 KERNELS = tuple(spec.name for spec in SPECS)
 #: What a test may force through ``QSA_AITER_BACKEND``: every candidate, plus ``auto`` (the registry decides).
 BACKENDS = KERNELS + ("torch", "auto")
 #: The kernel the registry prefers for each phase when every candidate can serve (SPEC section 4): the first scoring
 #: kernel of the phase's order.
-PREFERRED = {phase: next(n for n in registry.TABLE[("bf16", 64, phase)] if n in KERNELS) for phase in PHASES}
+PREFERRED = {phase: next(n for n in dispatch.TABLE[("bf16", 64, phase)] if n in KERNELS) for phase in PHASES}
 
 
 def auto_kernel(args: tuple, **hints) -> str:
@@ -42,7 +34,7 @@ def auto_kernel(args: tuple, **hints) -> str:
     another faster at its bucket on this arch (the measurement rule, tested on synthetic tables in
     tests/test_registry.py; on the H200 the shipped rows send decode to the stacked scorer)."""
     problem = describe_call(*args, **hints)
-    decision = registry.select(problem)
+    decision = dispatch.select(problem)
     return decision.chosen if decision.rule.startswith("measurement") else PREFERRED[problem.phase]
 
 
@@ -58,7 +50,7 @@ def write_new_lengths(gen, context_lens, query_positions, low: int, high: int, r
 
 
 def force_backend(monkeypatch, name: str) -> None:
-    """Force ``name`` for every phase (``auto`` leaves the choice to the registry)."""
+    """Force ``name`` for every phase (``auto`` leaves the choice to the dispatch)."""
     if name == "auto":
         monkeypatch.delenv("QSA_AITER_BACKEND", raising=False)
     else:
@@ -72,7 +64,7 @@ def skip_unless_serves(name: str, args: tuple, **kwargs):
     """
     problem = describe_call(*args, **kwargs)
     if name != "auto":
-        reasons = registry.reasons(name, problem)
+        reasons = dispatch.reasons(name, problem)
         if reasons:
             pytest.skip(f"{name} does not serve {problem.summary()}: " + "; ".join(reasons))
     return problem

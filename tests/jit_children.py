@@ -20,7 +20,7 @@ from typing import Callable
 import filelock
 import pytest
 
-from qsa_aiter.jit import paths as jit_paths
+from qsa_aiter.runtime.jit import paths as jit_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ("sm_90", "gfx942", "gfx950")
@@ -48,7 +48,7 @@ def sources(tmp_path_factory):
 def same_sources_here(sources, monkeypatch):
     """Entries the children built are checked here against the sources they were built from (``paths`` is the
     module whose ``kernel_sources_hash`` reads ``KERNEL_SOURCES``)."""
-    monkeypatch.setattr(jit_paths, "KERNEL_SOURCES", sources / "qsa_aiter")
+    monkeypatch.setattr(jit_paths, "KERNEL_SOURCES", sources / "qsa_aiter" / "kernels")
     jit_paths.kernel_sources_hash.cache_clear()
     yield
     jit_paths.kernel_sources_hash.cache_clear()

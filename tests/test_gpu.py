@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter import registry
-from qsa_aiter.scoring.op import describe_call
-from qsa_aiter.scoring.reference import reference_paged_mqa_logits, visible_groups
+from qsa_aiter.runtime import dispatch
+from qsa_aiter.ops.scoring import describe_call
+from qsa_aiter.kernels.scoring.reference import reference_paged_mqa_logits, visible_groups
 from qsa_aiter.tools.bench import capture_graph
 from qsa_aiter.tools.workloads import ScoringBatch, make_batch
 
@@ -396,5 +396,5 @@ def test_registry_reasons_are_empty_for_model_shapes():
         problem = describe_call(*b.args(), phase=phase)
         assert problem.device_type == "cuda"
         for name in KERNELS:
-            assert registry.reasons(name, problem) == [], name
-        assert registry.select(problem).chosen == auto_kernel(b.args(), phase=phase)
+            assert dispatch.reasons(name, problem) == [], name
+        assert dispatch.select(problem).chosen == auto_kernel(b.args(), phase=phase)

@@ -4,14 +4,14 @@ cache, the public ops, tools), directly or through what they import."""
 
 from __future__ import annotations
 
-from qsa_aiter import catalog
+from qsa_aiter.kernels import catalog
 
 from helpers import MODULES, top_level_imports
 
 #: Layers a kernel module must not reach.
-POLICY = ("qsa_aiter.registry", "qsa_aiter.catalog", "qsa_aiter.tuning", "qsa_aiter.settings", "qsa_aiter.jit",
-          "qsa_aiter.tools", "qsa_aiter.backends", "qsa_aiter.scoring.op", "qsa_aiter.selection.ops",
-          "qsa_aiter.cache.op", "qsa_aiter.custom_ops", "qsa_aiter.integrations")
+POLICY = ("qsa_aiter.runtime.dispatch", "qsa_aiter.kernels.catalog", "qsa_aiter.tuning", "qsa_aiter.runtime.settings", "qsa_aiter.runtime.jit",
+          "qsa_aiter.tools", "qsa_aiter.runtime", "qsa_aiter.ops.scoring", "qsa_aiter.ops.selection",
+          "qsa_aiter.ops.cache", "qsa_aiter.ops.custom_ops", "qsa_aiter.integrations")
 
 
 GRAPH = {name: {m for m in top_level_imports(path) if m in MODULES and m != name} for name, path in MODULES.items()}
@@ -36,9 +36,9 @@ def test_no_module_level_import_circle():
 
 def test_kernel_modules_reach_no_policy_layer():
     kernel_modules = {type(spec).__module__ for spec in catalog.SPECS}  # each spec is declared beside its kernel
-    kernel_modules |= {"qsa_aiter.spec", "qsa_aiter.platform", "qsa_aiter.scoring.tiles", "qsa_aiter.scoring.base",
-                       "qsa_aiter.quant.dequant"}
-    assert {"qsa_aiter.scoring.stacked", "qsa_aiter.selection.topk", "qsa_aiter.cache.cache_writer"} <= kernel_modules
+    kernel_modules |= {"qsa_aiter.kernels.spec", "qsa_aiter.kernels.platform", "qsa_aiter.kernels.scoring.tiles", "qsa_aiter.kernels.scoring.base",
+                       "qsa_aiter.kernels.quant.dequant"}
+    assert {"qsa_aiter.kernels.scoring.stacked", "qsa_aiter.kernels.selection.topk", "qsa_aiter.kernels.cache.writer"} <= kernel_modules
     for name in sorted(kernel_modules):
         reached, todo = set(), [name]
         while todo:

@@ -9,7 +9,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from qsa_aiter.tuning import table as tuned
+from qsa_aiter.runtime import tuned
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import torch, qsa_aiter
 from qsa_aiter import jit
-from qsa_aiter.tuning import table as tuned
+from qsa_aiter.runtime import tuned
 from qsa_aiter.tools.workloads import make_batch
 rows = sum(len(v) for v in tuned.load_tables(()).rows.values())
 batch = make_batch([300, 200], 2, head_dim=32, page_size=16)

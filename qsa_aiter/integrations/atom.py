@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import custom_ops
-from ..problem import check_int, check_tensor, check_topk_budget, fail_argument
-from ..selection.ops import DEFAULT_LOGITS_WORKSPACE_BYTES
+from ..ops import custom_ops
+from ..runtime.arguments import check_int, check_tensor, check_topk_budget, fail_argument
+from ..ops.selection import DEFAULT_LOGITS_WORKSPACE_BYTES
 
 ENGINE_MODULE = "atom.model_ops.qwen4_exp.ops.qsa"
 #: Engine modules that bind the ops at import time (``from ...ops.qsa import ...``).
@@ -232,7 +232,7 @@ def install(engine_module: str | types.ModuleType = ENGINE_MODULE,
     ``consumers`` module, every attribute that still is the engine's original function.
 
     Call it before the engine builds its model (consumer modules imported later bind the replaced names anyway).
-    It also opens the JIT cache on the current GPU (``qsa_aiter.jit.load``), so that the first call pays no set-up.
+    It also opens the JIT cache on the current GPU (``qsa_aiter.runtime.jit.load``), so that the first call pays no set-up.
     Raises ``TypeError`` when an engine op's signature differs from the drop-in's (another ATOM version), before
     anything is replaced. Installing into the same module again returns the active installation; into another one
     while one is active raises ``RuntimeError`` (uninstall first).
@@ -259,7 +259,7 @@ def install(engine_module: str | types.ModuleType = ENGINE_MODULE,
                 installation.patched.append((target, name, getattr(target, name, None)))
                 setattr(target, name, _DROP_INS[name])
     _active = installation
-    from ..jit import load as load_jit_cache
+    from ..runtime.jit import load as load_jit_cache
 
     load_jit_cache()  # at start-up, not at the first call: the JIT cache's entries placed, Triton's set-up done
     return installation

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import registry
-from ..cli_args import positive_int
-from ..platform import Platform
-from ..scoring import SPECS
-from ..scoring.base import ScoreArgs
-from ..scoring.op import describe_call, qsa_paged_mqa_logits
-from ..selection.ops import qsa_select_paged_tokens
-from ..settings import get_settings
+from ..runtime import dispatch
+from .cli_args import positive_int
+from ..kernels.platform import Platform
+from ..kernels.scoring import SPECS
+from ..kernels.scoring.base import ScoreArgs
+from ..ops.scoring import describe_call, qsa_paged_mqa_logits
+from ..ops.selection import qsa_select_paged_tokens
+from ..runtime.settings import get_settings
 from .workloads import ScoringBatch, make_batch
 
 K, L2_ROTATE_BYTES = 1024, 256 << 20
@@ -208,14 +208,14 @@ QUANTISED_TARGET_PCT = 85
 
 def preferred_kernel(point: WorkPoint, page_size: int, kv: str = "bf16") -> str:
     """The scoring kernel the registry's order puts first for ``point``'s phase (the targets apply to it)."""
-    order, _ = registry.candidate_order(
+    order, _ = dispatch.candidate_order(
         describe_point(point, page_size, kv))
-    return next(name for name in order if registry.CANDIDATES[name].spec is not None)
+    return next(name for name in order if dispatch.CANDIDATES[name].spec is not None)
 
 
 def describe_point(point: WorkPoint, page_size: int, kv: str):
     """A ``ScoreProblem`` with ``point``'s phase, page size and cache format (for the registry's order)."""
-    from ..scoring.base import example_problem
+    from ..kernels.scoring.base import example_problem
 
     return example_problem(kv_dtype=kv, block_size=page_size, phase=point.phase)
 
@@ -338,9 +338,9 @@ def bench_point(point: WorkPoint, page_size: int, copy_bps: float, device, repla
     for spec in SPECS:
         if kernels and spec.name not in kernels:
             continue
-        if registry.CANDIDATES[spec.name].reasons(inputs.problems[0], platform, settings):
+        if dispatch.CANDIDATES[spec.name].reasons(inputs.problems[0], platform, settings):
             continue
-        us = time_launcher(inputs, lambda p, a, spec=spec: registry.plan_for(spec, p, platform, settings).launch(
+        us = time_launcher(inputs, lambda p, a, spec=spec: dispatch.plan_for(spec, p, platform, settings).launch(
             *a.kernel_args()), replays)
         name = spec.name
         rows.append(Row(point.name, kv, page_size, name, inputs.rows, len(point.context_lens), us, inputs.nbytes,

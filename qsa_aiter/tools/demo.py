@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import explain, qsa_paged_mqa_logits, qsa_select_paged_tokens, reference_paged_mqa_logits, selected_kernel
-from ..cli_args import positive_int
-from ..platform import interpreting
-from ..selection.ops import torch_block_topk, torch_expand_block_indices
+from .cli_args import positive_int
+from ..kernels.platform import interpreting
+from ..ops.selection import torch_block_topk, torch_expand_block_indices
 from .bench import floor_bytes, time_graph
 from .workloads import CACHES, make_batch
 

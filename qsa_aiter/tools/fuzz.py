@@ -32,17 +32,17 @@ from typing import Callable
 
 import torch
 
-from .. import registry
-from ..cache.reference import write_reference
-from ..cli_args import positive_int
-from ..jit.triton_compat import install_uniform_interpreter_dots
-from ..platform import interpreting
-from ..scoring import SPECS as SCORING_SPECS
-from ..scoring.op import describe_call, qsa_paged_mqa_logits
-from ..scoring.reference import reference_paged_mqa_logits
-from ..selection.ops import qsa_block_topk, qsa_expand_block_indices, torch_block_topk, torch_expand_block_indices
-from ..selection.reference import reference_block_topk, reference_expand_block_indices
-from ..testing import assert_matches_reference, magnitude_bound, mma_atol, poisoned_logits
+from ..runtime import dispatch
+from ..kernels.cache.reference import write_reference
+from .cli_args import positive_int
+from ..runtime.jit.triton_compat import install_uniform_interpreter_dots
+from ..kernels.platform import interpreting
+from ..kernels.scoring import SPECS as SCORING_SPECS
+from ..ops.scoring import describe_call, qsa_paged_mqa_logits
+from ..kernels.scoring.reference import reference_paged_mqa_logits
+from ..ops.selection import qsa_block_topk, qsa_expand_block_indices, torch_block_topk, torch_expand_block_indices
+from ..kernels.selection.reference import reference_block_topk, reference_expand_block_indices
+from .testing import assert_matches_reference, magnitude_bound, mma_atol, poisoned_logits
 from .workloads import make_batch
 
 SCORING_PATHS = tuple(spec.name for spec in SCORING_SPECS) + ("torch", "auto")
@@ -218,7 +218,7 @@ def run_scoring(path: str, case: ScoringCase) -> str:
     try:
         problem = describe_call(*case.args, **case.kwargs)
         out = poisoned_logits(case.args, case.kwargs.get("max_columns"))
-        if path != "auto" and registry.reasons(path, problem):
+        if path != "auto" and dispatch.reasons(path, problem):
             try:
                 qsa_paged_mqa_logits(*case.args, out=out, **case.kwargs)
             except ValueError:

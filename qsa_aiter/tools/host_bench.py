@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from .. import call_plans
-from ..cache.op import qsa_write_index_cache
-from ..selection.ops import qsa_block_topk, qsa_expand_block_indices
+from ..runtime import replay
+from ..ops.cache import qsa_write_index_cache
+from ..ops.selection import qsa_block_topk, qsa_expand_block_indices
 from .bench import TOKEN_TOPK, points_named, selection_inputs, time_graph, work_points
 
 #: The host-time targets (µs per call) at the verify and prefill work points.
@@ -39,7 +39,7 @@ def batch_us(call, calls: int, fresh_plans: bool = False) -> float:
         return (time.perf_counter() - start) / calls * 1e6
     spent = 0.0
     for _ in range(calls):
-        call_plans.clear()
+        replay.clear()
         start = time.perf_counter()
         call()
         spent += time.perf_counter() - start

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.op import qsa_write_index_cache
-from ..cache.reference import write_reference
-from ..quant.formats import allocate_index_cache
+from ..ops.cache import qsa_write_index_cache
+from ..kernels.cache.reference import write_reference
+from ..kernels.quant.formats import allocate_index_cache
 
 #: Index-cache formats ``make_batch`` can build.
 CACHES = ("16bit", "fp8", "fp8_fnuz", "fp4")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsa_aiter.__main__ import main
+from qsa_aiter.tools.cli import main
 from qsa_aiter.tools.demo import main as demo_main
 
 
@@ -39,7 +39,7 @@ def test_explain_on_a_quantised_cache(capsys):
 
 
 def test_cache_choices_match_the_workload_formats():
-    from qsa_aiter.__main__ import _build_parser
+    from qsa_aiter.tools.cli import _build_parser
     from qsa_aiter.tools.workloads import CACHES
 
     explain = _build_parser()._subparsers._group_actions[0].choices["explain"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from qsa_aiter.selection import topk
+from qsa_aiter.kernels.selection import topk
 
 _SPEC = importlib.util.spec_from_file_location(
     "topk_stages", Path(__file__).resolve().parents[2] / "benchmarks" / "topk_stages.py")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qsa_aiter.scoring.base import ScoreArgs
-from qsa_aiter.scoring.op import describe_call
+from qsa_aiter.kernels.scoring.base import ScoreArgs
+from qsa_aiter.ops.scoring import describe_call
 from qsa_aiter.tools.workloads import make_batch
 
 _SPEC = importlib.util.spec_from_file_location(

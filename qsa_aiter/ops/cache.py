@@ -1,0 +1,137 @@
+"""Public cache writer: ``qsa_write_index_cache`` quantises new index keys into a paged cache of any format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime import replay
+from ..kernels.platform import triton_runs_on
+from ..runtime.arguments import fail_argument
+from ..kernels.quant.dequant import kernel_view
+from ..kernels.quant.formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
+from ..runtime.settings import get_settings
+from .traced import through_custom_op
+from ..kernels.cache.reference import write_reference
+
+
+def _fail(kind: type[Exception], name: str, expected: str, got: object) -> None:
+    fail_argument(kind, name, expected, got, op="qsa_write_index_cache")
+
+
+@through_custom_op
+def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor,
+                          k_scale: torch.Tensor | None = None) -> None:
+    """Write ``keys`` into ``cache`` at ``slot_mapping`` (``slot = page * page_size + offset``; ``-1`` skips).
+
+    Args:
+        keys: ``[tokens, 1, D]`` or ``[tokens, D]``, bf16/fp16/fp32, last dim contiguous.
+        slot_mapping: ``[tokens]`` int32/int64. Slots outside ``[0, pages * page_size)`` write nothing; a slot named
+            more than once takes the last of its keys (``cache.reference.last_writer_slots``'s rule).
+        cache: ``[pages, P, 1, D]`` bf16/fp16/``float8_e4m3fn``/``float8_e4m3fnuz``, or ``[pages, P, 1, D // 2]``
+            ``float4_e2m1fn_x2``; contiguous.
+        k_scale: fp32 ``[pages, P]`` for fp8; ``float8_e8m0fnu`` ``[pages, P, 1, D // 32]`` for fp4; None otherwise.
+
+    16-bit caches take the keys rounded to nearest-even (fp32 keys into a bf16 cache included). The Triton kernel
+    runs on GPU tensors (and under ``TRITON_INTERPRET=1``); CPU tensors otherwise take the torch reference, which
+    writes the same bytes.
+    """
+    settings = get_settings()  # a bad variable is a ConfigurationError on every path, raised before any work
+    key, addresses = replay.signature(("qsa_write_index_cache", id(settings)),
+                                          (keys, slot_mapping, cache, k_scale), ())
+    plan = replay.lookup(key)
+    if plan is not None:
+        plan.run(addresses)
+        return
+    if not isinstance(keys, torch.Tensor):
+        _fail(TypeError, "keys", "a torch.Tensor", type(keys).__name__)
+    if keys.dim() == 3:
+        if keys.shape[1] != 1:
+            _fail(ValueError, "keys", "[tokens, 1, head_dim] or [tokens, head_dim]", tuple(keys.shape))
+        keys = keys[:, 0]
+    if keys.dim() != 2:
+        _fail(ValueError, "keys", "[tokens, 1, head_dim] or [tokens, head_dim]", tuple(keys.shape))
+    if keys.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        _fail(TypeError, "keys", "bf16, fp16 or fp32", keys.dtype)
+    if keys.shape[1] > 0 and keys.stride(1) != 1:
+        _fail(ValueError, "keys", "contiguous along head_dim", f"strides {keys.stride()}")
+    if not isinstance(cache, torch.Tensor):
+        _fail(TypeError, "cache", "a torch.Tensor", type(cache).__name__)
+    try:
+        kind = cache_kind(cache)
+    except TypeError as err:
+        _fail(TypeError, "cache", "an index cache", str(err))
+    if cache.dim() != 4 or cache.shape[2] != 1 or not cache.is_contiguous():
+        _fail(ValueError, "cache", "a contiguous [pages, page_size, 1, width] tensor", tuple(cache.shape))
+    if cache.device != keys.device:
+        _fail(ValueError, "cache", f"on {keys.device} like `keys`", cache.device)
+    head_dim = keys.shape[1]
+    width = cache_width(kind, head_dim)
+    if kind == "fp4" and head_dim % FP4_BLOCK:
+        _fail(ValueError, "keys", f"a head_dim divisible by {FP4_BLOCK} for an fp4 cache", head_dim)
+    if cache.shape[3] != width:
+        _fail(ValueError, "cache", f"last dim {width} for head_dim {head_dim}", tuple(cache.shape))
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        _fail(TypeError, "slot_mapping", "an int32/int64 tensor", getattr(slot_mapping, "dtype", type(slot_mapping)))
+    if slot_mapping.dim() != 1 or slot_mapping.numel() != keys.shape[0] or not slot_mapping.is_contiguous():
+        _fail(ValueError, "slot_mapping", f"contiguous [{keys.shape[0]}]", tuple(slot_mapping.shape))
+    if slot_mapping.device != keys.device:
+        _fail(ValueError, "slot_mapping", f"on {keys.device} like `keys`", slot_mapping.device)
+    pages, page_size = cache.shape[:2]
+    want = scale_layout(kind, pages, page_size, head_dim)
+    if want is None:
+        if k_scale is not None:
+            _fail(ValueError, "k_scale", "None for a 16-bit cache", type(k_scale).__name__)
+    else:
+        if not isinstance(k_scale, torch.Tensor):
+            _fail(TypeError, "k_scale", f"a {want[1]} tensor of shape {want[0]} for a {kind} cache",
+                  type(k_scale).__name__)
+        if tuple(k_scale.shape) != want[0] or k_scale.dtype != want[1] or not k_scale.is_contiguous():
+            _fail(ValueError, "k_scale", f"contiguous {want[1]} of shape {want[0]}",
+                  f"{k_scale.dtype} {tuple(k_scale.shape)}")
+        if k_scale.device != keys.device:
+            _fail(ValueError, "k_scale", f"on {keys.device} like `keys`", k_scale.device)
+    if keys.shape[0] == 0:
+        return
+    if not triton_runs_on(keys.device.type):
+        write_reference(keys, slot_mapping, cache, k_scale)
+        return
+    from ..kernels.cache import writer
+    from ..runtime.jit import scope as jit_scope
+
+    name = writer.kind_of(cache, kind)
+    # Compiled once into the JIT cache (docs/jit_and_configs.md); the launch is recorded for the call's plan.
+    with jit_scope(keys.device, settings), replay.recording() as launches:
+        writer.launch(keys, slot_mapping, kernel_view(cache), kernel_view(k_scale), name, head_dim,
+                            pages * page_size)
+    replay.store(key, WriterPlan.of(addresses, launches), settings)
+
+
+@dataclass(frozen=True)
+class WriterPlan:
+    """A validated ``qsa_write_index_cache`` signature and its recorded launch."""
+
+    launch: replay.DirectLaunch
+
+    @classmethod
+    def of(cls, addresses: list[int], launches: list) -> "WriterPlan | None":
+        """The plan of a call with tensors at ``addresses`` (keys, slots, cache, scale or 0) that made ``launches``:
+        None unless it was one writer launch whose pointer arguments are those tensors (a call longer than
+        ``SCAN_MAX_TOKENS`` launches on a deduplicated copy of the slots: not replayable)."""
+        from ..kernels.cache.writer import SPEC
+
+        if len(launches) != 1 or [t.data_ptr() for t in launches[0][2][:4]] != _pointer_args(addresses):
+            return None
+        direct = replay.direct_launches(launches, (SPEC.name,))
+        return None if direct is None or direct[0].pointers != 4 else cls(direct[0])
+
+    def run(self, addresses: list[int]) -> None:
+        self.launch(*_pointer_args(addresses))
+
+
+def _pointer_args(addresses: list[int]) -> list[int]:
+    """The writer kernel's pointer arguments for a call's tensors at ``addresses``: the scale's stands in for the
+    cache's when there is none."""
+    keys_at, slots_at, cache_at, scale_at = addresses
+    return [keys_at, slots_at, cache_at, scale_at or cache_at]

@@ -1,0 +1,163 @@
+"""Public scoring op: ``qsa_paged_mqa_logits``, a drop-in for the engine's op of the same name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime import replay, dispatch
+from ..kernels.scoring.problem import ScoreProblem
+from ..runtime.arguments import validate_scoring_call
+from ..runtime.settings import get_settings
+from .traced import through_custom_op
+from ..kernels.scoring.base import SCORE_POINTERS, ScoreArgs
+
+
+def _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
+             score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len, settings=None):
+    settings = settings or get_settings()
+    return validate_scoring_call(
+        q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
+        score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len,
+        stacked_enabled=settings.stacked_decode_scorer, fp8_mma=settings.fp8_mma,
+    )
+
+
+@through_custom_op
+def qsa_paged_mqa_logits(
+    q: torch.Tensor,
+    compressed_k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    token_to_request: torch.Tensor,
+    query_positions: torch.Tensor,
+    context_lens: torch.Tensor,
+    compress_ratio: int = 4,
+    score_divisor: float | None = None,
+    max_columns: int | None = None,
+    row_starts: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    phase: str | None = None,
+    max_query_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score every visible compressed key group for every query row.
+
+    Args:
+        q: ``[tokens, heads, head_dim]`` bf16/fp16, contiguous.
+        compressed_k_cache: the paged index cache, contiguous (SPEC section 3): ``[pages, page_size, 1, head_dim]``
+            bf16/fp16 (same dtype as ``q``) or ``float8_e4m3fn``/``float8_e4m3fnuz``; or MXFP4
+            ``[pages, page_size, 1, head_dim // 2]`` ``float4_e2m1fn_x2``.
+        page_table: ``[requests, width]`` int32/int64; logical page ``c // page_size`` of request ``r`` is
+            physical page ``page_table[r, c // page_size]``.
+        token_to_request, query_positions: ``[tokens]`` int32/int64; ``-1`` marks a padded row.
+        context_lens: ``[requests]`` int32/int64, in tokens.
+        compress_ratio: tokens per compressed group (R).
+        score_divisor: scores are divided by it; default ``sqrt(head_dim)``.
+        max_columns: caps ``num_columns`` (default ``width * page_size``).
+        row_starts: optional ``[tokens]`` int tensor, filled with zeros (the engine's top-k convention).
+        k_scale: the cache's scales: fp32 ``[pages, page_size]`` (one per token) for fp8; ``float8_e8m0fnu``
+            ``[pages, page_size, 1, head_dim // 32]`` (one exponent per 32 elements) for MXFP4; None for 16-bit.
+        out: optional fp32 ``[tokens, num_columns]`` (last dim contiguous) to write the logits into.
+        phase: optional host-side hint: ``prefill``, ``verify``, ``draft`` or ``decode``.
+        max_query_len: optional host int: the most query rows any request has in this call.
+
+    Traced by ``torch.compile`` the call goes through the custom op (``qsa_aiter.ops.traced``).
+
+    Returns:
+        ``(logits, visible_groups)``: fp32 ``[tokens, num_columns]`` whose columns ``[0, visible)`` hold
+        ``sum_h relu(q[t, h] . K[c]) / score_divisor`` (``-inf`` for a bad page id) and whose other columns are not
+        written; int32 ``[tokens]`` visible group counts ``max(0, min((p+1)//R, ctx//R, num_columns))``.
+    """
+    settings = get_settings()  # read once per call
+    key, addresses = _signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
+                                context_lens, compress_ratio, score_divisor, max_columns, row_starts, k_scale, out,
+                                phase, max_query_len)
+    plan = replay.lookup(key)
+    if plan is not None:
+        return plan.run(addresses, q, out, row_starts, k_scale is not None)
+    with replay.recording() as launches:
+        problem, divisor = _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions,
+                                    context_lens, compress_ratio, score_divisor, max_columns, row_starts, k_scale,
+                                    out, phase, max_query_len, settings)
+        logits = out if out is not None else torch.empty((problem.num_tokens, problem.num_columns),
+                                                         dtype=torch.float32, device=q.device)
+        if row_starts is not None:
+            row_starts.zero_()
+        visible = score_validated(problem, divisor, q, compressed_k_cache, page_table, token_to_request,
+                                  query_positions, context_lens, k_scale, logits, settings)
+    replay.store(key, ScoringPlan.of(problem, launches), settings)
+    return logits, visible
+
+
+def _signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+               compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len):
+    """The call's ``call_plans`` signature (``(key, addresses)``): everything validation and dispatch read (a None
+    key: not a cacheable call, the validating path names what is wrong)."""
+    return replay.signature(
+        ("qsa_paged_mqa_logits", id(settings)),
+        (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, row_starts, k_scale, out),
+        (compress_ratio, score_divisor, max_columns, phase, max_query_len))
+
+
+@dataclass(frozen=True)
+class ScoringPlan:
+    """A validated ``qsa_paged_mqa_logits`` signature: its problem and recorded kernel launch."""
+
+    problem: ScoreProblem
+    launch: replay.DirectLaunch
+
+    @classmethod
+    def of(cls, problem: ScoreProblem, launches: list) -> "ScoringPlan | None":
+        """The plan of a call that made ``launches`` (None unless it was one scoring kernel's launch)."""
+        if problem.num_tokens == 0 or len(launches) != 1 or launches[0][0].kernel not in dispatch.SCORER_KERNELS:
+            return None
+        direct = replay.direct_launches(launches, (launches[0][0].kernel,))
+        return cls(problem, direct[0]) if direct and direct[0].pointers == SCORE_POINTERS else None
+
+    def run(self, addresses, q, out, row_starts, has_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call, for arguments of this plan's signature: ``addresses`` of its tensors in ``_signature``'s order."""
+        q_at, cache_at, table_at, request_at, position_at, lens_at, _, scale_at, _ = addresses
+        tokens, columns = self.problem.num_tokens, self.problem.num_columns
+        logits = out if out is not None else q.new_empty((tokens, columns), dtype=torch.float32)
+        if row_starts is not None:
+            row_starts.zero_()
+        visible = q.new_empty((tokens,), dtype=torch.int32)
+        self.launch(q_at, cache_at, scale_at if has_scale else cache_at, table_at, request_at, position_at, lens_at,
+                    logits.data_ptr(), visible.data_ptr())
+        return logits, visible
+
+
+def score_validated(problem: ScoreProblem, divisor: float, q, compressed_k_cache, page_table, token_to_request,
+                    query_positions, context_lens, k_scale, logits: torch.Tensor, settings) -> torch.Tensor:
+    """Score a call that ``problem`` describes and whose arguments were validated into it (``describe_call``, with
+    ``q``, ``token_to_request`` and ``query_positions`` possibly narrowed to the first ``problem.num_tokens`` rows of
+    the validated ones): the logits go into ``logits`` (fp32 ``[problem.num_tokens, problem.num_columns]``, last dim
+    contiguous); returns the int32 visible counts ``[problem.num_tokens]``. The selection op scores its row chunks
+    through it, so a call is validated once."""
+    visible = torch.empty((problem.num_tokens,), dtype=torch.int32, device=q.device)
+    if problem.num_tokens == 0:
+        return visible
+    args = ScoreArgs(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, logits,
+                     visible, problem.num_columns, problem.compress_ratio, 1.0 / divisor, k_scale)
+    dispatch.run(problem, args, settings)
+    return visible
+
+
+def describe_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+                  compress_ratio=4, score_divisor=None, max_columns=None, row_starts=None, *, k_scale=None,
+                  out=None, phase=None, max_query_len=None) -> ScoreProblem:
+    """The validated ``ScoreProblem`` a ``qsa_paged_mqa_logits`` call with these arguments would dispatch on."""
+    return _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+                    compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len)[0]
+
+
+def explain(*args, **kwargs) -> str:
+    """Which kernel would serve ``qsa_paged_mqa_logits(*args, **kwargs)`` and why each other candidate does not."""
+    return dispatch.explain(describe_call(*args, **kwargs))
+
+
+def selected_kernel(*args, **kwargs) -> str | None:
+    """Name of the kernel ``qsa_paged_mqa_logits(*args, **kwargs)`` would run (``None`` if none serves)."""
+    return dispatch.select(describe_call(*args, **kwargs)).chosen

@@ -1,0 +1,28 @@
+"""The public functions under ``torch.compile``: traced, each becomes its custom op (``qsa_aiter.ops.custom_ops``).
+
+Dynamo cannot trace the eager functions' dispatch (registry, settings, logging, memo tables), so while it traces a
+decorated function the call goes to the custom-op wrapper of the same name and arguments, which it records as one
+opaque call; eagerly (and inside the custom op itself) the function runs as written. Code that calls the plain
+``qsa_aiter.qsa_*`` functions therefore compiles with ``fullgraph=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+
+def through_custom_op(fn: Callable) -> Callable:
+    """Decorate public function ``fn``: traced by ``torch.compile``, ``custom_ops.<fn.__name__>`` runs instead."""
+
+    @functools.wraps(fn)
+    def public(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            from . import custom_ops  # imports this package's op modules: not at import time
+
+            return getattr(custom_ops, fn.__name__)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return public

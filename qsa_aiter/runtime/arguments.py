@@ -1,0 +1,223 @@
+"""Argument checks of the public ops (``ValueError``/``TypeError`` naming the op, the argument, what was expected and
+what came), and the validation of a scoring call into its ``ScoreProblem``.
+
+Nothing here reads device memory: every fact comes from shapes, dtypes, devices and the caller's host-side hints,
+so the ops stay capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ..kernels.quant.formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
+from ..kernels.scoring.problem import MAX_CONTEXT_TOKENS, PHASES, ScoreProblem, infer_phase
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_CACHE_DTYPE_TEXT = "bf16, fp16 (like q), float8_e4m3fn, float8_e4m3fnuz or float4_e2m1fn_x2"
+
+
+def fail_argument(kind: type[Exception], name: str, expected: str, got: object,
+                  op: str = "qsa_paged_mqa_logits") -> None:
+    """Raise ``kind`` naming the op, the argument, what was expected and what came."""
+    raise kind(f"{op}: `{name}` must be {expected}; got {got}")
+
+
+_fail = fail_argument
+
+
+def check_tensor(name, t, *, ndim, dtypes, device=None, contiguous=False, op="qsa_paged_mqa_logits",
+                 like="q") -> None:
+    """``t`` must be a tensor of ``ndim`` dims, one of ``dtypes``, on ``device`` (if given, the device of the
+    argument ``like``), contiguous (if asked)."""
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(t).__name__, op)
+    if t.dim() != ndim:
+        _fail(ValueError, name, f"{ndim}-D", f"shape {tuple(t.shape)}", op)
+    if t.dtype not in dtypes:
+        _fail(TypeError, name, "one of " + ", ".join(str(d).removeprefix("torch.") for d in dtypes), t.dtype, op)
+    if device is not None and t.device != device:
+        _fail(ValueError, name, f"on {device} like `{like}`", t.device, op)
+    if contiguous and not t.is_contiguous():
+        _fail(ValueError, name, "contiguous", f"strides {t.stride()}", op)
+
+
+def check_int(name, value, *, minimum, maximum=None, op="qsa_paged_mqa_logits") -> int:
+    """``value`` must be an int (not a bool) in ``[minimum, maximum]``; returns it as an int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(TypeError, name, "an int", type(value).__name__, op)
+    value = int(value)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        _fail(ValueError, name, bound, value, op)
+    return value
+
+
+
+def _check_k_scale(k_scale, kv: str, num_pages: int, page_size: int, head_dim: int, device) -> int:
+    """The scale tensor must match the cache (SPEC section 3). Returns its size in bytes."""
+    layout = scale_layout(kv, num_pages, page_size, head_dim)
+    if layout is None:
+        if k_scale is not None:
+            _fail(ValueError, "k_scale", "None for a 16-bit index cache", type(k_scale).__name__)
+        return 0
+    if k_scale is None:
+        _fail(ValueError, "k_scale", f"the scale tensor of the {kv} index cache", None)
+    shape, dtype = layout
+    check_tensor("k_scale", k_scale, ndim=len(shape), dtypes=(dtype,), device=device, contiguous=True)
+    if tuple(k_scale.shape) != shape:
+        _fail(ValueError, "k_scale", f"shape {shape} to match compressed_k_cache", tuple(k_scale.shape))
+    return k_scale.numel() * k_scale.element_size()
+
+
+def validate_scoring_call(
+    q,
+    compressed_k_cache,
+    page_table,
+    token_to_request,
+    query_positions,
+    context_lens,
+    compress_ratio,
+    score_divisor,
+    max_columns,
+    row_starts,
+    k_scale,
+    out,
+    phase,
+    max_query_len,
+    stacked_enabled: bool,
+    fp8_mma: bool = True,
+) -> tuple[ScoreProblem, float]:
+    """Check every argument; return the problem description and the score divisor. Raises before anything is written."""
+    check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), contiguous=True)
+    device = q.device
+    tokens, heads, head_dim = q.shape
+    if heads < 1 or head_dim < 1:
+        _fail(ValueError, "q", "[tokens, heads >= 1, head_dim >= 1]", tuple(q.shape))
+    cache = compressed_k_cache
+    if not isinstance(cache, torch.Tensor):
+        _fail(TypeError, "compressed_k_cache", "a torch.Tensor", type(cache).__name__)
+    try:
+        kv = cache_kind(cache)  # the registry axis: "bf16" covers both 16-bit caches, "fp8" both e4m3 flavours
+    except TypeError:
+        _fail(TypeError, "compressed_k_cache", _CACHE_DTYPE_TEXT, cache.dtype)
+    check_tensor("compressed_k_cache", cache, ndim=4, dtypes=(q.dtype,) if kv == "bf16" else (cache.dtype,),
+                  device=device, contiguous=True)
+    num_pages, block_size, kv_heads, cache_dim = cache.shape
+    stored_dim = cache_width(kv, head_dim)
+    if kv == "fp4" and head_dim % FP4_BLOCK:
+        _fail(ValueError, "q", f"head_dim divisible by {FP4_BLOCK} for an MXFP4 cache", head_dim)
+    if kv_heads != 1 or cache_dim != stored_dim:
+        _fail(ValueError, "compressed_k_cache", f"[pages, page_size, 1, {stored_dim}]", tuple(cache.shape))
+    if num_pages < 1 or block_size < 1:
+        _fail(ValueError, "compressed_k_cache", "at least one page of at least one slot", tuple(cache.shape))
+    scale_bytes = _check_k_scale(k_scale, kv, num_pages, block_size, head_dim, device)
+    check_tensor("page_table", page_table, ndim=2, dtypes=_INDEX_DTYPES, device=device)
+    if page_table.shape[1] > 0 and page_table.stride(1) != 1:
+        _fail(ValueError, "page_table", "contiguous along its last dim", f"strides {page_table.stride()}")
+    requests, width = page_table.shape
+    check_tensor("token_to_request", token_to_request, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
+    check_tensor("query_positions", query_positions, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
+    if token_to_request.numel() != tokens:
+        _fail(ValueError, "token_to_request", f"length {tokens} (q's tokens)", token_to_request.numel())
+    if query_positions.numel() != tokens:
+        _fail(ValueError, "query_positions", f"length {tokens} (q's tokens)", query_positions.numel())
+    if context_lens.numel() != requests:
+        _fail(ValueError, "context_lens", f"length {requests} (page_table rows)", context_lens.numel())
+    ratio = check_int("compress_ratio", compress_ratio, minimum=1)
+    if score_divisor is None:
+        divisor = math.sqrt(head_dim)
+    else:
+        if isinstance(score_divisor, bool) or not isinstance(score_divisor, numbers.Real):
+            _fail(TypeError, "score_divisor", "a positive real number or None", type(score_divisor).__name__)
+        divisor = float(score_divisor)
+        if not (math.isfinite(divisor) and divisor > 0):
+            _fail(ValueError, "score_divisor", "finite and > 0", score_divisor)
+    capacity = width * block_size
+    num_columns = (capacity if max_columns is None
+                   else check_int("max_columns", max_columns, minimum=0, maximum=capacity))
+    if num_columns * ratio > MAX_CONTEXT_TOKENS:
+        _fail(ValueError, "page_table" if max_columns is None else "max_columns",
+              f"at most {MAX_CONTEXT_TOKENS} tokens of columns (columns x compress_ratio {ratio})",
+              f"{num_columns} columns")
+    if row_starts is not None:
+        check_tensor("row_starts", row_starts, ndim=1, dtypes=_INDEX_DTYPES, device=device)
+        if row_starts.numel() != tokens:
+            _fail(ValueError, "row_starts", f"length {tokens} (q's tokens)", row_starts.numel())
+    if out is not None:
+        check_tensor("out", out, ndim=2, dtypes=(torch.float32,), device=device)
+        if tuple(out.shape) != (tokens, num_columns):
+            _fail(ValueError, "out", f"shape ({tokens}, {num_columns})", tuple(out.shape))
+        if num_columns > 0 and tokens > 0 and out.stride(1) != 1:
+            _fail(ValueError, "out", "contiguous along its last dim", f"strides {out.stride()}")
+        if tokens > 1 and num_columns > 0 and out.stride(0) < num_columns:
+            _fail(ValueError, "out", f"rows that do not overlap (row stride >= {num_columns})",
+                  f"strides {out.stride()}")
+    if max_query_len is not None:
+        max_query_len = check_int("max_query_len", max_query_len, minimum=1)
+    if phase is None:
+        phase_name, why = infer_phase(tokens, requests, max_query_len, stacked_enabled)
+        source = "inferred: " + why
+    else:
+        if phase not in PHASES:
+            _fail(ValueError, "phase", "None or one of " + ", ".join(PHASES), repr(phase))
+        phase_name, source = phase, "hint"
+    problem = ScoreProblem(
+        device_type=device.type,
+        q_dtype=q.dtype,
+        kv_dtype=kv,
+        cache_dtype=cache.dtype,
+        block_size=block_size,
+        num_tokens=tokens,
+        num_heads=heads,
+        head_dim=head_dim,
+        num_requests=requests,
+        table_width=width,
+        num_pages=num_pages,
+        num_columns=num_columns,
+        compress_ratio=ratio,
+        phase=phase_name,
+        phase_source=source,
+        max_query_len=max_query_len,
+        cache_bytes=cache.numel() * cache.element_size() + scale_bytes,
+        fp8_mma=fp8_mma,
+        # One integer load per key's exponents needs the scale tensor aligned to them (a view may not be).
+        scale_aligned=k_scale is None or kv != "fp4" or k_scale.data_ptr() % max(1, head_dim // 32) == 0,
+    )
+    return problem, divisor
+
+
+def check_topk_budget(op: str, compress_ratio, token_topk) -> tuple[int, int]:
+    """``(R, token_topk)`` of a selection or expansion call: integers >= 1, ``token_topk`` a multiple of ``R``."""
+    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
+    topk = check_int("token_topk", token_topk, minimum=1, op=op)
+    if topk % ratio:
+        fail_argument(ValueError, "token_topk", f"a multiple of compress_ratio ({ratio})", topk, op)
+    return ratio, topk
+
+
+def check_topk_args(op: str, logits, visible, block_topk) -> int:
+    """Validate a block top-k call's inputs (fp32 ``logits [tokens, columns]``, last dim contiguous; int32
+    ``visible [tokens]`` on its device; ``block_topk >= 1``) and return ``block_topk``."""
+    check_tensor("logits", logits, ndim=2, dtypes=(torch.float32,), op=op)
+    if logits.stride(-1) != 1:
+        fail_argument(ValueError, "logits", "contiguous in its last dimension", f"strides {logits.stride()}", op)
+    check_tensor("visible", visible, ndim=1, dtypes=(torch.int32,), device=logits.device, op=op, like="logits")
+    if visible.shape[0] != logits.shape[0]:
+        fail_argument(ValueError, "visible", f"length {logits.shape[0]} like logits' rows", visible.shape[0], op)
+    return check_int("block_topk", block_topk, minimum=1, op=op)
+
+
+def check_index_out(op: str, out, shape: tuple[int, ...], device, like: str) -> torch.Tensor:
+    """``out`` must be int32 of ``shape`` on ``device`` with a contiguous last dim; None allocates one."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.int32, device=device)
+    check_tensor("out", out, ndim=len(shape), dtypes=(torch.int32,), device=device, op=op, like=like)
+    if tuple(out.shape) != shape:
+        fail_argument(ValueError, "out", f"shape {shape}", tuple(out.shape), op)
+    if out.stride(-1) != 1:
+        fail_argument(ValueError, "out", "contiguous in its last dimension", f"strides {out.stride()}", op)
+    return out

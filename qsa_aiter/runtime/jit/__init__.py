@@ -1,0 +1,25 @@
+"""The compiled-kernel cache (``jit/``): each kernel variant compiled once per GPU arch and Triton version, with a
+manifest, and loaded from there by later processes without calling Triton's compiler.
+
+Modules, one concern each: ``paths`` (where the cache lives; what identifies a build), ``manifest`` (its records),
+``store`` (one ``triton-<version>/<arch>/`` directory: locks, recording, placing entries in Triton's in-memory
+caches), ``routing`` (Triton's compiles routed into a store, its compile hooks), ``runtime`` (``load`` and ``scope``
+around launches), ``build`` (compiling for a named target without its GPU), ``inventory`` (listing, clearing).
+``aot`` (ahead-of-time builds) and ``warmup`` (the variant matrix) are used through their modules; Triton's private
+names are reached through ``triton_compat`` only. The public names are re-exported here; a test that replaces a
+module constant (``KERNEL_SOURCES``, ``CHECKOUT_JIT_DIR``) patches ``paths``, the module that reads it.
+"""
+
+from .manifest import Entry, EntryUnusable, FileRecord, Manifest
+from .paths import (
+    CHECKOUT_JIT_DIR, KERNEL_PACKAGES, KERNEL_SOURCES, entry_id, jit_root, kernel_sources_hash, user_cache_dir,
+    writable,
+)
+from .launching import load, scope, store_for
+from .store import LOCK_TIMEOUT_S, Event, Store, VariantBusy
+
+__all__ = [
+    "CHECKOUT_JIT_DIR", "KERNEL_PACKAGES", "KERNEL_SOURCES", "LOCK_TIMEOUT_S", "Entry", "EntryUnusable", "Event",
+    "FileRecord", "Manifest", "Store", "VariantBusy", "entry_id", "jit_root", "kernel_sources_hash", "load", "scope",
+    "store_for", "user_cache_dir", "writable",
+]

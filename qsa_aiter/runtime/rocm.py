@@ -1,0 +1,277 @@
+"""ROCm candidates of the registry: AITER's QSA Triton scorer and the FlyDSL prefill scorer; AITER's HIP top-k.
+
+Neither library is a dependency. Each candidate answers the registry's question "do you serve this problem?" from
+host facts, cheapest first, and imports its library only once everything else says yes (``aiter`` writes to the
+environment at import, so it is never imported on a machine where it could not serve):
+
+- ``aiter``: ``aiter.ops.triton.attention.qsa.qsa_paged_mqa_logits`` (AITER's portable QSA Triton op) on a ROCm
+  build of torch, for bf16 queries and caches. It allocates its own logits and scores every column of the page table
+  (no skip past a row's visible count), so the registry ranks it after the project's row-wise scorer: it serves when
+  forced (``QSA_AITER_BACKEND=aiter``) or when the project's Triton kernels failed on this ROCm stack.
+- ``flydsl``: ATOM's FlyDSL MFMA prefill scorer, ``atom.model_ops.qwen4_exp.ops.qsa_flydsl_layout
+  .qsa_paged_mqa_logits_flydsl``, only with ``ROCM_QSA_FLYDSL=1`` (or ``VLLM_ROCM_QSA_FLYDSL=1``), ``flydsl``
+  importable and a gfx942/gfx950 GPU; it hard-codes bf16, 4 heads, head_dim 128, R 4 and 16 compressed groups per
+  page (the engine's 64-token KV block), and addresses its buffers with 32-bit byte offsets.
+- ``aiter_block_topk``: AITER's HIP radix top-k (``aiter.ops.topk.top_k_per_row_prefill``, ``stable=True``) with the
+  contract of ``qsa_aiter.qsa_block_topk`` (kept groups ascending, then ``-1``).
+
+The signatures called here were read from the public ROCm/aiter and ROCm/ATOM sources (docs/integration.md); these
+paths have not been run on ROCm hardware in this project. Why a candidate does not serve is in ``qsa_aiter.explain``
+and logged once (``warning`` when the FlyDSL scorer was asked for, ``info`` otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .log import log_once
+from ..kernels.scoring.problem import ScoreProblem
+from .arguments import check_index_out, check_topk_args, fail_argument
+from .settings import QsaSettings, get_settings
+
+AITER_SCORER = ("aiter.ops.triton.attention.qsa", "qsa_paged_mqa_logits")
+AITER_TOPK = ("aiter.ops.topk", "top_k_per_row_prefill")
+FLYDSL_PACKAGE = "flydsl"
+FLYDSL_SCORER = ("atom.model_ops.qwen4_exp.ops.qsa_flydsl_layout", "qsa_paged_mqa_logits_flydsl")
+FLYDSL_ARCHS = ("gfx942", "gfx950")
+#: The FlyDSL kernel addresses logits and cache with signed 32-bit byte offsets.
+FLYDSL_MAX_BYTES = 2**31 - 1
+
+AITER_DESCRIPTION = "AITER's QSA Triton scorer (aiter.ops.triton.attention.qsa)"
+FLYDSL_DESCRIPTION = "FlyDSL MFMA prefill scorer (ATOM's qsa_flydsl_layout)"
+
+
+@dataclass(frozen=True)
+class FlydslShape:
+    """The one shape the FlyDSL kernel is built for (its module constants; read from it when it is loaded)."""
+
+    heads: int = 4
+    head_dim: int = 128
+    page_size: int = 16  # compressed groups per page: the engine's 64-token KV block over R = 4
+    compress_ratio: int = 4
+
+    @classmethod
+    def of(cls, module) -> "FlydslShape":
+        default = cls()
+        return cls(heads=getattr(module, "Q_HEADS", default.heads), head_dim=getattr(module, "HDIMS", default.head_dim),
+                   page_size=getattr(module, "PAGE_SIZE", default.page_size),
+                   compress_ratio=getattr(module, "COMPRESS_RATIO", default.compress_ratio))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Platform facts and imports (one look per process)
+# ---------------------------------------------------------------------------------------------------------------
+
+_loaded: dict[tuple[str, str], tuple[object | None, object | None, str | None]] = {}
+
+
+def _rocm_runtime() -> str | None:
+    """The HIP version torch was built with, or None for a CUDA or CPU build."""
+    return torch.version.hip
+
+
+def _gpu_arch() -> str:
+    """The gfx name of the current GPU (a cached host query; no device work)."""
+    from ..kernels.platform import Platform
+
+    return Platform.of(torch.device("cuda")).arch
+
+
+def _load(module_name: str, attr: str) -> tuple[object | None, object | None, str | None]:
+    """``(module, function, None)``, or ``(None, None, why)`` when the import fails; remembered for the process."""
+    key = (module_name, attr)
+    if key not in _loaded:
+        try:
+            module = importlib.import_module(module_name)
+            fn = getattr(module, attr)
+            _loaded[key] = (module, fn, None)
+        except Exception as err:  # any import-time failure means "does not serve", never a crash of the call
+            text = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+            _loaded[key] = (None, None, f"{module_name}.{attr} is not importable ({text})")
+    return _loaded[key]
+
+
+def _package_importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def reset() -> None:
+    """Forget the import results (tests install and remove stand-in modules)."""
+    _loaded.clear()
+
+
+def _log_reasons(name: str, problem: ScoreProblem, reasons: list[str], level: int) -> list[str]:
+    if reasons:
+        log_once(level, ("rocm-candidate", name, tuple(reasons)),
+                 lambda: f"{name} does not serve {problem.summary()}: " + "; ".join(reasons))
+    return reasons
+
+
+def _rocm_gpu_reasons(problem: ScoreProblem) -> list[str]:
+    if problem.device_type != "cuda":
+        return [f"needs ROCm GPU tensors (tensors are on {problem.device_type})"]
+    if _rocm_runtime() is None:
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
+        return [f"needs a ROCm build of torch (this one is {build})"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AITER's QSA Triton scorer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def aiter_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
+    """Why AITER's QSA op does not serve ``problem`` (empty: it serves)."""
+    reasons = _rocm_gpu_reasons(problem)
+    if problem.q_dtype != torch.bfloat16 or problem.cache_dtype != torch.bfloat16:
+        reasons.append(f"serves bf16 queries and caches only (got q {str(problem.q_dtype).removeprefix('torch.')}, "
+                       f"cache {str(problem.cache_dtype).removeprefix('torch.')})")
+    if not reasons:
+        _, fn, why = _load(*AITER_SCORER)
+        if why:
+            reasons.append(why)
+        else:
+            params = inspect.signature(fn).parameters
+            missing = [p for p in ("num_columns", "score_divisor") if p not in params]
+            if missing:
+                reasons.append(f"{'.'.join(AITER_SCORER)} has no {', '.join(missing)} argument (an older aiter)")
+    return _log_reasons("aiter", problem, reasons, logging.INFO)
+
+
+def run_aiter(problem: ScoreProblem, args) -> None:
+    """Score with AITER's op and copy its logits and visible counts into the call's buffers."""
+    _, fn, why = _load(*AITER_SCORER)
+    if why:
+        raise RuntimeError(why)
+    logits, visible = fn(args.q, args.k_cache, args.page_table, args.token_to_request, args.query_positions,
+                         args.context_lens, args.compress_ratio, num_columns=args.num_columns,
+                         score_divisor=1.0 / args.scale)
+    args.logits.copy_(logits)
+    args.visible.copy_(visible)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FlyDSL prefill scorer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def flydsl_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -> list[str]:
+    """Why the FlyDSL scorer does not serve ``problem`` (empty: it serves)."""
+    settings = settings or get_settings()
+    if not settings.rocm_qsa_flydsl:
+        # Not asked for: logged at debug level only.
+        off = ["off (ROCM_QSA_FLYDSL=1 or VLLM_ROCM_QSA_FLYDSL=1 enables it)"]
+        return _log_reasons("flydsl", problem, off, logging.DEBUG)
+    reasons = _rocm_gpu_reasons(problem)
+    if not reasons and _gpu_arch() not in FLYDSL_ARCHS:
+        reasons.append(f"needs {' or '.join(FLYDSL_ARCHS)} (this GPU is {_gpu_arch()})")
+    if problem.phase != "prefill":
+        reasons.append(f"serves the prefill phase only (phase {problem.phase})")
+    if problem.q_dtype != torch.bfloat16 or problem.cache_dtype != torch.bfloat16:
+        reasons.append("serves bf16 queries and caches only")
+    reasons += _flydsl_shape_reasons(problem, FlydslShape())
+    if not reasons:
+        if not _package_importable(FLYDSL_PACKAGE):
+            reasons.append(f"the {FLYDSL_PACKAGE} package is not importable")
+        else:
+            module, _, why = _load(*FLYDSL_SCORER)
+            if why:
+                reasons.append(why)
+            elif FlydslShape.of(module) != FlydslShape():  # a kernel version built for another shape
+                reasons += _flydsl_shape_reasons(problem, FlydslShape.of(module))
+    return _log_reasons("flydsl", problem, reasons, logging.WARNING)
+
+
+def _flydsl_shape_reasons(problem: ScoreProblem, shape: FlydslShape) -> list[str]:
+    reasons = []
+    got = (problem.num_heads, problem.head_dim, problem.block_size, problem.compress_ratio)
+    want = (shape.heads, shape.head_dim, shape.page_size, shape.compress_ratio)
+    if got != want:
+        reasons.append(f"serves {shape.heads} heads, head_dim {shape.head_dim}, {shape.page_size} groups per page, "
+                       f"R {shape.compress_ratio} only (got {got[0]}, {got[1]}, {got[2]}, {got[3]})")
+    if problem.num_tokens * problem.num_columns * 4 > FLYDSL_MAX_BYTES:
+        reasons.append("logits exceed its 2 GiB buffer addressing")
+    if problem.cache_bytes > FLYDSL_MAX_BYTES:
+        reasons.append("the index cache exceeds its 2 GiB buffer addressing")
+    return reasons
+
+
+def run_flydsl(problem: ScoreProblem, args) -> None:
+    """Score in place with the FlyDSL kernel (it writes ``logits`` on ``[0, visible)`` and ``visible``)."""
+    _, fn, why = _load(*FLYDSL_SCORER)
+    if why:
+        raise RuntimeError(why)
+    fn(args.q, args.k_cache, args.page_table, args.token_to_request, args.query_positions, args.context_lens,
+       args.compress_ratio, 1.0 / args.scale, args.logits, args.visible, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AITER's HIP top-k
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _takes_stable(fn) -> bool:
+    """Whether AITER's top-k ``fn`` has a ``stable=`` argument (its signature read once, not per call)."""
+    return "stable" in inspect.signature(fn).parameters
+
+
+def aiter_topk_reasons(logits: torch.Tensor) -> list[str]:
+    """Why AITER's HIP top-k cannot rank ``logits`` (empty: it can)."""
+    if logits.device.type != "cuda":
+        return [f"needs ROCm GPU tensors (logits are on {logits.device.type})"]
+    if _rocm_runtime() is None:
+        return ["needs a ROCm build of torch"]
+    _, fn, why = _load(*AITER_TOPK)
+    if why:
+        return [why]
+    if not _takes_stable(fn):
+        return [f"{'.'.join(AITER_TOPK)} has no stable= argument (an older aiter): equal scores would not select "
+                "the same groups in decode and verify"]
+    return []
+
+
+def aiter_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``qsa_aiter.qsa_block_topk`` on AITER's HIP radix top-k: int32 ``[tokens, block_topk]``.
+
+    Args:
+        logits: fp32 ``[tokens, columns]`` (last dim contiguous); only ``[0, visible)`` of each row is ranked.
+        visible: int32 ``[tokens]``. block_topk: groups to keep per row. out: optional int32 ``[tokens, block_topk]``.
+
+    Returns:
+        Per row the kept groups in ascending order, then ``-1``. AITER ranks each row over ``[0, visible)`` with
+        ``stable=True``; its output order is unspecified, so the kept groups are sorted here. Raises
+        ``RuntimeError`` with the reasons when AITER's top-k cannot serve (``aiter_topk_reasons``).
+    """
+    op = "aiter_block_topk"
+    block_topk = check_topk_args(op, logits, visible, block_topk)
+    tokens = logits.shape[0]
+    out = check_index_out(op, out, (tokens, block_topk), logits.device, "logits")
+    if not out.is_contiguous():  # AITER writes [tokens, block_topk] as one dense block
+        fail_argument(ValueError, "out", "contiguous", f"strides {out.stride()}", op)
+    reasons = aiter_topk_reasons(logits)
+    if reasons:
+        raise RuntimeError("AITER's HIP top-k does not serve: " + "; ".join(reasons))
+    if tokens == 0:
+        return out
+    _, fn, _ = _load(*AITER_TOPK)
+    row_starts = torch.zeros(tokens, dtype=torch.int32, device=logits.device)
+    fn(logits, row_starts, visible, out, None, tokens, logits.stride(0), logits.stride(1), block_topk, stable=True)
+    # Kept groups ascending, -1 last; anything outside [0, visible) is not a kept group.
+    big = torch.iinfo(torch.int32).max
+    keep = (out >= 0) & (out < visible[:, None])
+    ordered = torch.sort(torch.where(keep, out, big), dim=1).values
+    out.copy_(torch.where(ordered == big, -1, ordered))
+    return out

@@ -1,0 +1,250 @@
+"""Command line: ``python -m qsa_aiter {demo,bench,tune,fuzz,explain,warmup,jit}`` (also installed as ``qsa-aiter``)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from .cli_args import positive_int
+from ..kernels.scoring.problem import PHASES
+
+_TOKENS = r"\s*(\d+)\s*([kKmM]?)\s*"
+
+
+def _tokens(text: str) -> int:
+    """``65536``, ``64K`` or ``64k`` -> tokens."""
+    match = re.fullmatch(_TOKENS, text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a token count such as 65536 or 64K; got {text!r}")
+    value, unit = int(match.group(1)), match.group(2).lower()
+    return value * {"": 1, "k": 1024, "m": 1024 * 1024}[unit]
+
+
+def _context(text: str) -> tuple[int, int]:
+    """``64K`` -> (64K, 64K); ``64K-128K`` -> a range spread over the requests. Anything else (a negative count
+    included) is rejected with the whole value in the message."""
+    match = re.fullmatch(f"{_TOKENS}(?:-{_TOKENS})?", text)
+    if match:
+        lo = _tokens(text.split("-")[0])
+        hi = _tokens(text.split("-")[1]) if "-" in text else lo
+        if lo <= hi:
+            return lo, hi
+    raise argparse.ArgumentTypeError(f"expected a context such as 64K or a range such as 64K-128K; got {text!r}")
+
+
+def _cache_dir(text: str):
+    """``--jit-dir``: a directory, or a path where one can be made (as ``QSA_AITER_JIT_DIR`` is checked)."""
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is not a directory")
+    return path
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="python -m qsa_aiter",
+        description="qsa_aiter: Triton kernels for QSA index scoring.",
+    )
+    parser.add_argument("--version", action="version", version=f"qsa_aiter {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,fuzz,explain,warmup,jit}")
+
+    sub.add_parser("demo", add_help=False,
+                   help="score an MTP-verify batch and a prefill chunk on this machine, check and time them")
+    sub.add_parser("bench", add_help=False,
+                   help="run the benchmark (arguments go to qsa_aiter.tools.bench; `bench --help` lists them)")
+    sub.add_parser("tune", add_help=False,
+                   help="measure tile configs at the work points and write tuned rows (`tune --help` lists options)")
+    sub.add_parser("fuzz", add_help=False,
+                   help="fuzz the ops against the torch oracles over random metadata (`fuzz --help` lists options)")
+
+    ex = sub.add_parser("explain", help="print which kernel would serve a workload, and why the others do not",
+                        description="Build a synthetic batch with qsa_aiter.workloads.make_batch and print "
+                                    "qsa_aiter.explain() for it.")
+    ex.add_argument("--requests", type=positive_int, default=9, help="number of requests (default 9)")
+    ex.add_argument("--rows-per-request", type=positive_int, default=4,
+                    help="query rows per request: 4 for MTP verify, 1 for decode (default 4)")
+    ex.add_argument("--context", type=_context, default=(64 * 1024, 128 * 1024),
+                    help="context length in tokens, or a range spread over the requests (default 64K-128K)")
+    ex.add_argument("--page-size", type=positive_int, default=64,
+                    help="compressed groups per page of the index cache (default 64)")
+    ex.add_argument("--phase", choices=PHASES, default=None,
+                    help="phase hint passed to the op (default: none, the dispatcher infers it)")
+    ex.add_argument("--heads", type=positive_int, default=4, help="index heads (default 4)")
+    ex.add_argument("--head-dim", type=positive_int, default=128, help="index head dim (default 128)")
+    ex.add_argument("--compress-ratio", type=positive_int, default=4, help="tokens per compressed group (default 4)")
+    ex.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="q and cache dtype (default bf16)")
+    ex.add_argument("--cache", choices=("16bit", "fp8", "fp8_fnuz", "fp4"), default="16bit",
+                    help="index-cache format (default 16bit: like --dtype)")
+    ex.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="where the batch lives (default: cuda if available, else cpu)")
+
+    from .aot import TARGETS
+    from .warmup import CACHES, INDEX_DTYPES, KERNELS
+
+    wu = sub.add_parser("warmup", help="compile every kernel variant into the JIT cache (with a progress bar)",
+                        description="Compile the variant matrix (the model's shapes x kernels x index-cache dtypes x "
+                                    "page sizes x tile configs) into the JIT cache: for the present GPU by launching "
+                                    "each variant once, or for a named arch without a GPU. See "
+                                    "docs/jit_and_configs.md.")
+    wu.add_argument("--arch", choices=tuple(TARGETS), default=None,
+                    help="compile for this arch without a GPU (default: the present GPU's)")
+    wu.add_argument("--kernels", type=_choices(KERNELS), default=KERNELS,
+                    help=f"comma-separated subset of {','.join(KERNELS)} (default: all)")
+    wu.add_argument("--caches", type=_choices(tuple(CACHES)), default=tuple(CACHES),
+                    help=f"index-cache dtypes, comma-separated subset of {','.join(CACHES)} (default: all)")
+    wu.add_argument("--page-sizes", type=_positive_list, default=None,
+                    help="comma-separated page sizes (default: 16,64)")
+    wu.add_argument("--index-dtypes", type=_choices(tuple(INDEX_DTYPES)), default=tuple(INDEX_DTYPES),
+                    help="dtypes of the index tensors (page table, positions, slot mapping ...), one per call, "
+                         "comma-separated (default: int32,int64)")
+    wu.add_argument("--jit-dir", type=_cache_dir, default=None,
+                    help="cache directory (default: QSA_AITER_JIT_DIR, else jit/ of a source checkout, else "
+                         "~/.cache/qsa_aiter/jit)")
+    wu.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    jit = sub.add_parser("jit", help="list or clear the JIT cache")
+    jit_sub = jit.add_subparsers(dest="jit_command", required=True, metavar="{list,clear}")
+    ls = jit_sub.add_parser("list", help="every cached variant: kernel, specialisation, compile time, date, status")
+    ls.add_argument("--jit-dir", type=_cache_dir, default=None, help="cache directory (default as for warmup)")
+    ls.add_argument("--no-verify", action="store_true", help="do not check the files' hashes")
+    cl = jit_sub.add_parser("clear", help="remove the cached kernels (all, or one arch's)")
+    cl.add_argument("--jit-dir", type=_cache_dir, default=None, help="cache directory (default as for warmup)")
+    cl.add_argument("--arch", default=None, help="only this arch's directory (e.g. sm_90)")
+    return parser
+
+
+def _choices(allowed: tuple[str, ...]):
+    """argparse type: a comma-separated, non-empty subset of ``allowed``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}; got {text!r}")
+        return values
+
+    return parse
+
+
+def _positive_list(text: str) -> tuple[int, ...]:
+    values = tuple(positive_int(v) for v in text.split(",") if v.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers; got {text!r}")
+    return values
+
+
+def _jit_root(opts: argparse.Namespace):
+    from ..runtime.jit import jit_root
+
+    return opts.jit_dir or jit_root()
+
+
+def _warmup(opts: argparse.Namespace) -> int:
+    from .warmup import Matrix, warmup
+    from ..runtime.dispatch import BLOCK_SIZES
+
+    matrix = Matrix(kernels=opts.kernels, caches=opts.caches, page_sizes=opts.page_sizes or BLOCK_SIZES,
+                    index_dtypes=opts.index_dtypes)
+    try:
+        report = warmup(opts.arch, root=_jit_root(opts), matrix=matrix, progress=not opts.no_progress)
+    except (ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 1 if report.failed else 0
+
+
+def _jit(opts: argparse.Namespace) -> int:
+    from .inventory import clear, describe
+
+    try:
+        root = _jit_root(opts)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if opts.jit_command == "list":
+        print(describe(root, verify=not opts.no_verify))
+        return 0
+    removed = clear(root, opts.arch)
+    for path in removed:
+        print(f"removed {path}")
+    if not removed:
+        print(f"nothing to remove under {root}" + (f" for {opts.arch}" if opts.arch else ""))
+    return 0
+
+
+def _explain(opts: argparse.Namespace) -> int:
+    import torch
+
+    from .. import explain
+    from .workloads import make_batch
+
+    lo, hi = opts.context
+    n = opts.requests
+    contexts = [hi] if n == 1 else [lo + (hi - lo) * i // (n - 1) for i in range(n)]
+    if min(contexts) < opts.rows_per_request:
+        print(f"error: a context of {min(contexts)} tokens is shorter than {opts.rows_per_request} rows per request",
+              file=sys.stderr)
+        return 2
+    device = opts.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but this machine has no CUDA device (use --device cpu or auto)", file=sys.stderr)
+        return 2
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
+    batch = make_batch(contexts, opts.rows_per_request, heads=opts.heads, head_dim=opts.head_dim,
+                       page_size=opts.page_size, compress_ratio=opts.compress_ratio, dtype=dtype, cache=opts.cache,
+                       device=device, spare_pages=0)
+    try:
+        print(explain(*batch.args(), **batch.kwargs(), phase=opts.phase, max_query_len=batch.max_query_len))
+    except (ValueError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    # demo, bench, tune and fuzz take their own arguments: everything after the subcommand goes to them unparsed here.
+    if argv and argv[0] in ("demo", "bench", "tune", "fuzz"):
+        command, rest = argv[0], argv[1:]
+    else:
+        opts = parser.parse_args(argv)
+        command, rest = opts.command, []
+    from ..runtime.settings import ConfigurationError, get_settings
+    from ..runtime.tuned import load_tables
+
+    try:  # a bad environment switch or tuned-config file is reported once, plainly, before any work
+        load_tables(tuple(get_settings().tuned_config))
+    except ConfigurationError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
+    if command == "tune":
+        from .tuner import main as tune_main
+
+        return tune_main(rest)
+    if command == "fuzz":
+        from .fuzz import main as fuzz_main
+
+        return fuzz_main(rest)
+    if command == "warmup":
+        return _warmup(opts)
+    if command == "jit":
+        return _jit(opts)
+    return _explain(opts)
+

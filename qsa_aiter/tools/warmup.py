@@ -1,0 +1,294 @@
+"""Warm-up: compile every kernel variant the model's serving path launches into the JIT cache.
+
+``python -m qsa_aiter warmup`` (or ``warmup()``) builds the variant matrix: the model's shapes (``MODEL``) x every
+kernel of ``catalog.SPECS`` x index-cache dtypes x page sizes x index-tensor dtypes. Each kernel's spec names its
+problems (``KernelSpec.warm_problems``: for the scorers, each phase's work points and the buckets of their tuned
+rows), and each variant is that problem's ``LaunchPlan`` as a launch makes it (``registry.plan_for``; tuned rows
+apply to the kernels the tuner measures) on the spec's small example inputs (row strides that are multiples of 16;
+one request count of each kind Triton specialises on). Then:
+
+- on the present GPU, each launch runs once on a one-program grid inside the cache's scope: Triton
+  compiles (or loads) it through its launch path, which records it, and builds its launcher stub;
+- for a named arch (``sm_90``, ``gfx942``, ``gfx950``; no GPU needed), each is specialised with Triton's own binder
+  for that target, so its key is the one a launch there computes, and compiled with ``triton.compile``. The small
+  C launcher stubs Triton builds per argument signature are not made: the GPU machine builds them at first launch
+  (into the same directory).
+
+Several processes may warm one directory at once: each variant is compiled by one of them (a busy variant is put
+back to the end of the queue, then waited for).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels import catalog
+from ..runtime import dispatch
+from ..kernels.platform import Platform, interpreting
+from ..kernels.scoring.problem import PHASES
+from ..kernels.scoring.base import ScorerSpec, example_problem, work_problem
+from ..kernels.selection.problem import SelectionProblem
+from ..runtime.settings import QsaSettings, get_settings
+from ..runtime import tuned
+from .aot import TARGETS
+from .build import Specialisation, build_for_target, specialise
+from ..runtime.jit.paths import jit_root
+from ..runtime.jit.launching import store_for
+from ..runtime.jit.store import Store, VariantBusy
+from ..runtime.jit.triton_compat import driver
+
+#: The model's shapes (SPEC section 1): 4 index heads, head_dim 128, R 4, token top-k 2048.
+MODEL = dict(heads=4, head_dim=128, compress_ratio=4, token_topk=2048)
+#: Index-cache dtypes: name -> (q dtype, cache dtype, registry kv axis, writer kind). q is bf16 except with an
+#: fp16 cache (a 16-bit cache has q's dtype).
+CACHES = {
+    "bf16": (torch.bfloat16, torch.bfloat16, "bf16", "bf16"),
+    "fp16": (torch.float16, torch.float16, "bf16", "bf16"),
+    "fp8_e4m3fn": (torch.bfloat16, torch.float8_e4m3fn, "fp8", "fp8_e4m3fn"),
+    "fp8_e4m3fnuz": (torch.bfloat16, torch.float8_e4m3fnuz, "fp8", "fp8_e4m3fnuz"),
+    "fp4": (torch.bfloat16, torch.float4_e2m1fn_x2, "fp4", "fp4"),
+}
+KERNELS = tuple(catalog.BY_NAME)
+INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
+#: Work points (SPEC section 7) per phase: (requests, rows per request, context tokens). Each scorer's plan is
+#: made for each, as at launch; tuned rows' own buckets are added.
+WORK_POINTS = {
+    "verify": ((9, 4, 128 << 10), (16, 4, 32 << 10), (64, 4, 32 << 10), (64, 4, 98 << 10), (4, 4, 262 << 10)),
+    "draft": ((64, 1, 32 << 10), (16, 1, 98 << 10), (1, 1, 262 << 10), (128, 1, 200 << 10)),
+    "decode": ((64, 1, 32 << 10), (16, 1, 98 << 10), (1, 1, 262 << 10), (128, 1, 200 << 10)),
+    "prefill": ((1, 16 << 10, 96 << 10), (1, 32 << 10, 32 << 10)),
+}
+#: Rows per request of a phase, for a tuned row's bucket.
+_ROWS_PER_REQUEST = {"verify": 4, "draft": 1, "decode": 1, "prefill": None}
+#: Triton specialises an integer argument by value (1, a multiple of 16, or neither): the selection kernels take the
+#: request count, so one count of each kind.
+REQUEST_COUNTS = (1, 9, 16)
+#: Logits width of the selection kernels' example launches (a multiple of 16, like the engine's).
+_LOGITS_WIDTH = 1024
+#: Long rows (top-k through column-block maxima): 268288-token contexts, the benchmark's 262K points. The variants
+#: built for it serve every width in (65536, 131072] that is a multiple of 4 (the maxima's register length is fixed
+#: by the next power of two of the block count).
+_LONG_LOGITS_WIDTH = 67072
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """The axes of a warm-up; the defaults are everything the model's serving path launches."""
+
+    kernels: tuple[str, ...] = KERNELS
+    caches: tuple[str, ...] = tuple(CACHES)
+    page_sizes: tuple[int, ...] = dispatch.BLOCK_SIZES
+    index_dtypes: tuple[str, ...] = tuple(INDEX_DTYPES)  # engines pass either (int64 slot mappings, positions)
+
+    def __post_init__(self):
+        for name, allowed in (("kernels", KERNELS), ("caches", tuple(CACHES)), ("index_dtypes", tuple(INDEX_DTYPES))):
+            values = getattr(self, name)
+            if not isinstance(values, tuple) or not values or any(v not in allowed for v in values):
+                raise ValueError(f"{name} must be a non-empty tuple of {', '.join(allowed)}; got {values!r}")
+        pages = self.page_sizes
+        if not isinstance(pages, tuple) or not pages or any(isinstance(p, bool) or not isinstance(p, int) or p < 1
+                                                            for p in pages):
+            raise ValueError(f"page_sizes must be a non-empty tuple of positive ints; got {pages!r}")
+
+
+@dataclass
+class Launch:
+    """One launch of a plan: ``fn[grid](*args, **kwargs)``; ``label`` says which variant."""
+
+    kernel: str
+    fn: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+    label: str
+
+
+@dataclass
+class WarmupReport:
+    """What a warm-up did: variants (by entry id) compiled here, found already built, or failed (with the error)."""
+
+    arch: str
+    directory: str
+    compiled: dict[str, float] = field(default_factory=dict)  # entry id -> compile seconds
+    found: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # label -> error
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        total = len(self.compiled) + len(self.found) + len(self.failed)
+        line = (f"warm-up {self.arch}: {total} variants, {len(self.compiled)} compiled "
+                f"({sum(self.compiled.values()):.1f} s), {len(self.found)} already cached, {len(self.failed)} failed; "
+                f"{self.seconds:.1f} s; {self.directory}")
+        return "\n".join([line] + [f"  failed {label}: {error}" for label, error in self.failed.items()])
+
+
+@dataclass
+class WarmContext:
+    """What the kernels' specs make their warm-up problems from (``KernelSpec.warm_problems``)."""
+
+    matrix: Matrix
+    platform: Platform
+    settings: QsaSettings
+    head_dim: int = MODEL["head_dim"]
+    request_counts: tuple[int, ...] = REQUEST_COUNTS
+
+    def scorer_problems(self, spec: ScorerSpec):
+        """SPEC's work points of every phase whose registry order lists ``spec``, plus the bucket of every tuned
+        row for it on this arch, for every cache and page size; those the registry would not run it for are
+        left out."""
+        candidate = dispatch.CANDIDATES[spec.name]
+        table = tuned.load_tables(tuple(self.settings.tuned_config))
+        for cache_name in self.matrix.caches:
+            q_dtype, cache_dtype, kv, _ = CACHES[cache_name]
+            for page in self.matrix.page_sizes:
+                base = example_problem(q_dtype=q_dtype, kv_dtype=kv, cache_dtype=cache_dtype, block_size=page,
+                                       num_heads=MODEL["heads"], head_dim=MODEL["head_dim"],
+                                       compress_ratio=MODEL["compress_ratio"], fp8_mma=self.settings.fp8_mma)
+                phases = [p for p in PHASES
+                          if spec.name in dispatch.TABLE.get((kv, page, p), dispatch.FALLBACK_ORDER)]
+                points = [(phase, point) for phase in phases for point in WORK_POINTS[phase]]
+                for row in table.get((self.platform.arch, spec.name, kv, page, MODEL["heads"], MODEL["head_dim"]), []):
+                    for phase in phases:
+                        per_request = _ROWS_PER_REQUEST[phase] or row.rows
+                        points.append((phase, (max(1, row.rows // per_request), per_request, row.context)))
+                for phase, (requests, rows, context) in points:
+                    work = work_problem(base, requests, rows, context, phase)
+                    if not candidate.reasons(work, self.platform, self.settings):
+                        yield f"{spec.name} {cache_name} page {page} ({phase} {requests}x{rows})", work
+
+    def selection_problem(self, requests: int, fused: bool, with_maxima: bool = False,
+                          rows: int | None = None) -> SelectionProblem:
+        """The model's selection budget on ``rows`` (default: ``requests``, one each) rows of ``_LOGITS_WIDTH``
+        logits (``_LONG_LOGITS_WIDTH`` ``with_maxima``: the long rows that take the column-block maxima)."""
+        ratio, token_topk = MODEL["compress_ratio"], MODEL["token_topk"]
+        width = _LONG_LOGITS_WIDTH if with_maxima else _LOGITS_WIDTH
+        return SelectionProblem(requests if rows is None else rows, width, token_topk // ratio, ratio, token_topk,
+                                fused, requests, with_maxima)
+
+    def writer_kinds(self):
+        """``(cache name, keys dtype, writer kind)`` of the matrix's caches."""
+        for cache_name in self.matrix.caches:
+            q_dtype, _, _, kind = CACHES[cache_name]
+            yield cache_name, q_dtype, kind
+
+
+def launches(matrix: Matrix, arch: str, device: torch.device, settings: QsaSettings | None = None) -> list[Launch]:
+    """Every launch of ``matrix`` for ``arch``: each kernel's plans (``registry.plan_for``, as at launch) on small
+    inputs built on ``device`` (the GPU of that arch; or the CPU, for the plans a GPU of ``arch`` would make: its
+    tuned rows, decoders and tensor-core choices)."""
+    settings = settings or get_settings()
+    platform = Platform.of(device) if device.type == "cuda" else Platform.named(arch)
+    context = WarmContext(matrix, platform, settings)
+    result = []
+    for index_name in matrix.index_dtypes:
+        for spec in catalog.SPECS:
+            if spec.name not in matrix.kernels:
+                continue
+            for label, problem in spec.warm_problems(context):
+                plan = dispatch.plan_for(spec, problem, platform, settings)
+                args = spec.example_args(problem, INDEX_DTYPES[index_name], device)
+                result.append(Launch(spec.name, plan.fn, plan.grid, args, plan.kwargs, f"{label} {index_name}"))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running a warm-up
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def present_arch() -> str | None:
+    """The arch of the current GPU (``sm_90``, ``gfx942`` ...), or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return Platform.of(torch.device("cuda", torch.cuda.current_device())).arch
+
+
+def _unique(items: list[Launch], target) -> list[tuple[Specialisation, Launch]]:
+    """The launches that are distinct Triton variants on ``target``, with their specialisations."""
+    seen, result = set(), []
+    for launch in items:
+        spec = specialise(launch.fn, target, launch.args, launch.kwargs)
+        if spec.entry_id not in seen:
+            seen.add(spec.entry_id)
+            result.append((spec, launch))
+    return result
+
+
+def warmup(arch: str | None = None, *, root=None, matrix: Matrix | None = None, progress: bool = True,
+           settings: QsaSettings | None = None) -> WarmupReport:
+    """Compile the variant matrix for ``arch`` (default: the present GPU's) into the JIT cache under ``root``
+    (default: ``jit.jit_root()``). ``arch`` the present GPU's: the launches run on it; one of ``aot.TARGETS``
+    otherwise: compiled for it without a GPU."""
+    from tqdm.auto import tqdm
+
+    settings = settings or get_settings()
+    matrix = matrix or Matrix()
+    present = present_arch()
+    if arch is None:
+        if present is None:
+            raise ValueError(f"arch: no GPU here; name one of {', '.join(TARGETS)}")
+        arch = present
+    elif arch != present and arch not in TARGETS:
+        raise ValueError(f"arch must be the present GPU's ({present or 'none here'}) or one of {', '.join(TARGETS)}; "
+                         f"got {arch!r}")
+    if interpreting():
+        raise RuntimeError("warm-up needs a process without TRITON_INTERPRET=1: interpreted kernels are not compiled")
+    start = time.perf_counter()
+    store = store_for(jit_root(settings) if root is None else root, arch, settings.rebuild)
+    if not store.writable():
+        raise ValueError(f"root: the JIT cache directory {store.dir} is not writable")
+    report = WarmupReport(arch, str(store.dir))
+    on_gpu = arch == present
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        target = driver.active.get_current_target()
+    else:
+        target = TARGETS[arch]
+    queue = _unique(launches(matrix, arch, device, settings), target)
+    bar = tqdm(total=len(queue), desc=f"warm-up {arch}", unit="kernel", disable=not progress)
+    deferred = []
+    try:
+        for spec, launch in queue:
+            if not _warm_one(store, spec, launch, on_gpu, wait=False, report=report, bar=bar):
+                deferred.append((spec, launch))  # another process is compiling it: come back at the end
+        for spec, launch in deferred:
+            _warm_one(store, spec, launch, on_gpu, wait=True, report=report, bar=bar)
+    finally:
+        bar.close()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _warm_one(store: Store, spec, launch: Launch, on_gpu: bool, *, wait: bool, report: WarmupReport,
+              bar) -> bool:
+    """Compile (or find) one variant; False if it was busy and ``wait`` is off."""
+    eid = spec.entry_id
+    try:
+        if on_gpu:
+            if not wait and store.busy(eid):
+                return False
+            before = len(store.events)
+            with store.activate(torch.cuda.current_device()):
+                launch.fn[tuple(1 for _ in launch.grid)](*launch.args, **launch.kwargs)  # one program is enough
+            torch.cuda.synchronize()
+            compiled = [e for e in store.events[before:] if e.compiled]
+            if compiled:
+                report.compiled[eid] = sum(e.seconds for e in compiled)
+            else:
+                report.found.append(eid)
+        else:
+            event = build_for_target(store, spec, wait=wait)
+            if event.compiled:
+                report.compiled[eid] = event.seconds
+            else:
+                report.found.append(eid)
+    except VariantBusy:
+        return False
+    except Exception as err:  # a variant that does not build is reported, and the others still are
+        report.failed[launch.label] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+    bar.update(1)
+    bar.set_postfix(compiled=len(report.compiled), cached=len(report.found), refresh=False)
+    return True

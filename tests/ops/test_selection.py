@@ -1,0 +1,326 @@
+"""Selection: block top-k, expansion and ``qsa_select_paged_tokens`` against row-by-row oracles.
+
+The oracles (``reference_block_topk``, ``reference_expand_block_indices``) rank with ``(-score, index)`` and build each
+row with Python lists. ``qsa_select_paged_tokens`` is compared with the oracles applied to the op's own logits (the
+scoring kernels are checked against the scoring reference elsewhere; near-equal scores would otherwise make the
+comparison depend on summation order). On the CPU the Triton kernels run under the interpreter; the torch paths
+are checked on every device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qsa_aiter
+from qsa_aiter.ops.selection import torch_block_topk, torch_expand_block_indices
+from qsa_aiter.kernels.selection.reference import reference_block_topk, reference_expand_block_indices
+from qsa_aiter.tools.bench import capture_graph
+from qsa_aiter.tools.workloads import make_batch
+
+from helpers import force_backend, write_new_lengths
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+R = 4
+
+
+def random_logits(gen, tokens: int, columns: int, kind: str) -> torch.Tensor:
+    if kind == "ties":  # few distinct values: ties everywhere, broken by index
+        logits = torch.randint(0, 6, (tokens, columns), generator=gen).float()
+    elif kind == "equal":  # every score the same (equal keys): the lowest groups win
+        logits = torch.full((tokens, columns), 1.5)
+    else:
+        logits = torch.randn(tokens, columns, generator=gen)
+    logits[0, 3:40] = float("-inf")  # bad pages inside the visible range
+    logits[1, ::5] = -0.0
+    logits[1, 1::5] = 0.0
+    return logits.to(DEVICE)
+
+
+def visible_counts(tokens: int, columns: int, block_topk: int, gen) -> torch.Tensor:
+    vis = torch.randint(0, columns + 1, (tokens,), generator=gen)
+    vis[:6] = torch.tensor([columns, columns - 1, block_topk, block_topk + 1, 0, 3])
+    return vis.to(torch.int32).to(DEVICE)
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "equal"])
+@pytest.mark.parametrize("block_topk", [16, 100])
+def test_block_topk_matches_the_oracle(rng, kind, block_topk):
+    tokens, columns = 11, 1500
+    logits = random_logits(rng, tokens, columns, kind)
+    visible = visible_counts(tokens, columns, block_topk, rng)
+    # Past each row's visible count the logits are garbage: the op must not read them.
+    cols = torch.arange(columns, device=DEVICE)
+    logits = torch.where(cols[None, :] < visible[:, None].long(), logits, torch.full_like(logits, float("nan")))
+    expected = reference_block_topk(logits, visible, block_topk)
+    out = torch.full((tokens, block_topk), -7, dtype=torch.int32, device=DEVICE)
+    got = qsa_aiter.qsa_block_topk(logits, visible, block_topk, out=out)
+    assert got is out
+    assert torch.equal(got, expected)
+    via_torch = torch.full_like(out, -7)
+    torch_block_topk(logits, visible, block_topk, via_torch)
+    assert torch.equal(via_torch, expected)
+
+
+def test_block_topk_of_equal_scores_takes_the_lowest_groups():
+    logits = torch.full((2, 700), 0.25, device=DEVICE)
+    visible = torch.tensor([700, 300], dtype=torch.int32, device=DEVICE)
+    got = qsa_aiter.qsa_block_topk(logits, visible, 128)
+    assert torch.equal(got, torch.arange(128, dtype=torch.int32, device=DEVICE).expand(2, 128))
+
+
+def random_block_indices(gen, tokens: int, groups: int, contexts: torch.Tensor, t2r: torch.Tensor):
+    """Ascending selected groups then -1, some rows short, some groups reaching past the context."""
+    rows = []
+    for t in range(tokens):
+        r = int(t2r[t])
+        limit = int(contexts[r]) // R + 2 if r >= 0 else 10
+        n = int(torch.randint(0, groups + 1, (), generator=gen))
+        chosen = torch.randperm(max(limit, 1), generator=gen)[:n].sort().values
+        row = torch.full((groups,), -1, dtype=torch.int64)
+        row[: chosen.numel()] = chosen
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("token_topk", [64, 68])
+def test_expansion_matches_the_oracle(rng, index_dtype, token_topk):
+    contexts = torch.tensor([37, 400, 5, 1000])
+    t2r = torch.tensor([0, 1, 1, 2, 3, 3, -1, 3, 0])
+    positions = torch.tensor([36, 399, 201, 4, 999, 997, -1, 3, 30])
+    groups = token_topk // R
+    block = random_block_indices(rng, t2r.numel(), groups, contexts, t2r)
+    block[2, 3] = -1  # a hole: skipped
+    args = [x.to(index_dtype).to(DEVICE) for x in (block, positions, contexts, t2r)]
+    expected = reference_expand_block_indices(*args, R, token_topk)
+    out = torch.full((t2r.numel(), token_topk + R - 1), -7, dtype=torch.int32, device=DEVICE)
+    got = qsa_aiter.qsa_expand_block_indices(*args, R, token_topk, out=out)
+    assert got is out
+    assert torch.equal(got, expected)
+    assert bool((got[6] == -1).all())  # the padded row
+    via_torch = torch.full_like(out, -7)
+    torch_expand_block_indices(*args, R, token_topk, via_torch)
+    assert torch.equal(via_torch, expected)
+
+
+def oracle_selection(batch, token_topk: int, **kwargs) -> torch.Tensor:
+    """The oracles applied to the op's own logits."""
+    logits, visible = qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **batch.kwargs(), **kwargs)
+    groups = reference_block_topk(logits, visible, token_topk // R)
+    return reference_expand_block_indices(groups, batch.query_positions, batch.context_lens, batch.token_to_request,
+                                          R, token_topk)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("cache", ["16bit", "fp8", "fp4"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_select_matches_the_oracles(rng, cache, page_size, rows):
+    batch = make_batch([3000, 1100, 237, 61], rows, page_size=page_size, cache=cache, head_dim=64, padded_rows=2,
+                       device=DEVICE, generator=rng)
+    token_topk = 256
+    expected = oracle_selection(batch, token_topk, max_query_len=rows)
+    got = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], token_topk, R, **batch.kwargs(), max_query_len=rows)
+    assert got.dtype == torch.int32 and tuple(got.shape) == (batch.q.shape[0], token_topk + R - 1)
+    assert torch.equal(got, expected)
+
+
+def test_select_in_chunks_equals_one_chunk(rng):
+    batch = make_batch([2000, 900], 4, page_size=16, head_dim=64, device=DEVICE, generator=rng)
+    whole = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_query_len=4)
+    columns = batch.page_table.shape[1] * 16
+    chunked = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, logits_workspace_bytes=3 * columns * 4,
+                                                max_query_len=4)
+    one_row = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, logits_workspace_bytes=1,
+                                                max_query_len=4)
+    assert torch.equal(chunked, whole) and torch.equal(one_row, whole)
+
+
+def test_a_row_alone_and_in_a_verify_batch_select_the_same_tokens(rng):
+    batch = make_batch([5000, 3100], 4, page_size=64, head_dim=64, device=DEVICE, generator=rng)
+    verify = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 512, R, max_query_len=4)
+    q, cache, table, t2r, pos, ctx = batch.args()[:6]
+    for t in range(q.shape[0]):
+        alone = qsa_aiter.qsa_select_paged_tokens(q[t : t + 1], cache, table, t2r[t : t + 1], pos[t : t + 1], ctx,
+                                                  512, R, max_query_len=1)
+        assert torch.equal(alone[0], verify[t]), f"row {t}"
+
+
+def test_max_seq_len_fixes_the_width(rng):
+    batch = make_batch([1500, 700], 1, page_size=16, head_dim=64, device=DEVICE, generator=rng,
+                       table_width=200)
+    capped = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_seq_len=2048, max_query_len=1)
+    full = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_query_len=1)
+    assert torch.equal(capped, full)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_seq_len=200 * 16 * R + R)
+
+
+def test_bad_pages_and_short_rows(monkeypatch, rng):
+    batch = make_batch([900, 40, 3000], 2, page_size=16, head_dim=64, device=DEVICE, generator=rng)
+    batch.page_table[0, 2] = batch.compressed_k_cache.shape[0] + 9
+    batch.page_table[2, 0] = -5
+    got = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_query_len=2)
+    assert torch.equal(got, oracle_selection(batch, 128, max_query_len=2))
+    # Request 1 (40 tokens) sees fewer groups than the budget: its last row (position 39) takes all 40 tokens, the
+    # one before (position 38) 9 groups and the tail 36..38.
+    assert got[3].tolist() == list(range(40)) + [-1] * 91
+    assert got[2].tolist() == list(range(39)) + [-1] * 92
+    force_backend(monkeypatch, "torch")
+    assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_query_len=2), got)
+
+
+def test_bad_arguments_are_named(rng):
+    batch = make_batch([300], 1, page_size=16, head_dim=64, device=DEVICE, generator=rng)
+    args = batch.args()[:6]
+    with pytest.raises(ValueError, match="token_topk"):
+        qsa_aiter.qsa_select_paged_tokens(*args, 130, R)
+    with pytest.raises(TypeError, match="token_topk"):
+        qsa_aiter.qsa_select_paged_tokens(*args, 128.0, R)
+    with pytest.raises(ValueError, match="`out`"):
+        qsa_aiter.qsa_select_paged_tokens(*args, 128, R, out=torch.empty(1, 128, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="`out`"):
+        qsa_aiter.qsa_select_paged_tokens(*args, 128, R, out=torch.empty(1, 131, device=DEVICE))
+    with pytest.raises(ValueError, match="logits_workspace_bytes"):
+        qsa_aiter.qsa_select_paged_tokens(*args, 128, R, logits_workspace_bytes=0)
+    with pytest.raises(ValueError, match="block_indices"):
+        qsa_aiter.qsa_expand_block_indices(torch.zeros(1, 40, dtype=torch.int32, device=DEVICE), args[4], args[5],
+                                           args[3], R, 128)
+    with pytest.raises(ValueError, match="visible"):
+        qsa_aiter.qsa_block_topk(torch.zeros(2, 10, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE),
+                                 4)
+    # A rejected call writes nothing.
+    out = torch.full((1, 131), -7, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError):
+        qsa_aiter.qsa_select_paged_tokens(*args, 128, R, out=out, max_seq_len=10**9)
+    assert bool((out == -7).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_select_is_captured_once_and_replayed_with_new_inputs():
+    """One CUDA graph, new queries, positions and lengths written in place before each replay: equal to eager."""
+    gen = torch.Generator().manual_seed(3)
+    batch = make_batch([40000] * 8, 4, page_size=64, device="cuda", generator=gen, cache="fp8")
+    q, cache, table, t2r, pos, ctx = batch.args()[:6]
+    out = torch.empty((q.shape[0], 2048 + R - 1), dtype=torch.int32, device="cuda")
+    call = lambda: qsa_aiter.qsa_select_paged_tokens(q, cache, table, t2r, pos, ctx, 2048, R, out=out,  # noqa: E731
+                                                     max_seq_len=40000, k_scale=batch.k_scale, phase="verify",
+                                                     max_query_len=4)
+    graph, _ = capture_graph(call)
+    for step in range(3):
+        q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
+        write_new_lengths(gen, ctx, pos, 2000, 40000, 4)
+        graph.replay()
+        replayed = out.clone()
+        eager = qsa_aiter.qsa_select_paged_tokens(q, cache, table, t2r, pos, ctx, 2048, R, max_seq_len=40000,
+                                                  k_scale=batch.k_scale, phase="verify", max_query_len=4)
+        assert torch.equal(replayed, eager), f"replay {step}"
+
+
+@pytest.mark.parametrize("config", [dict(capacity_factor=4, tile=512, chunk=128),
+                                    dict(capacity_factor=2, tile=128, chunk=64)])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "ascending", "descending"])
+def test_triton_topk_through_lane_maxima(rng, kind, config):
+    """Rows longer than the candidate capacity (256 or 128 here): lane-maxima floor, candidate pass, and the
+    whole-row fallback when more columns than the capacity reach the floor (ties, constant rows)."""
+    from qsa_aiter.kernels.selection import topk
+
+    tokens, columns, block_topk = 6, 1400, 64
+    if kind in ("ascending", "descending"):
+        logits = torch.arange(columns, dtype=torch.float32).repeat(tokens, 1) / 7
+        logits = (logits if kind == "ascending" else -logits).to(DEVICE)
+    else:
+        logits = random_logits(rng, tokens, columns, kind)
+    visible = torch.tensor([1400, 1399, 700, 257, 65, 3], dtype=torch.int32, device=DEVICE)
+    out = torch.full((tokens, block_topk), -7, dtype=torch.int32, device=DEVICE)
+    topk.launch(logits, visible, out, block_topk, topk.TopkConfig(**config))
+    assert torch.equal(out, reference_block_topk(logits, visible, block_topk))
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "ascending", "descending", "spikes"])
+@pytest.mark.parametrize("columns, block_topk", [(1400, 16), (4000, 64), (333, 5)])
+def test_triton_topk_through_block_maxima(rng, kind, columns, block_topk):
+    """The long-row path: column-block maxima from several programs per row (``maxima.launch``, checked against
+    torch with the columns past ``visible`` poisoned), then the top-k reading only the blocks that reach the
+    floor; rows too short for it, ties at the threshold and the whole-row fallback (more reaching blocks than the
+    capacity) in the same launch. The result equals the oracle and the lane-maxima path."""
+    from qsa_aiter.kernels.selection import maxima, topk
+
+    tokens = 6
+    if kind in ("ascending", "descending"):
+        logits = torch.arange(columns, dtype=torch.float32).repeat(tokens, 1) / 7
+        logits = (logits if kind == "ascending" else -logits).to(DEVICE)
+    elif kind == "spikes":  # the top groups all in a few blocks
+        logits = torch.randn(tokens, columns, generator=rng).abs().neg().to(DEVICE)
+        logits[:, columns // 3: columns // 3 + 2 * block_topk] = 5.0
+    else:
+        logits = random_logits(rng, tokens, columns, kind)
+    visible = torch.tensor([columns, columns - 3, columns // 2, 2 * block_topk + 1, block_topk, 0],
+                           dtype=torch.int32, device=DEVICE)
+    cols = torch.arange(columns, device=DEVICE)
+    poisoned = torch.where(cols[None, :] < visible[:, None].long(), logits, float("inf"))  # never read
+    width = maxima.maxima_block(columns, block_topk)
+    block_max = torch.full(maxima.maxima_shape(tokens, columns, block_topk), float("nan"), device=DEVICE)
+    maxima.launch(poisoned, visible, block_max, block_topk)
+    for r in range(tokens):
+        n = int(visible[r])
+        blocks = (n + width - 1) // width
+        want = torch.stack([logits[r, b * width:min((b + 1) * width, n)].max() for b in range(blocks)]) \
+            if blocks else torch.zeros(0, device=DEVICE)
+        assert torch.equal(block_max[r, :blocks], want), f"row {r} maxima"
+    out = torch.full((tokens, block_topk), -7, dtype=torch.int32, device=DEVICE)
+    topk.launch(poisoned, visible, out, block_topk, block_maxima=block_max)
+    assert torch.equal(out, reference_block_topk(logits, visible, block_topk))
+    lanes = torch.full_like(out, -7)
+    topk.launch(poisoned, visible, lanes, block_topk)
+    assert torch.equal(out, lanes), "the two paths select different groups"
+
+
+def test_long_rows_take_the_block_maxima_where_rows_leave_multiprocessors_idle():
+    from qsa_aiter.kernels.platform import Platform
+    from qsa_aiter.kernels.selection import topk
+
+    h200 = Platform.named("sm_90")
+    assert topk.maxima_reason(16, 67072, h200) is None  # 4x4 verify at 262K tokens
+    assert topk.maxima_reason(1, 65536, h200) is None
+    assert "read by their own program" in topk.maxima_reason(36, 32768, h200)  # 9x4 at 128K tokens
+    assert "already give each of the 132" in topk.maxima_reason(256, 67072, h200)
+
+
+def test_prefill_batches_take_programs_of_four_warps():
+    from qsa_aiter.kernels.platform import Platform
+    from qsa_aiter.kernels.selection import topk
+    from qsa_aiter.kernels.selection.problem import SelectionProblem
+
+    h200 = Platform.named("sm_90")
+    assert topk.warps_for(256, h200) == 8  # 64x4 verify
+    assert topk.warps_for(4 * 132 - 1, h200) == 8
+    assert topk.warps_for(4 * 132, h200) == 4
+    assert topk.warps_for(4096, h200) == 4  # a 4096-row prefill chunk
+    assert topk.warps_for(4096, Platform.named("gfx942")) == 4  # 304 CUs: 1216 rows and more
+    plan = topk.SPEC.plan(SelectionProblem(4096, 8192, 512), h200)
+    assert plan.options["num_warps"] == 4 and plan.config.num_warps == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["random", "ties", "equal"])
+def test_long_rows_through_block_maxima_on_the_gpu_and_in_a_graph(kind):
+    """``qsa_block_topk`` on 16 rows of 70000 columns (the block-maxima path) equals the torch path, eagerly and
+    in a CUDA graph replayed with new lengths written in place."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, columns, block_topk = 16, 70000, 512
+    logits = random_logits(gen, tokens, columns, kind)
+    visible = torch.randint(columns // 2, columns + 1, (tokens,), generator=gen, dtype=torch.int32).cuda()
+    visible[3] = 600
+    out = torch.empty((tokens, block_topk), dtype=torch.int32, device="cuda")
+    want = torch.empty_like(out)
+    graph, _ = capture_graph(lambda: qsa_aiter.qsa_block_topk(logits, visible, block_topk, out=out))
+    for step in range(3):
+        visible.copy_(torch.randint(1000, columns + 1, (tokens,), generator=gen, dtype=torch.int32))
+        graph.replay()
+        torch_block_topk(logits, visible, block_topk, want)
+        assert torch.equal(out, want), f"replay {step}"
+        assert torch.equal(qsa_aiter.qsa_block_topk(logits, visible, block_topk), want), f"eager {step}"
