@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from qsa_aiter.tools.cli_args import cache_format
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_MS = 10.0
 
@@ -92,7 +94,8 @@ def _measure(cache: str, env: dict, profile_rows: int = 0, startup: bool = False
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", choices=("16bit", "fp8", "fp4"), default="16bit", help="index-cache format")
+    parser.add_argument("--cache", type=cache_format, default="bf16",
+                        help="index-cache format (docs/cache_formats.md; default bf16)")
     parser.add_argument("--full-warmup", action="store_true", help="warm the whole variant matrix, not just the "
                                                                    "verify kernels")
     parser.add_argument("--keep", default=None, help="directory for the JIT and Triton caches (default: temporary)")
@@ -103,17 +106,17 @@ def main(argv: list[str] | None = None) -> int:
         base = Path(opts.keep or tmp)
         jit_dir, triton_dir = base / "jit", base / "triton"
         env = _env(jit_dir, triton_dir)
-        cold = _measure(opts.cache, env)
-        caches = {"16bit": "bf16", "fp8": "fp8_e4m3fn", "fp4": "fp4"}[opts.cache]
-        subset = [] if opts.full_warmup else ["--kernels", "stacked,rowwise,cache_writer", "--caches", caches,
+        cache = opts.cache or "bf16"  # the former 16bit: a cache of the queries' dtype, bf16
+        cold = _measure(cache, env)
+        subset = [] if opts.full_warmup else ["--kernels", "stacked,rowwise,cache_writer", "--caches", cache,
                                               "--page-sizes", "64", "--index-dtypes", "int32,int64"]
         proc = subprocess.run([sys.executable, "-m", "qsa_aiter", "warmup", "--no-progress", *subset], cwd=ROOT,
                               env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
             raise SystemExit(f"warm-up failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
         print(proc.stdout.strip())
-        warm = _measure(opts.cache, env, opts.profile)
-        started = _measure(opts.cache, env, opts.profile, startup=True)
+        warm = _measure(cache, env, opts.profile)
+        started = _measure(cache, env, opts.profile, startup=True)
     for name, result in (("cold", cold), ("warm", warm), ("warm, qsa_aiter.runtime.jit.load() at start-up", started)):
         startup = f", start-up {result['startup_ms']:.1f} ms" if result["startup_ms"] is not None else ""
         print(f"{name} process: first call {result['first_ms']:8.1f} ms ({result['compiles']} Triton compilations), "

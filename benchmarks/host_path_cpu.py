@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import qsa_aiter  # noqa: E402
 from qsa_aiter.kernels import spec  # noqa: E402
 from qsa_aiter.runtime.jit import triton_compat  # noqa: E402
-from qsa_aiter.tools.bench import TOKEN_TOPK, points_named  # noqa: E402
+from qsa_aiter.tools.work_points import TOKEN_TOPK, point_named  # noqa: E402
 from qsa_aiter.tools.host_bench import batch_us  # noqa: E402
 from qsa_aiter.tools.workloads import make_batch  # noqa: E402
 
@@ -50,7 +50,7 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=7)
     args = parser.parse_args()
     stub_launches()
-    point = points_named("9x4@64K-128K")[0]
+    point = point_named("9x4@64K-128K")
     batch = make_batch(list(point.context_lens), point.rows_per_request, page_size=64,
                        generator=torch.Generator().manual_seed(0))
     scoring = batch.args()[:6]

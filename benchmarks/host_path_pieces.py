@@ -27,7 +27,8 @@ from qsa_aiter.runtime.jit.triton_compat import driver
 from qsa_aiter.ops import scoring as scoring_op
 from qsa_aiter.kernels.scoring.base import ScoreArgs
 from qsa_aiter.runtime.settings import get_settings
-from qsa_aiter.tools.bench import points_named, selection_inputs
+from qsa_aiter.tools.inputs import selection_inputs
+from qsa_aiter.tools.work_points import point_named
 
 
 def per_call_us(piece, calls: int, batches: int) -> float:
@@ -49,12 +50,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--batches", type=int, default=15)
-    parser.add_argument("--point", default="9x4@64K-128K", help="a work point's name (qsa_aiter.tools.bench)")
+    parser.add_argument("--point", default="9x4@64K-128K", help="a work point's name (qsa_aiter.tools.work_points)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
-    s = selection_inputs(points_named(args.point)[0], 64)
+    s = selection_inputs(point_named(args.point), 64)
     kwargs = dict(s.hints, out=s.logits)
     qsa_paged_mqa_logits(*s.args, **kwargs)  # records the plan
     settings = get_settings()

@@ -6,9 +6,9 @@ model-shaped problem, disassembles the cubin with the ``nvdisasm`` that ships wi
 an opcode histogram, the registers per thread and the shared memory, plus warp instructions per 128 keys (instructions
 per tile x warps x 128 / BLOCK_N), the figure to compare tile shapes and cache formats by.
 
-    python benchmarks/sass_loop.py --kv fp4                                   # the default config
-    python benchmarks/sass_loop.py --kv fp4 --no-e4m3                         # QSA_AITER_FP8_MMA=0
-    python benchmarks/sass_loop.py --kv fp4 --set block_n=64 num_stages=5     # another tile
+    python benchmarks/sass_loop.py --cache fp4                                # the default config
+    python benchmarks/sass_loop.py --cache fp4 --no-e4m3                      # QSA_AITER_E4M3_MMA=0
+    python benchmarks/sass_loop.py --cache fp4 --set block_n=64 num_stages=5  # another tile
 """
 
 from __future__ import annotations
@@ -21,24 +21,23 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
 import triton
 
+from qsa_aiter.kernels.quant.formats import CACHE_FORMATS
 from qsa_aiter.tools.aot import compile_kernel, kernel_config
+from qsa_aiter.tools.cli_args import RenamedOption, cache_format
 from qsa_aiter.kernels.scoring.base import example_problem
 
-CACHES = {"bf16": {}, "fp8": dict(cache_dtype=torch.float8_e4m3fn, kv_dtype="fp8"),
-          "fp4": dict(cache_dtype=torch.float4_e2m1fn_x2, kv_dtype="fp4")}
-
-
-def compile_variant(kernel: str, kv: str, page: int, rows: int, e4m3: bool, overrides: dict):
-    """The sm_90 build of ``kernel`` for ``kv`` at ``page`` with its default config, fields replaced by
-    ``overrides``; returns ``(compiled, config)``."""
+def compile_variant(kernel: str, cache: str, page: int, rows: int, e4m3: bool, overrides: dict):
+    """The sm_90 build of ``kernel`` for a ``cache`` index cache (a format name) at ``page`` with its default config,
+    fields replaced by ``overrides``; returns ``(compiled, config)``."""
+    fmt = CACHE_FORMATS[cache]
+    formats = dict(q_dtype=fmt.query_dtype, cache_dtype=fmt.dtype, kv_dtype=fmt.kind)
     if kernel == "tiled":
         problem = example_problem(block_size=page, num_tokens=4096, num_requests=1, max_query_len=4096,
-                                  phase="prefill", **CACHES[kv])
+                                  phase="prefill", **formats)
     else:
-        problem = example_problem(block_size=page, max_query_len=rows, num_tokens=9 * rows, **CACHES[kv])
+        problem = example_problem(block_size=page, max_query_len=rows, num_tokens=9 * rows, **formats)
     e4m3_mma = None if e4m3 else False
     cfg = kernel_config(kernel, "sm_90", problem, e4m3_mma, overrides)
     return compile_kernel(kernel, "sm_90", problem, e4m3_mma=e4m3_mma, overrides=overrides), cfg
@@ -68,16 +67,17 @@ def innermost_loops(sass: str) -> list[list[str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", default="stacked", choices=("stacked", "keys_major", "tiled"))
-    ap.add_argument("--kv", default="fp4", choices=sorted(CACHES))
+    ap.add_argument("--cache", type=cache_format, default="fp4", help="index-cache format (docs/cache_formats.md)")
+    ap.add_argument("--kv", dest="cache", type=cache_format, action=RenamedOption, renamed_to="--cache")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--rows", type=int, default=4, help="verify rows per request (stacked)")
-    ap.add_argument("--no-e4m3", action="store_true", help="build the decoding path (QSA_AITER_FP8_MMA=0)")
+    ap.add_argument("--no-e4m3", action="store_true", help="build the decoding path (QSA_AITER_E4M3_MMA=0)")
     ap.add_argument("--set", nargs="*", default=[], help="config fields to replace: name=value ...")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
     overrides = {k: int(v) for k, v in (item.split("=") for item in a.set)}
-    compiled, cfg = compile_variant(a.kernel, a.kv, a.page, a.rows, not a.no_e4m3, overrides)
+    compiled, cfg = compile_variant(a.kernel, a.cache or "bf16", a.page, a.rows, not a.no_e4m3, overrides)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
@@ -91,7 +91,7 @@ def main() -> None:
     loops = innermost_loops(sass)
     body = loops[0]
     histogram = collections.Counter(op.split(".")[0] for op in body)
-    print(f"{a.kernel} {a.kv} page {a.page}: {cfg}")
+    print(f"{a.kernel} {a.cache or 'bf16'} page {a.page}: {cfg}")
     print(f"registers {regs.group(1) if regs else '?'}, stack {spill.group(1) if spill else '?'} B, shared "
           f"{compiled.metadata.shared} B; innermost loops {[len(loop) for loop in loops]}")
     print(f"key-tile loop: {len(body)} instructions per {cfg.block_n}-key tile, "

@@ -26,7 +26,9 @@ import triton
 import triton.language as tl
 
 from qsa_aiter.kernels.selection import topk
-from qsa_aiter.tools.bench import TOKEN_TOPK, points_named, selection_inputs, time_graph
+from qsa_aiter.tools.inputs import selection_inputs
+from qsa_aiter.tools.timing import time_graph
+from qsa_aiter.tools.work_points import TOKEN_TOPK, points_named
 
 #: Stages a staged kernel can stop after (its ``STAGE``), in order.
 STAGES = ("launch", "lane maxima", "floor", "candidates")

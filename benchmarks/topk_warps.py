@@ -1,6 +1,6 @@
 """The one-program-per-row block top-k with 8, 4 and 2 warps per program, by row count, on a GPU.
 
-    python benchmarks/topk_warps.py [--page 64] [--kv bf16] [--replays 30]
+    python benchmarks/topk_warps.py [--page 64] [--cache bf16] [--replays 30]
 
 Times ``topk.launch`` (no expansion) on the logits scoring has just written: the verify and decode work points, and
 the first 256 to 16384 rows of the 16K-row prefill point (96K tokens, 24K columns), each result checked equal to
@@ -14,8 +14,11 @@ import argparse
 import torch
 
 from qsa_aiter.kernels.selection import topk
-from qsa_aiter.ops.selection import torch_block_topk
-from qsa_aiter.tools.bench import points_named, selection_inputs, time_graph
+from qsa_aiter.kernels.selection.reference import torch_block_topk
+from qsa_aiter.tools.cli_args import RenamedOption, cache_format
+from qsa_aiter.tools.inputs import selection_inputs
+from qsa_aiter.tools.timing import time_graph
+from qsa_aiter.tools.work_points import points_named
 
 POINTS = "9x4@64K-128K,4x4@262K,1x1@262K,64x4@98K,128x1@98K,prefill 16K@96K"
 PREFILL_ROWS = (256, 512, 1024, 2048, 4096, 16384)
@@ -24,12 +27,13 @@ PREFILL_ROWS = (256, 512, 1024, 2048, 4096, 16384)
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--kv", default="bf16")
+    ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
+    ap.add_argument("--kv", dest="cache", type=cache_format, action=RenamedOption, renamed_to="--cache")
     ap.add_argument("--replays", type=int, default=30)
     a = ap.parse_args()
     print("point,rows,columns,w8_us,w4_us,w2_us,w4_over_w8")
     for point in points_named(POINTS):
-        inputs = selection_inputs(point, a.page, a.kv)
+        inputs = selection_inputs(point, a.page, a.cache)
         logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
         block_topk = groups.shape[1]
         for rows in (PREFILL_ROWS if point.phase == "prefill" else (logits.shape[0],)):

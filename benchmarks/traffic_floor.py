@@ -11,7 +11,7 @@ the scorer's time over it says how much of the remaining gap to the copy figure 
 access pattern's.
 
     python benchmarks/traffic_floor.py                 # 64x4 @ 98K and 128x1 @ 98K, pages 64 and 16, all formats
-    python benchmarks/traffic_floor.py --pages 64 --kv fp8,fp4
+    python benchmarks/traffic_floor.py --pages 64 --caches fp8,fp4
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ from qsa_aiter.runtime import dispatch
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.scoring import stacked
 from qsa_aiter.kernels.scoring.tiles import block_request, key_tile_slots, row_visibility
-from qsa_aiter.tools.bench import copy_bandwidth, point_inputs, points_named, time_launcher
+from qsa_aiter.tools.cli_args import RenamedOption, cache_formats
+from qsa_aiter.tools.inputs import point_inputs
+from qsa_aiter.tools.timing import copy_bandwidth, time_launcher
+from qsa_aiter.tools.work_points import points_named
 
 
 @triton.jit
@@ -100,7 +103,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="64x4@98K,128x1@98K", help="work-point names, comma-separated")
     ap.add_argument("--pages", default="64,16")
-    ap.add_argument("--kv", default="bf16,fp8,fp4")
+    ap.add_argument("--caches", type=cache_formats, default=("bf16", "fp8", "fp4"),
+                    help="index-cache formats, comma-separated (docs/cache_formats.md)")
+    ap.add_argument("--kv", dest="caches", type=cache_formats, action=RenamedOption, renamed_to="--caches")
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--block-n", default="64,128", help="tile widths to try, comma-separated")
     ap.add_argument("--stages", default="3,5", help="pipeline depths to try")
@@ -115,10 +120,10 @@ def main() -> None:
     device = torch.device("cuda")
     copy_bps = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}: device-to-device copy {copy_bps / 1e9:.0f} GB/s")
-    print(f"{'point':12s} {'kv':4s} {'page':>4s} {'floor us':>9s} {'%copy':>6s} {'stacked us':>10s} {'%copy':>6s} "
+    print(f"{'point':12s} {'cache':8s} {'page':>4s} {'floor us':>9s} {'%copy':>6s} {'stacked us':>10s} {'%copy':>6s} "
           f"{'stacked/floor':>13s}  floor tile")
-    for point, page, kv in itertools.product(points, [int(p) for p in a.pages.split(",")], a.kv.split(",")):
-        inputs = point_inputs(point, page, device, kv)
+    for point, page, cache in itertools.product(points, [int(p) for p in a.pages.split(",")], a.caches):
+        inputs = point_inputs(point, page, device, cache)
         best = None
         for block_n, stages, per_sm, warps in itertools.product(*grid_axes):
             tile = Tile(block_n, stages, per_sm, int(block_n <= page), warps)
@@ -128,13 +133,13 @@ def main() -> None:
                 continue
             best = min(best or (us, tile), (us, tile), key=lambda x: x[0])
         if best is None:
-            print(f"{point.name:12s} {kv:4s} {page:4d} no tile of the grid fits in shared memory")
+            print(f"{point.name:12s} {cache:8s} {page:4d} no tile of the grid fits in shared memory")
             continue
         scorer = time_launcher(inputs, lambda p, args: dispatch.plan_for(
             stacked.SPEC, p, Platform.of(args.q.device)).launch(*args.kernel_args()), a.replays)
         nbytes = inputs.nbytes
         pct = lambda us: 100 * nbytes / (us * 1e-6) / copy_bps  # noqa: E731
-        print(f"{point.name:12s} {kv:4s} {page:4d} {best[0]:9.2f} {pct(best[0]):6.1f} {scorer:10.2f} "
+        print(f"{point.name:12s} {cache:8s} {page:4d} {best[0]:9.2f} {pct(best[0]):6.1f} {scorer:10.2f} "
               f"{pct(scorer):6.1f} {scorer / best[0]:13.3f}  {best[1]}")
         del inputs
         torch.cuda.empty_cache()

@@ -12,13 +12,13 @@ from .kernels.selection.reference import reference_block_topk, reference_expand_
 from .ops import custom_ops  # noqa: F401  (registers the torch.ops.qsa_aiter custom ops)
 from .ops.cache import qsa_write_index_cache
 from .ops.scoring import explain, qsa_paged_mqa_logits, selected_kernel
-from .ops.selection import qsa_block_topk, qsa_expand_block_indices, qsa_select_paged_tokens
+from .ops.selection import explain_selection, qsa_block_topk, qsa_expand_block_indices, qsa_select_paged_tokens
 from .runtime import jit
 
 __all__ = [
     "qsa_paged_mqa_logits", "explain", "selected_kernel", "reference_paged_mqa_logits",
     "qsa_write_index_cache", "allocate_index_cache", "dequantize_cache",
-    "qsa_select_paged_tokens", "qsa_block_topk", "qsa_expand_block_indices",
+    "qsa_select_paged_tokens", "qsa_block_topk", "qsa_expand_block_indices", "explain_selection",
     "reference_block_topk", "reference_expand_block_indices", "jit",
 ]
 __version__ = "0.1.0"

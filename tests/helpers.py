@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter.runtime import dispatch
+from qsa_aiter.runtime import registries
 from qsa_aiter.kernels.scoring.problem import PHASES
 from qsa_aiter.kernels.scoring import SPECS
 from qsa_aiter.ops.scoring import describe_call
 from qsa_aiter.kernels.scoring.reference import reference_paged_mqa_logits
 from qsa_aiter.tools.testing import (  # noqa: F401 (re-exported for the tests)
-    FP8_MMA_TOL, POISON, assert_matches_reference, magnitude_args, magnitude_bound, mma_atol, poisoned_logits,
-    uses_fp8_mma, visible_bits, visible_mask,
+    E4M3_MMA_TOL, POISON, assert_matches_reference, magnitude_args, magnitude_bound, mma_atol, poisoned_logits,
+    uses_e4m3_mma, visible_bits, visible_mask,
 )
 from qsa_aiter.tools.workloads import make_batch
 
@@ -26,7 +26,7 @@ KERNELS = tuple(spec.name for spec in SPECS)
 BACKENDS = KERNELS + ("torch", "auto")
 #: The kernel the registry prefers for each phase when every candidate can serve (SPEC section 4): the first scoring
 #: kernel of the phase's order.
-PREFERRED = {phase: next(n for n in dispatch.TABLE[("bf16", 64, phase)] if n in KERNELS) for phase in PHASES}
+PREFERRED = {phase: next(n for n in registries.SCORING_TABLE[("bf16", 64, phase)] if n in KERNELS) for phase in PHASES}
 
 
 def auto_kernel(args: tuple, **hints) -> str:
@@ -34,7 +34,7 @@ def auto_kernel(args: tuple, **hints) -> str:
     another faster at its bucket on this arch (the measurement rule, tested on synthetic tables in
     tests/test_registry.py; on the H200 the shipped rows send decode to the stacked scorer)."""
     problem = describe_call(*args, **hints)
-    decision = dispatch.select(problem)
+    decision = registries.SCORING.select(problem)
     return decision.chosen if decision.rule.startswith("measurement") else PREFERRED[problem.phase]
 
 
@@ -64,7 +64,7 @@ def skip_unless_serves(name: str, args: tuple, **kwargs):
     """
     problem = describe_call(*args, **kwargs)
     if name != "auto":
-        reasons = dispatch.reasons(name, problem)
+        reasons = registries.SCORING.reasons(name, problem)
         if reasons:
             pytest.skip(f"{name} does not serve {problem.summary()}: " + "; ".join(reasons))
     return problem
@@ -104,7 +104,7 @@ def check_forced_call(monkeypatch, backend: str, args: tuple, **hints):
     return check_call(args, **hints)
 
 
-def phase_batch(phase: str, page_size: int, gen, *, dtype=torch.bfloat16, cache: str = "16bit", heads=4, head_dim=64,
+def phase_batch(phase: str, page_size: int, gen, *, dtype=torch.bfloat16, cache: str | None = None, heads=4, head_dim=64,
                 device="cpu"):
     """A small batch of the kind each phase sees, and the host hints the engine would pass (``k_scale`` included)."""
     common = dict(heads=heads, head_dim=head_dim, page_size=page_size, dtype=dtype, cache=cache, device=device,
@@ -156,9 +156,37 @@ MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 def top_level_imports(path: Path) -> set[str]:
     """The modules ``path`` (a file of ``qsa_aiter``) imports at module level, not inside functions: relative imports
     resolved, ``from pkg import name`` counted as ``pkg.name`` too (it may be a module)."""
+    return _imports(path, ast.parse(path.read_text()).body)
+
+
+def assert_no_import_circle(graph: dict[str, set[str]]) -> None:
+    """Fail naming the first circle in ``graph`` (module -> the modules it imports), if there is one."""
+    done, active = set(), []
+
+    def visit(name):
+        assert name not in active, f"import circle: {' -> '.join(active[active.index(name):] + [name])}"
+        if name in done:
+            return
+        active.append(name)
+        for dependency in sorted(graph[name]):
+            visit(dependency)
+        active.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def all_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports anywhere: at module level and inside functions (lazy imports)."""
+    return _imports(path, [node for node in ast.walk(ast.parse(path.read_text()))
+                           if isinstance(node, (ast.Import, ast.ImportFrom))])
+
+
+def _imports(path: Path, nodes) -> set[str]:
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     names = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in nodes:
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -170,3 +198,33 @@ def top_level_imports(path: Path) -> set[str]:
             if not (submodules <= set(MODULES) and (package == module or package.startswith(module + "."))):
                 names.add(module)
     return names
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Selection inputs
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Where the selection tests run their kernels: the GPU if there is one, else the interpreter on the CPU.
+SELECTION_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_logits(gen, tokens: int, columns: int, kind: str) -> torch.Tensor:
+    """fp32 logits of a selection test on the test device: random, few-valued (\"ties\") or all equal, with -inf
+    columns (bad pages) in row 0 and signed zeros in row 1."""
+    if kind == "ties":  # few distinct values: ties everywhere, broken by index
+        logits = torch.randint(0, 6, (tokens, columns), generator=gen).float()
+    elif kind == "equal":  # every score the same (equal keys): the lowest groups win
+        logits = torch.full((tokens, columns), 1.5)
+    else:
+        logits = torch.randn(tokens, columns, generator=gen)
+    logits[0, 3:40] = float("-inf")  # bad pages inside the visible range
+    logits[1, ::5] = -0.0
+    logits[1, 1::5] = 0.0
+    return logits.to(SELECTION_DEVICE)
+
+
+def visible_counts(tokens: int, columns: int, block_topk: int, gen) -> torch.Tensor:
+    """int32 visible counts of a selection test: random, with the edge cases (full, one short, K, K + 1, 0, 3) first."""
+    vis = torch.randint(0, columns + 1, (tokens,), generator=gen)
+    vis[:6] = torch.tensor([columns, columns - 1, block_topk, block_topk + 1, 0, 3])
+    return vis.to(torch.int32).to(SELECTION_DEVICE)

@@ -3,7 +3,7 @@
 Run with ``python3 -m pytest tests -m gpu`` on a machine with a GPU (no ``TRITON_INTERPRET``). Every kernel is forced
 in turn (and the automatic choice), and compared with the torch reference run on the same GPU in fp32. The kernels
 multiply bf16/fp16 operands on tensor cores with fp32 accumulation, so the tolerance is rtol = atol = 1e-4 (plus
-``FP8_MMA_TOL`` of the magnitude bound where e4m3 tensor cores score an e4m3fn or MXFP4 cache, helpers.py). Where a
+``E4M3_MMA_TOL`` of the magnitude bound where e4m3 tensor cores score an e4m3fn or MXFP4 cache, helpers.py). Where a
 call has many rows, the reference is computed for an evenly spaced subset of them (every row's visible count is still
 checked exactly).
 """
@@ -17,15 +17,15 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter.runtime import dispatch
+from qsa_aiter.runtime import registries
 from qsa_aiter.ops.scoring import describe_call
 from qsa_aiter.kernels.scoring.reference import reference_paged_mqa_logits, visible_groups
-from qsa_aiter.tools.bench import capture_graph
+from qsa_aiter.tools.timing import capture_graph
 from qsa_aiter.tools.workloads import ScoringBatch, make_batch
 
 from helpers import (
-    FP8_MMA_TOL, KERNELS, assert_matches_reference, auto_kernel, force_backend, magnitude_args, poisoned_out,
-    run_poisoned, skip_unless_serves, uses_fp8_mma, visible_bits,
+    E4M3_MMA_TOL, KERNELS, assert_matches_reference, auto_kernel, force_backend, magnitude_args, poisoned_out,
+    run_poisoned, skip_unless_serves, uses_e4m3_mma, visible_bits,
 )
 
 pytestmark = [
@@ -62,11 +62,11 @@ def reference_rows(args: tuple, rows: torch.Tensor, **kwargs):
 
 
 def gpu_atol(args: tuple, rows: torch.Tensor, **kwargs):
-    """``ATOL``, plus ``FP8_MMA_TOL`` of the sampled rows' magnitude bound where e4m3 tensor cores score the call."""
-    if not uses_fp8_mma(args, **kwargs):
+    """``ATOL``, plus ``E4M3_MMA_TOL`` of the sampled rows' magnitude bound where e4m3 tensor cores score the call."""
+    if not uses_e4m3_mma(args, **kwargs):
         return ATOL
     plain = {k: v for k, v in kwargs.items() if k != "k_scale"}
-    return ATOL + FP8_MMA_TOL * reference_rows(magnitude_args(args, kwargs.get("k_scale")), rows, **plain)[0]
+    return ATOL + E4M3_MMA_TOL * reference_rows(magnitude_args(args, kwargs.get("k_scale")), rows, **plain)[0]
 
 
 def check_gpu_call(args: tuple, *, label: str = "", repeat: bool = False, **kwargs):
@@ -396,5 +396,5 @@ def test_registry_reasons_are_empty_for_model_shapes():
         problem = describe_call(*b.args(), phase=phase)
         assert problem.device_type == "cuda"
         for name in KERNELS:
-            assert dispatch.reasons(name, problem) == [], name
-        assert dispatch.select(problem).chosen == auto_kernel(b.args(), phase=phase)
+            assert registries.SCORING.reasons(name, problem) == [], name
+        assert registries.SCORING.select(problem).chosen == auto_kernel(b.args(), phase=phase)

@@ -2,7 +2,9 @@
 
 ATOM (ROCm/ATOM) defines its QSA indexer ops in ``atom.model_ops.qwen4_exp.ops.qsa`` and its attention layer
 (``atom.model_ops.qwen4_exp.qsa_attention``) binds them with ``from ... import`` at import time. The three functions
-here take the engine's arguments, in the engine's order, with the engine's defaults and return shapes:
+here take the engine's arguments, in the engine's order, with the engine's defaults and return shapes. The engine's
+positional parameters are those of ``qsa_aiter``'s public op of the same name (the expansion's ``output_width``
+aside), so each drop-in's signature is derived from the public one (``drop_in``) rather than written out again:
 
     qsa_paged_mqa_logits(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
                          compress_ratio=4, score_divisor=None, max_columns=None, row_starts=None)
@@ -23,7 +25,8 @@ Where the engine's semantics differ from ``qsa_aiter``'s public ops, these follo
 - ``output_width`` of ``qsa_expand_block_indices`` narrows (or widens, with ``-1``) the expansion.
 
 Padded rows (``token_to_request == -1``) see nothing and select nothing (all ``-1``). Each function also accepts
-``qsa_aiter``'s keyword-only extras (``k_scale`` for quantised caches, ``phase`` / ``max_query_len`` hints). Calls
+the public op's keyword-only extras but ``out`` (``k_scale`` for quantised caches, ``phase`` / ``max_query_len``
+hints) and passes them on. Calls
 go through the ``torch.ops.qsa_aiter`` custom ops, so the engine's ``torch.compile`` and CUDA graphs see opaque ops.
 
 The engine's signatures were read from ROCm/ATOM's ``atom/model_ops/qwen4_exp/ops/qsa.py``; ATOM is not installable
@@ -33,17 +36,19 @@ module's signatures against these before patching and refuses (``TypeError``) if
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
 import types
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from ..ops import custom_ops
+from ..ops.declarations import Call, argument_binder
 from ..runtime.arguments import check_int, check_tensor, check_topk_budget, fail_argument
-from ..ops.selection import DEFAULT_LOGITS_WORKSPACE_BYTES
 
 ENGINE_MODULE = "atom.model_ops.qwen4_exp.ops.qsa"
 #: Engine modules that bind the ops at import time (``from ...ops.qsa import ...``).
@@ -77,12 +82,41 @@ def engine_widths(capacity: int, token_topk: int, compress_ratio: int, max_seq_l
     return columns, block_topk * compress_ratio + compress_ratio - 1
 
 
-def qsa_paged_mqa_logits(q: torch.Tensor, compressed_k_cache: torch.Tensor, page_table: torch.Tensor,
-                         token_to_request: torch.Tensor, query_positions: torch.Tensor, context_lens: torch.Tensor,
-                         compress_ratio: int = 4, score_divisor: float | None = None, max_columns: int | None = None,
-                         row_starts: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
-                         phase: str | None = None, max_query_len: int | None = None,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def drop_in(public: Callable) -> Callable[[Callable], Callable]:
+    """Make the engine op of ``public``'s name from ``body(call, **engine_only)``.
+
+    The drop-in's signature is derived, not written: ``public``'s positional parameters (the engine's, in its order
+    and with its defaults), then ``body``'s own parameters after ``call`` (those only the engine has, such as
+    ``output_width``; positional, after the others), then ``public``'s keyword-only parameters but ``out``
+    (qsa_aiter's extras: ``k_scale``, ``phase``, ``max_query_len``; ``out`` only where the engine takes it
+    positionally). ``body`` gets the public op's arguments by name in ``call`` (defaults filled in; it may change
+    them and pass them on with ``**call``) and the engine-only ones as its own parameters.
+    """
+
+    def make(body: Callable) -> Callable:
+        public_parameters = inspect.signature(public).parameters.values()
+        body_signature = inspect.signature(body)
+        engine_only = [p.replace(kind=p.POSITIONAL_OR_KEYWORD) for p in list(body_signature.parameters.values())[1:]]
+        signature = inspect.Signature(
+            [p for p in public_parameters if p.kind == p.POSITIONAL_OR_KEYWORD] + engine_only
+            + [p for p in public_parameters if p.kind == p.KEYWORD_ONLY and p.name != "out"],
+            return_annotation=body_signature.return_annotation)
+        bind = argument_binder(signature)
+        engine_names = tuple(p.name for p in engine_only)
+
+        def engine_op(*args, **kwargs):
+            call = bind(args, kwargs)
+            return body(call, **{name: call.pop(name) for name in engine_names})
+
+        functools.update_wrapper(engine_op, body)
+        engine_op.__signature__ = signature
+        return engine_op
+
+    return make
+
+
+@drop_in(custom_ops.qsa_paged_mqa_logits)
+def qsa_paged_mqa_logits(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's scoring op: fp32 logits ``[tokens, columns]`` (columns ``[0, visible)`` written) and int32
     ``visible_groups`` ``[tokens]``; ``row_starts`` (int ``[tokens]``), when given, is filled with zeros.
 
@@ -90,21 +124,14 @@ def qsa_paged_mqa_logits(q: torch.Tensor, compressed_k_cache: torch.Tensor, page
     as the engine does.
     """
     op = "qsa_paged_mqa_logits"
-    if max_columns is not None:
-        capacity = _capacity(op, compressed_k_cache, page_table)
-        max_columns = max(1, min(capacity, check_int("max_columns", max_columns, minimum=0, op=op)))
-    return custom_ops.qsa_paged_mqa_logits(q, compressed_k_cache, page_table, token_to_request, query_positions,
-                                           context_lens, compress_ratio, score_divisor, max_columns, row_starts,
-                                           k_scale=k_scale, phase=phase, max_query_len=max_query_len)
+    if call["max_columns"] is not None:
+        capacity = _capacity(op, call["compressed_k_cache"], call["page_table"])
+        call["max_columns"] = max(1, min(capacity, check_int("max_columns", call["max_columns"], minimum=0, op=op)))
+    return custom_ops.qsa_paged_mqa_logits(**call)
 
 
-def qsa_select_paged_tokens(q: torch.Tensor, compressed_k_cache: torch.Tensor, page_table: torch.Tensor,
-                            token_to_request: torch.Tensor, query_positions: torch.Tensor,
-                            context_lens: torch.Tensor, token_topk: int, compress_ratio: int = 4,
-                            out: torch.Tensor | None = None,
-                            logits_workspace_bytes: int = DEFAULT_LOGITS_WORKSPACE_BYTES,
-                            max_seq_len: int | None = None, *, k_scale: torch.Tensor | None = None,
-                            phase: str | None = None, max_query_len: int | None = None) -> torch.Tensor:
+@drop_in(custom_ops.qsa_select_paged_tokens)
+def qsa_select_paged_tokens(call: Call) -> torch.Tensor:
     """The engine's selection op: int32 ``[tokens, width]`` token indices (``-1`` padded), ``width`` from
     ``engine_widths`` (``token_topk + R - 1`` unless the capacity or ``max_seq_len`` bounds it).
 
@@ -112,11 +139,12 @@ def qsa_select_paged_tokens(q: torch.Tensor, compressed_k_cache: torch.Tensor, p
     Other arguments as ``qsa_aiter.qsa_select_paged_tokens``.
     """
     op = "qsa_select_paged_tokens"
-    ratio, topk = check_topk_budget(op, compress_ratio, token_topk)
+    q, out, max_seq_len = call["q"], call["out"], call["max_seq_len"]
+    ratio, topk = check_topk_budget(op, call["compress_ratio"], call["token_topk"])
     if max_seq_len is not None:
         max_seq_len = check_int("max_seq_len", max_seq_len, minimum=1, op=op)
     check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), op=op)
-    capacity = _capacity(op, compressed_k_cache, page_table)
+    capacity = _capacity(op, call["compressed_k_cache"], call["page_table"])
     columns, width = engine_widths(capacity, topk, ratio, max_seq_len)
     full = topk + ratio - 1
     tokens = q.shape[0]
@@ -129,11 +157,9 @@ def qsa_select_paged_tokens(q: torch.Tensor, compressed_k_cache: torch.Tensor, p
         if out.shape[1] >= full:
             target = out[:, :full]
     # Our op scores `max_seq_len // R` columns: pass the engine's column count exactly.
-    seq = None if max_seq_len is None else columns * ratio
-    result = custom_ops.qsa_select_paged_tokens(q, compressed_k_cache, page_table, token_to_request,
-                                                query_positions, context_lens, topk, ratio, target,
-                                                logits_workspace_bytes, seq, k_scale=k_scale, phase=phase,
-                                                max_query_len=max_query_len)
+    call.update(token_topk=topk, compress_ratio=ratio, out=target,
+                max_seq_len=None if max_seq_len is None else columns * ratio)
+    result = custom_ops.qsa_select_paged_tokens(**call)
     if out is None:
         return result[:, :width]
     if target is None:  # `out` narrower than the full width: the dropped columns are all -1
@@ -141,9 +167,8 @@ def qsa_select_paged_tokens(q: torch.Tensor, compressed_k_cache: torch.Tensor, p
     return out[:, :width]
 
 
-def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch.Tensor, context_lens: torch.Tensor,
-                             token_to_request: torch.Tensor, compress_ratio: int, token_topk: int,
-                             out: torch.Tensor | None = None, output_width: int | None = None) -> torch.Tensor:
+@drop_in(custom_ops.qsa_expand_block_indices)
+def qsa_expand_block_indices(call: Call, output_width: int | None = None) -> torch.Tensor:
     """The engine's expansion op: int32 ``[tokens, output_width]`` (default ``token_topk + R - 1``).
 
     The selected groups' tokens and the causal tail, packed to the front, ``-1`` after them (as
@@ -151,8 +176,9 @@ def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch
     int32 ``[tokens, output_width]``.
     """
     op = "qsa_expand_block_indices"
-    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
-    topk = check_int("token_topk", token_topk, minimum=1, op=op)
+    block_indices, out = call["block_indices"], call["out"]
+    ratio = check_int("compress_ratio", call["compress_ratio"], minimum=1, op=op)
+    topk = check_int("token_topk", call["token_topk"], minimum=1, op=op)
     full = topk + ratio - 1
     width = full if output_width is None else check_int("output_width", output_width, minimum=1, op=op)
     check_tensor("block_indices", block_indices, ndim=2, dtypes=(torch.int32, torch.int64), op=op)
@@ -162,10 +188,11 @@ def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch
                      like="block_indices")
         if tuple(out.shape) != (tokens, width):
             fail_argument(ValueError, "out", f"shape ({tokens}, {width})", tuple(out.shape), op)
-    args = (block_indices, query_positions, context_lens, token_to_request, ratio, topk)
+    call.update(compress_ratio=ratio, token_topk=topk)
     if width == full:
-        return custom_ops.qsa_expand_block_indices(*args, out=out)
-    result = custom_ops.qsa_expand_block_indices(*args)
+        return custom_ops.qsa_expand_block_indices(**call)
+    call["out"] = None
+    result = custom_ops.qsa_expand_block_indices(**call)
     if out is None:
         out = torch.full((tokens, width), -1, dtype=torch.int32, device=block_indices.device)
     elif width > full:
@@ -232,7 +259,8 @@ def install(engine_module: str | types.ModuleType = ENGINE_MODULE,
     ``consumers`` module, every attribute that still is the engine's original function.
 
     Call it before the engine builds its model (consumer modules imported later bind the replaced names anyway).
-    It also opens the JIT cache on the current GPU (``qsa_aiter.runtime.jit.load``), so that the first call pays no set-up.
+    It also opens the JIT cache on the current GPU (``qsa_aiter.runtime.jit.load``), so that the first call pays no
+    set-up.
     Raises ``TypeError`` when an engine op's signature differs from the drop-in's (another ATOM version), before
     anything is replaced. Installing into the same module again returns the active installation; into another one
     while one is active raises ``RuntimeError`` (uninstall first).

@@ -13,7 +13,9 @@ import functools
 from dataclasses import dataclass, field
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, NamedTuple
+
+from .platform import triton_runs_on
 
 
 #: ``dataclasses.field`` metadata of a tile-config field that is a 0/1 switch, or a count where 0 means "derived"
@@ -38,10 +40,23 @@ def is_pow2(n: int) -> bool:
 _recording: ContextVar[list | None] = ContextVar("qsa_aiter_recording", default=None)
 
 
+class RecordedLaunch(NamedTuple):
+    """One launch made inside ``recording()``: its plan, the compiled kernel (None under the interpreter) and its
+    positional arguments, read by the names of the kernel's parameters (``arg``), not by position."""
+
+    plan: "LaunchPlan"
+    kernel: Any
+    args: tuple
+
+    def arg(self, name: str):
+        """The argument given for the kernel's parameter ``name``."""
+        return self.args[self.plan.fn.arg_names.index(name)]
+
+
 @contextmanager
 def recording():
-    """Within the block, every ``LaunchPlan.launch`` appends ``(plan, compiled kernel, positional args)`` to the
-    list this yields (``call_plans`` keeps a call's launches for its later calls)."""
+    """Within the block, every ``LaunchPlan.launch`` appends a ``RecordedLaunch`` to the list this yields
+    (``runtime/replay.py`` keeps a call's launches for its later calls)."""
     launches: list = []
     token = _recording.set(launches)
     try:
@@ -75,7 +90,7 @@ class LaunchPlan:
         kernel = self.fn[self.grid](*args, **self.constexprs, **self.options)
         launches = _recording.get()
         if launches is not None:
-            launches.append((self, kernel, args))
+            launches.append(RecordedLaunch(self, kernel, args))
 
     def describe(self) -> str:
         return f"{self.kernel} grid {self.grid} ({self.config_source}): {self.config}"
@@ -100,7 +115,11 @@ class KernelSpec:
     tune_points: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def reasons(self, problem, platform) -> list[str]:
-        """Why this kernel does not serve ``problem`` on ``platform`` (sentences; empty: it serves)."""
+        """Why this kernel does not serve ``problem`` (which has a ``device_type``) on ``platform`` (sentences;
+        empty: it serves): a Triton kernel needs a device Triton runs on."""
+        if not triton_runs_on(problem.device_type):
+            return ["Triton kernels need a CUDA/HIP tensor or TRITON_INTERPRET=1 (tensors are on "
+                    f"{problem.device_type})"]
         return []
 
     def default_config(self, problem, platform):

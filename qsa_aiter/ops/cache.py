@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from ..runtime import replay
-from ..kernels.platform import triton_runs_on
-from ..runtime.arguments import fail_argument
-from ..kernels.quant.dequant import kernel_view
 from ..kernels.quant.formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
+from ..runtime import registries, replay
+from ..runtime.arguments import fail_argument
 from ..runtime.settings import get_settings
 from .traced import through_custom_op
-from ..kernels.cache.reference import write_reference
 
 
 def _fail(kind: type[Exception], name: str, expected: str, got: object) -> None:
@@ -38,12 +36,13 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
     writes the same bytes.
     """
     settings = get_settings()  # a bad variable is a ConfigurationError on every path, raised before any work
-    key, addresses = replay.signature(("qsa_write_index_cache", id(settings)),
-                                          (keys, slot_mapping, cache, k_scale), ())
-    plan = replay.lookup(key)
-    if plan is not None:
-        plan.run(addresses)
-        return
+    replay.cached_call("qsa_write_index_cache", settings, (keys, slot_mapping, cache, k_scale), (),
+                       lambda: (None, _write_validated(keys, slot_mapping, cache, k_scale, settings)))
+
+
+def _write_validated(keys, slot_mapping, cache, k_scale, settings):
+    """Validate a ``qsa_write_index_cache`` call and write it through the ``WRITER`` registry; returns how to build
+    the call's plan from its launches (None: nothing to replay)."""
     if not isinstance(keys, torch.Tensor):
         _fail(TypeError, "keys", "a torch.Tensor", type(keys).__name__)
     if keys.dim() == 3:
@@ -93,26 +92,22 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
         if k_scale.device != keys.device:
             _fail(ValueError, "k_scale", f"on {keys.device} like `keys`", k_scale.device)
     if keys.shape[0] == 0:
-        return
-    if not triton_runs_on(keys.device.type):
-        write_reference(keys, slot_mapping, cache, k_scale)
-        return
-    from ..kernels.cache import writer
-    from ..runtime.jit import scope as jit_scope
+        return None
+    addresses = [t.data_ptr() if t is not None else 0 for t in (keys, slot_mapping, cache, k_scale)]
+    registries.WRITER.dispatch(registries.WriteProblem(keys.device.type, keys.shape[0], kind, head_dim),
+                               registries.WriteArgs(keys, slot_mapping, cache, k_scale), settings)
+    return lambda launches: WriterPlan.of(addresses, launches)
 
-    name = writer.kind_of(cache, kind)
-    # Compiled once into the JIT cache (docs/jit_and_configs.md); the launch is recorded for the call's plan.
-    with jit_scope(keys.device, settings), replay.recording() as launches:
-        writer.launch(keys, slot_mapping, kernel_view(cache), kernel_view(k_scale), name, head_dim,
-                            pages * page_size)
-    replay.store(key, WriterPlan.of(addresses, launches), settings)
+
+#: The writer kernel's pointer parameters, in the order a replay passes their addresses.
+WRITER_POINTERS = ("keys_ptr", "slot_ptr", "cache_ptr", "scale_ptr")
 
 
 @dataclass(frozen=True)
 class WriterPlan:
     """A validated ``qsa_write_index_cache`` signature and its recorded launch."""
 
-    launch: replay.DirectLaunch
+    launch: Callable  # the recorded launch, taking WRITER_POINTERS' addresses (DirectLaunch.taking)
 
     @classmethod
     def of(cls, addresses: list[int], launches: list) -> "WriterPlan | None":
@@ -121,12 +116,14 @@ class WriterPlan:
         ``SCAN_MAX_TOKENS`` launches on a deduplicated copy of the slots: not replayable)."""
         from ..kernels.cache.writer import SPEC
 
-        if len(launches) != 1 or [t.data_ptr() for t in launches[0][2][:4]] != _pointer_args(addresses):
+        if len(launches) != 1 or [launches[0].arg(n).data_ptr() for n in WRITER_POINTERS] != _pointer_args(addresses):
             return None
         direct = replay.direct_launches(launches, (SPEC.name,))
-        return None if direct is None or direct[0].pointers != 4 else cls(direct[0])
+        launch = direct[0].taking(*WRITER_POINTERS) if direct else None
+        return None if launch is None else cls(launch)
 
-    def run(self, addresses: list[int]) -> None:
+    def replay(self, addresses: list[int], tensors) -> None:
+        """The call: ``qsa_write_index_cache``'s tensors (keys, slot_mapping, cache, k_scale) at ``addresses``."""
         self.launch(*_pointer_args(addresses))
 
 

@@ -1,280 +1,128 @@
 """The indexer ops as PyTorch custom ops (``torch.library``), so ``torch.compile`` and CUDA graphs see opaque calls.
 
-Registered under the ``qsa_aiter`` namespace when this module is imported (``import qsa_aiter`` imports it):
+Each public op is declared once, by its function's signature (``qsa_aiter.ops.scoring``, ``selection``, ``cache``);
+``DECLARATIONS`` below adds what a signature cannot say (the arguments written in place besides ``out``, and the fake
+implementation), and ``declarations.register`` generates the rest: the op, its ``_out`` variant, their calls into
+the eager op and the wrapper of the same name here. Registered under the ``qsa_aiter`` namespace when this module is
+imported (``import qsa_aiter`` imports it); the generated schemas (``Tensor(aN!)``: written in place; ``int`` becomes
+``SymInt``; tests/ops/test_custom_ops.py asserts them):
 
-| op | returns | writes in place |
-|---|---|---|
-| ``torch.ops.qsa_aiter.paged_mqa_logits`` | ``(logits, visible_groups)`` | ``row_starts`` (zeros) |
-| ``torch.ops.qsa_aiter.paged_mqa_logits_out`` | ``visible_groups`` | ``out`` (the logits), ``row_starts`` |
-| ``torch.ops.qsa_aiter.block_topk`` / ``block_topk_out`` | int32 groups / nothing | ``out`` |
-| ``torch.ops.qsa_aiter.expand_block_indices`` / ``expand_block_indices_out`` | int32 tokens / nothing | ``out`` |
-| ``torch.ops.qsa_aiter.select_paged_tokens`` / ``select_paged_tokens_out`` | int32 tokens / nothing | ``out`` |
-| ``torch.ops.qsa_aiter.write_index_cache`` | nothing | ``cache``, ``k_scale`` |
+    qsa_aiter::paged_mqa_logits(Tensor q, Tensor compressed_k_cache, Tensor page_table, Tensor token_to_request,
+        Tensor query_positions, Tensor context_lens, SymInt compress_ratio, float? score_divisor,
+        SymInt? max_columns, Tensor(a9!)? row_starts, Tensor? k_scale, str? phase, SymInt? max_query_len)
+        -> (Tensor, Tensor)
+    qsa_aiter::paged_mqa_logits_out(Tensor q, Tensor compressed_k_cache, Tensor page_table,
+        Tensor token_to_request, Tensor query_positions, Tensor context_lens, SymInt compress_ratio,
+        float? score_divisor, SymInt? max_columns, Tensor(a9!)? row_starts, Tensor? k_scale, str? phase,
+        SymInt? max_query_len, Tensor(a13!) out) -> Tensor
+    qsa_aiter::block_topk(Tensor logits, Tensor visible, SymInt block_topk) -> Tensor
+    qsa_aiter::block_topk_out(Tensor logits, Tensor visible, SymInt block_topk, Tensor(a3!) out) -> ()
+    qsa_aiter::expand_block_indices(Tensor block_indices, Tensor query_positions, Tensor context_lens,
+        Tensor token_to_request, SymInt compress_ratio, SymInt token_topk) -> Tensor
+    qsa_aiter::expand_block_indices_out(Tensor block_indices, Tensor query_positions, Tensor context_lens,
+        Tensor token_to_request, SymInt compress_ratio, SymInt token_topk, Tensor(a6!) out) -> ()
+    qsa_aiter::select_paged_tokens(Tensor q, Tensor compressed_k_cache, Tensor page_table,
+        Tensor token_to_request, Tensor query_positions, Tensor context_lens, SymInt token_topk,
+        SymInt compress_ratio, SymInt logits_workspace_bytes, SymInt? max_seq_len, Tensor? k_scale, str? phase,
+        SymInt? max_query_len) -> Tensor
+    qsa_aiter::select_paged_tokens_out(Tensor q, Tensor compressed_k_cache, Tensor page_table,
+        Tensor token_to_request, Tensor query_positions, Tensor context_lens, SymInt token_topk,
+        SymInt compress_ratio, SymInt logits_workspace_bytes, SymInt? max_seq_len, Tensor? k_scale, str? phase,
+        SymInt? max_query_len, Tensor(a13!) out) -> ()
+    qsa_aiter::write_index_cache(Tensor keys, Tensor slot_mapping, Tensor(a2!) cache, Tensor(a3!)? k_scale) -> ()
 
 A custom op may not return one of its inputs, so every op that takes ``out=`` has an ``_out`` variant that declares
-the mutation and returns nothing else of it. The functions below keep the public signatures (``qsa_aiter.*``) and
-pick the variant: code that ``torch.compile(fullgraph=True)`` traces calls these instead of the eager functions,
-whose dispatch logic (registry, settings, logging) dynamo cannot trace.
+the mutation and returns the public results after ``out``. The functions here (``qsa_paged_mqa_logits``, ...) keep
+the public signatures and pick the variant: code that ``torch.compile(fullgraph=True)`` traces calls these instead of
+the eager functions, whose dispatch logic (registry, settings, logging) dynamo cannot trace (``traced.py`` makes the
+plain public functions do so while traced).
 
-Each op has a fake (meta) implementation that derives output shapes and dtypes from the arguments without reading
-tensor data; where every shape is static it also runs the eager validation, so a bad argument fails at trace time
-with the same ``ValueError``/``TypeError``.
+Each op's fake (meta) implementation derives output shapes and dtypes from the arguments without reading tensor
+data; where every shape is static it also runs the eager validation, so a bad argument fails at trace time with the
+same ``ValueError``/``TypeError``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-from torch import Tensor
 
-from . import cache as writer
 from ..runtime.arguments import check_int, check_topk_budget
-from . import scoring as ops
-from .scoring import describe_call
-from . import selection
-from .selection import DEFAULT_LOGITS_WORKSPACE_BYTES
+from . import cache, scoring, selection
+from .declarations import Call, OpDeclaration, register
 
 NAMESPACE = "qsa_aiter"
 
 
-def _static(*tensors: Optional[Tensor]) -> bool:
-    """Whether every shape is concrete (no symbolic sizes): the eager validation can then run on the fakes."""
-    return all(t is None or not any(isinstance(s, torch.SymInt) for s in t.shape) for t in tensors)
+def _static(call: Call) -> bool:
+    """Whether every tensor argument's shape is concrete (no symbolic sizes): the eager validation can then run."""
+    return all(not any(isinstance(s, torch.SymInt) for s in value.shape)
+               for value in call.values() if isinstance(value, torch.Tensor))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Scoring
-# ---------------------------------------------------------------------------------------------------------------
+# Fakes: ``fake(call)`` -> the public results as new tensors (``call``: the public call's arguments by name).
 
 
-@torch.library.custom_op(f"{NAMESPACE}::paged_mqa_logits", mutates_args=("row_starts",))
-def _paged_mqa_logits(q: Tensor, compressed_k_cache: Tensor, page_table: Tensor, token_to_request: Tensor,
-                      query_positions: Tensor, context_lens: Tensor, compress_ratio: int,
-                      score_divisor: Optional[float], max_columns: Optional[int], row_starts: Optional[Tensor],
-                      k_scale: Optional[Tensor], phase: Optional[str],
-                      max_query_len: Optional[int]) -> tuple[Tensor, Tensor]:
-    return ops.qsa_paged_mqa_logits(q, compressed_k_cache, page_table, token_to_request, query_positions,
-                                    context_lens, compress_ratio, score_divisor, max_columns, row_starts,
-                                    k_scale=k_scale, phase=phase, max_query_len=max_query_len)
+def _scoring_fake(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits ``[tokens, num_columns]`` and int32 ``visible_groups`` ``[tokens]``."""
+    if _static(call):
+        columns = scoring.describe_call(**call).num_columns
+    elif call["max_columns"] is None:
+        columns = call["page_table"].shape[1] * call["compressed_k_cache"].shape[1]
+    else:
+        columns = call["max_columns"]
+    q = call["q"]
+    return q.new_empty((q.shape[0], columns), dtype=torch.float32), q.new_empty((q.shape[0],), dtype=torch.int32)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::paged_mqa_logits_out", mutates_args=("out", "row_starts"))
-def _paged_mqa_logits_out(q: Tensor, compressed_k_cache: Tensor, page_table: Tensor, token_to_request: Tensor,
-                          query_positions: Tensor, context_lens: Tensor, compress_ratio: int,
-                          score_divisor: Optional[float], max_columns: Optional[int], row_starts: Optional[Tensor],
-                          k_scale: Optional[Tensor], phase: Optional[str], max_query_len: Optional[int],
-                          out: Tensor) -> Tensor:
-    return ops.qsa_paged_mqa_logits(q, compressed_k_cache, page_table, token_to_request, query_positions,
-                                    context_lens, compress_ratio, score_divisor, max_columns, row_starts,
-                                    k_scale=k_scale, out=out, phase=phase, max_query_len=max_query_len)[1]
-
-
-def _scoring_columns(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                     compress_ratio, score_divisor, max_columns, row_starts, k_scale, phase, max_query_len, out=None):
-    """``num_columns`` of a scoring call, validating it like the eager op where the shapes are static."""
-    if _static(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, row_starts,
-               k_scale, out):
-        return describe_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                             compress_ratio, score_divisor, max_columns, row_starts, k_scale=k_scale, out=out,
-                             phase=phase, max_query_len=max_query_len).num_columns
-    return page_table.shape[1] * compressed_k_cache.shape[1] if max_columns is None else max_columns
-
-
-@_paged_mqa_logits.register_fake
-def _(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
-      score_divisor, max_columns, row_starts, k_scale, phase, max_query_len):
-    columns = _scoring_columns(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                               compress_ratio, score_divisor, max_columns, row_starts, k_scale, phase, max_query_len)
-    tokens = q.shape[0]
-    return (q.new_empty((tokens, columns), dtype=torch.float32), q.new_empty((tokens,), dtype=torch.int32))
-
-
-@_paged_mqa_logits_out.register_fake
-def _(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
-      score_divisor, max_columns, row_starts, k_scale, phase, max_query_len, out):
-    _scoring_columns(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                     compress_ratio, score_divisor, max_columns, row_starts, k_scale, phase, max_query_len, out)
-    return q.new_empty((q.shape[0],), dtype=torch.int32)
-
-
-def qsa_paged_mqa_logits(q: Tensor, compressed_k_cache: Tensor, page_table: Tensor, token_to_request: Tensor,
-                         query_positions: Tensor, context_lens: Tensor, compress_ratio: int = 4,
-                         score_divisor: float | None = None, max_columns: int | None = None,
-                         row_starts: Tensor | None = None, *, k_scale: Tensor | None = None,
-                         out: Tensor | None = None, phase: str | None = None,
-                         max_query_len: int | None = None) -> tuple[Tensor, Tensor]:
-    """``qsa_aiter.qsa_paged_mqa_logits`` through the custom op (same arguments, shapes and dtypes): fp32 logits
-    ``[tokens, num_columns]`` (``out`` itself when given) and int32 ``visible_groups`` ``[tokens]``."""
-    args = (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
-            score_divisor, max_columns, row_starts, k_scale, phase, max_query_len)
-    if out is None:
-        return torch.ops.qsa_aiter.paged_mqa_logits(*args)
-    return out, torch.ops.qsa_aiter.paged_mqa_logits_out(*args, out)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Block top-k and expansion
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op(f"{NAMESPACE}::block_topk", mutates_args=())
-def _block_topk(logits: Tensor, visible: Tensor, block_topk: int) -> Tensor:
-    return selection.qsa_block_topk(logits, visible, block_topk)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::block_topk_out", mutates_args=("out",))
-def _block_topk_out(logits: Tensor, visible: Tensor, block_topk: int, out: Tensor) -> None:
-    selection.qsa_block_topk(logits, visible, block_topk, out=out)
-
-
-@_block_topk.register_fake
-def _(logits, visible, block_topk):
-    check_int("block_topk", block_topk, minimum=1, op="qsa_block_topk")
+def _block_topk_fake(call: Call) -> torch.Tensor:
+    """int32 ``[tokens, block_topk]``."""
+    block_topk = check_int("block_topk", call["block_topk"], minimum=1, op="qsa_block_topk")
+    logits = call["logits"]
     return logits.new_empty((logits.shape[0], block_topk), dtype=torch.int32)
 
 
-@_block_topk_out.register_fake
-def _(logits, visible, block_topk, out):
-    check_int("block_topk", block_topk, minimum=1, op="qsa_block_topk")
+def _expand_fake(call: Call) -> torch.Tensor:
+    """int32 ``[tokens, token_topk + R - 1]``."""
+    ratio, topk = check_topk_budget("qsa_expand_block_indices", call["compress_ratio"], call["token_topk"])
+    block_indices = call["block_indices"]
+    return block_indices.new_empty((block_indices.shape[0], topk + ratio - 1), dtype=torch.int32)
 
 
-def qsa_block_topk(logits: Tensor, visible: Tensor, block_topk: int, out: Tensor | None = None) -> Tensor:
-    """``qsa_aiter.qsa_block_topk`` through the custom op: int32 ``[tokens, block_topk]`` (``out`` when given)."""
-    if out is None:
-        return torch.ops.qsa_aiter.block_topk(logits, visible, block_topk)
-    torch.ops.qsa_aiter.block_topk_out(logits, visible, block_topk, out)
-    return out
-
-
-def _expand_width(compress_ratio, token_topk) -> int:
-    ratio, topk = check_topk_budget("qsa_expand_block_indices", compress_ratio, token_topk)
-    return topk + ratio - 1
-
-
-@torch.library.custom_op(f"{NAMESPACE}::expand_block_indices", mutates_args=())
-def _expand_block_indices(block_indices: Tensor, query_positions: Tensor, context_lens: Tensor,
-                          token_to_request: Tensor, compress_ratio: int, token_topk: int) -> Tensor:
-    return selection.qsa_expand_block_indices(block_indices, query_positions, context_lens, token_to_request,
-                                              compress_ratio, token_topk)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::expand_block_indices_out", mutates_args=("out",))
-def _expand_block_indices_out(block_indices: Tensor, query_positions: Tensor, context_lens: Tensor,
-                              token_to_request: Tensor, compress_ratio: int, token_topk: int, out: Tensor) -> None:
-    selection.qsa_expand_block_indices(block_indices, query_positions, context_lens, token_to_request,
-                                       compress_ratio, token_topk, out=out)
-
-
-@_expand_block_indices.register_fake
-def _(block_indices, query_positions, context_lens, token_to_request, compress_ratio, token_topk):
-    width = _expand_width(compress_ratio, token_topk)
-    return block_indices.new_empty((block_indices.shape[0], width), dtype=torch.int32)
-
-
-@_expand_block_indices_out.register_fake
-def _(block_indices, query_positions, context_lens, token_to_request, compress_ratio, token_topk, out):
-    _expand_width(compress_ratio, token_topk)
-
-
-def qsa_expand_block_indices(block_indices: Tensor, query_positions: Tensor, context_lens: Tensor,
-                             token_to_request: Tensor, compress_ratio: int, token_topk: int,
-                             out: Tensor | None = None) -> Tensor:
-    """``qsa_aiter.qsa_expand_block_indices`` through the custom op: int32 ``[tokens, token_topk + R - 1]``."""
-    args = (block_indices, query_positions, context_lens, token_to_request, compress_ratio, token_topk)
-    if out is None:
-        return torch.ops.qsa_aiter.expand_block_indices(*args)
-    torch.ops.qsa_aiter.expand_block_indices_out(*args, out)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Selection (scoring + top-k + expansion)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op(f"{NAMESPACE}::select_paged_tokens", mutates_args=())
-def _select_paged_tokens(q: Tensor, compressed_k_cache: Tensor, page_table: Tensor, token_to_request: Tensor,
-                         query_positions: Tensor, context_lens: Tensor, token_topk: int, compress_ratio: int,
-                         logits_workspace_bytes: int, max_seq_len: Optional[int], k_scale: Optional[Tensor],
-                         phase: Optional[str], max_query_len: Optional[int]) -> Tensor:
-    return selection.qsa_select_paged_tokens(q, compressed_k_cache, page_table, token_to_request, query_positions,
-                                             context_lens, token_topk, compress_ratio, None, logits_workspace_bytes,
-                                             max_seq_len, k_scale=k_scale, phase=phase, max_query_len=max_query_len)
-
-
-@torch.library.custom_op(f"{NAMESPACE}::select_paged_tokens_out", mutates_args=("out",))
-def _select_paged_tokens_out(q: Tensor, compressed_k_cache: Tensor, page_table: Tensor, token_to_request: Tensor,
-                             query_positions: Tensor, context_lens: Tensor, token_topk: int, compress_ratio: int,
-                             logits_workspace_bytes: int, max_seq_len: Optional[int], k_scale: Optional[Tensor],
-                             phase: Optional[str], max_query_len: Optional[int], out: Tensor) -> None:
-    selection.qsa_select_paged_tokens(q, compressed_k_cache, page_table, token_to_request, query_positions,
-                                      context_lens, token_topk, compress_ratio, out, logits_workspace_bytes,
-                                      max_seq_len, k_scale=k_scale, phase=phase, max_query_len=max_query_len)
-
-
-def _select_width(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, token_topk,
-                  compress_ratio, logits_workspace_bytes, max_seq_len, k_scale, phase, max_query_len) -> int:
-    """Output width ``token_topk + R - 1`` of a selection call, validating it like the eager op where static."""
+def _selection_fake(call: Call) -> torch.Tensor:
+    """int32 ``[tokens, token_topk + R - 1]``."""
     op = "qsa_select_paged_tokens"
-    ratio, topk = check_topk_budget(op, compress_ratio, token_topk)
-    check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
-    if _static(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale):
-        selection.selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions,
-                                    context_lens, ratio, max_seq_len, k_scale=k_scale, phase=phase,
-                                    max_query_len=max_query_len)
-    return topk + ratio - 1
+    ratio, topk = check_topk_budget(op, call["compress_ratio"], call["token_topk"])
+    check_int("logits_workspace_bytes", call["logits_workspace_bytes"], minimum=1, op=op)
+    if _static(call):
+        selection.selection_problem(call["q"], call["compressed_k_cache"], call["page_table"],
+                                    call["token_to_request"], call["query_positions"], call["context_lens"], ratio,
+                                    call["max_seq_len"], k_scale=call["k_scale"], phase=call["phase"],
+                                    max_query_len=call["max_query_len"])
+    q = call["q"]
+    return q.new_empty((q.shape[0], topk + ratio - 1), dtype=torch.int32)
 
 
-@_select_paged_tokens.register_fake
-def _(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, token_topk, compress_ratio,
-      logits_workspace_bytes, max_seq_len, k_scale, phase, max_query_len):
-    width = _select_width(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                          token_topk, compress_ratio, logits_workspace_bytes, max_seq_len, k_scale, phase,
-                          max_query_len)
-    return q.new_empty((q.shape[0], width), dtype=torch.int32)
-
-
-@_select_paged_tokens_out.register_fake
-def _(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, token_topk, compress_ratio,
-      logits_workspace_bytes, max_seq_len, k_scale, phase, max_query_len, out):
-    _select_width(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, token_topk,
-                  compress_ratio, logits_workspace_bytes, max_seq_len, k_scale, phase, max_query_len)
-
-
-def qsa_select_paged_tokens(q: Tensor, compressed_k_cache: Tensor, page_table: Tensor, token_to_request: Tensor,
-                            query_positions: Tensor, context_lens: Tensor, token_topk: int, compress_ratio: int = 4,
-                            out: Tensor | None = None, logits_workspace_bytes: int = DEFAULT_LOGITS_WORKSPACE_BYTES,
-                            max_seq_len: int | None = None, *, k_scale: Tensor | None = None,
-                            phase: str | None = None, max_query_len: int | None = None) -> Tensor:
-    """``qsa_aiter.qsa_select_paged_tokens`` through the custom op: int32 ``[tokens, token_topk + R - 1]``."""
-    args = (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, token_topk,
-            compress_ratio, logits_workspace_bytes, max_seq_len, k_scale, phase, max_query_len)
-    if out is None:
-        return torch.ops.qsa_aiter.select_paged_tokens(*args)
-    torch.ops.qsa_aiter.select_paged_tokens_out(*args, out)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Index-cache writer
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op(f"{NAMESPACE}::write_index_cache", mutates_args=("cache", "k_scale"))
-def _write_index_cache(keys: Tensor, slot_mapping: Tensor, cache: Tensor, k_scale: Optional[Tensor]) -> None:
-    writer.qsa_write_index_cache(keys, slot_mapping, cache, k_scale)
-
-
-@_write_index_cache.register_fake
-def _(keys, slot_mapping, cache, k_scale):
+def _writer_fake(call: Call) -> None:
+    """Nothing: the writer only writes ``cache`` and ``k_scale`` in place."""
     return None
 
 
-def qsa_write_index_cache(keys: Tensor, slot_mapping: Tensor, cache: Tensor, k_scale: Tensor | None = None) -> None:
-    """``qsa_aiter.qsa_write_index_cache`` through the custom op (writes ``cache`` and ``k_scale`` in place)."""
-    torch.ops.qsa_aiter.write_index_cache(keys, slot_mapping, cache, k_scale)
+#: The public ops as custom ops: the public function, the arguments it writes besides ``out``, its fake.
+DECLARATIONS = (
+    OpDeclaration(scoring.qsa_paged_mqa_logits, mutated=("row_starts",), fake=_scoring_fake),
+    OpDeclaration(selection.qsa_block_topk, mutated=(), fake=_block_topk_fake),
+    OpDeclaration(selection.qsa_expand_block_indices, mutated=(), fake=_expand_fake),
+    OpDeclaration(selection.qsa_select_paged_tokens, mutated=(), fake=_selection_fake),
+    OpDeclaration(cache.qsa_write_index_cache, mutated=("cache", "k_scale"), fake=_writer_fake),
+)
 
+# The wrappers, by public name: the public signatures, through the custom ops.
+_WRAPPERS = {declaration.public.__name__: register(declaration, NAMESPACE, __name__) for declaration in DECLARATIONS}
+qsa_paged_mqa_logits = _WRAPPERS["qsa_paged_mqa_logits"]
+qsa_block_topk = _WRAPPERS["qsa_block_topk"]
+qsa_expand_block_indices = _WRAPPERS["qsa_expand_block_indices"]
+qsa_select_paged_tokens = _WRAPPERS["qsa_select_paged_tokens"]
+qsa_write_index_cache = _WRAPPERS["qsa_write_index_cache"]
 
-__all__ = ["NAMESPACE", "qsa_paged_mqa_logits", "qsa_block_topk", "qsa_expand_block_indices",
+__all__ = ["NAMESPACE", "DECLARATIONS", "qsa_paged_mqa_logits", "qsa_block_topk", "qsa_expand_block_indices",
            "qsa_select_paged_tokens", "qsa_write_index_cache"]

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from ..runtime import replay, dispatch
+from ..kernels.scoring.base import ScoreArgs
 from ..kernels.scoring.problem import ScoreProblem
+from ..runtime import registries, replay
 from ..runtime.arguments import validate_scoring_call
 from ..runtime.settings import get_settings
 from .traced import through_custom_op
-from ..kernels.scoring.base import SCORE_POINTERS, ScoreArgs
 
 
 def _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
@@ -20,7 +21,7 @@ def _prepare(q, compressed_k_cache, page_table, token_to_request, query_position
     return validate_scoring_call(
         q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
         score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len,
-        stacked_enabled=settings.stacked_decode_scorer, fp8_mma=settings.fp8_mma,
+        stacked_enabled=settings.stacked_decode_scorer, e4m3_mma=settings.e4m3_mma,
     )
 
 
@@ -71,13 +72,8 @@ def qsa_paged_mqa_logits(
         written; int32 ``[tokens]`` visible group counts ``max(0, min((p+1)//R, ctx//R, num_columns))``.
     """
     settings = get_settings()  # read once per call
-    key, addresses = _signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
-                                context_lens, compress_ratio, score_divisor, max_columns, row_starts, k_scale, out,
-                                phase, max_query_len)
-    plan = replay.lookup(key)
-    if plan is not None:
-        return plan.run(addresses, q, out, row_starts, k_scale is not None)
-    with replay.recording() as launches:
+
+    def first_call():
         problem, divisor = _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions,
                                     context_lens, compress_ratio, score_divisor, max_columns, row_starts, k_scale,
                                     out, phase, max_query_len, settings)
@@ -87,18 +83,17 @@ def qsa_paged_mqa_logits(
             row_starts.zero_()
         visible = score_validated(problem, divisor, q, compressed_k_cache, page_table, token_to_request,
                                   query_positions, context_lens, k_scale, logits, settings)
-    replay.store(key, ScoringPlan.of(problem, launches), settings)
-    return logits, visible
+        return (logits, visible), lambda launches: ScoringPlan.of(problem, launches)
 
-
-def _signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-               compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len):
-    """The call's ``call_plans`` signature (``(key, addresses)``): everything validation and dispatch read (a None
-    key: not a cacheable call, the validating path names what is wrong)."""
-    return replay.signature(
-        ("qsa_paged_mqa_logits", id(settings)),
+    # The tensors in the order ScoringPlan.replay reads them; the host arguments are everything validation reads.
+    return replay.cached_call(
+        "qsa_paged_mqa_logits", settings,
         (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, row_starts, k_scale, out),
-        (compress_ratio, score_divisor, max_columns, phase, max_query_len))
+        (compress_ratio, score_divisor, max_columns, phase, max_query_len), first_call)
+
+
+#: The pointer parameters of every scoring kernel, in the order a replay passes their addresses.
+SCORER_POINTERS = ("q_ptr", "k_ptr", "ks_ptr", "pt_ptr", "t2r_ptr", "pos_ptr", "ctx_ptr", "out_ptr", "vis_ptr")
 
 
 @dataclass(frozen=True)
@@ -106,19 +101,23 @@ class ScoringPlan:
     """A validated ``qsa_paged_mqa_logits`` signature: its problem and recorded kernel launch."""
 
     problem: ScoreProblem
-    launch: replay.DirectLaunch
+    launch: Callable  # the recorded launch, taking SCORER_POINTERS' addresses (DirectLaunch.taking)
 
     @classmethod
     def of(cls, problem: ScoreProblem, launches: list) -> "ScoringPlan | None":
         """The plan of a call that made ``launches`` (None unless it was one scoring kernel's launch)."""
-        if problem.num_tokens == 0 or len(launches) != 1 or launches[0][0].kernel not in dispatch.SCORER_KERNELS:
+        if problem.num_tokens == 0 or len(launches) != 1 or launches[0].plan.kernel not in registries.SCORER_KERNELS:
             return None
-        direct = replay.direct_launches(launches, (launches[0][0].kernel,))
-        return cls(problem, direct[0]) if direct and direct[0].pointers == SCORE_POINTERS else None
+        direct = replay.direct_launches(launches, (launches[0].plan.kernel,))
+        launch = direct[0].taking(*SCORER_POINTERS) if direct else None
+        return None if launch is None else cls(problem, launch)
 
-    def run(self, addresses, q, out, row_starts, has_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The call, for arguments of this plan's signature: ``addresses`` of its tensors in ``_signature``'s order."""
+    def replay(self, addresses, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call, for arguments of this plan's signature: ``tensors`` and their ``addresses`` in the order
+        ``qsa_paged_mqa_logits`` gives them to ``replay.cached_call``."""
         q_at, cache_at, table_at, request_at, position_at, lens_at, _, scale_at, _ = addresses
+        q, row_starts, k_scale, out = tensors[0], tensors[6], tensors[7], tensors[8]
+        has_scale = k_scale is not None
         tokens, columns = self.problem.num_tokens, self.problem.num_columns
         logits = out if out is not None else q.new_empty((tokens, columns), dtype=torch.float32)
         if row_starts is not None:
@@ -141,7 +140,7 @@ def score_validated(problem: ScoreProblem, divisor: float, q, compressed_k_cache
         return visible
     args = ScoreArgs(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, logits,
                      visible, problem.num_columns, problem.compress_ratio, 1.0 / divisor, k_scale)
-    dispatch.run(problem, args, settings)
+    registries.SCORING.dispatch(problem, args, settings)
     return visible
 
 
@@ -155,9 +154,9 @@ def describe_call(q, compressed_k_cache, page_table, token_to_request, query_pos
 
 def explain(*args, **kwargs) -> str:
     """Which kernel would serve ``qsa_paged_mqa_logits(*args, **kwargs)`` and why each other candidate does not."""
-    return dispatch.explain(describe_call(*args, **kwargs))
+    return registries.SCORING.explain(describe_call(*args, **kwargs))
 
 
 def selected_kernel(*args, **kwargs) -> str | None:
     """Name of the kernel ``qsa_paged_mqa_logits(*args, **kwargs)`` would run (``None`` if none serves)."""
-    return dispatch.select(describe_call(*args, **kwargs)).chosen
+    return registries.SCORING.select(describe_call(*args, **kwargs)).chosen

@@ -7,13 +7,19 @@ passes the kernels their addresses."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from ..runtime import replay, dispatch
+from ..runtime import registries, replay
 from ..kernels.scoring.problem import ScoreProblem
-from ..kernels.scoring.base import SCORE_POINTERS
-from ..kernels.selection import expand, maxima, topk
+from ..kernels.selection import maxima, topk
+from .scoring import SCORER_POINTERS
+
+#: The pointer parameters of the kernels, in the order the replays below pass their addresses.
+TOPK_POINTERS = ("logits_ptr", "vis_ptr", "out_ptr", "buf_ptr", "max_ptr", "pos_ptr", "ctx_ptr", "t2r_ptr", "tok_ptr")
+MAXIMA_POINTERS = ("logits_ptr", "vis_ptr", "max_ptr")
+EXPAND_POINTERS = ("blk_ptr", "pos_ptr", "ctx_ptr", "t2r_ptr", "out_ptr")
 
 
 def _scratch_parts(*sizes: int) -> tuple[tuple[int, ...], int]:
@@ -38,25 +44,19 @@ def _topk_parts(launches: list, block_topk: int, tokens: int, columns: int):
     top-k's recorded ``launches`` (the block maxima, when recorded, then the top-k), or None where a recorded
     buffer is not laid out as a replay lays it out."""
     direct = replay.direct_launches(launches, ("block_maxima?", "topk"))
-    if direct is None or direct[-1].pointers != topk.TOPK_POINTERS:
+    if direct is None:
         return None
     with_maxima = len(direct) == 2
-    width = topk.buffer_width(block_topk, launches[-1][0].config, with_maxima)
-    shape = maxima.maxima_shape(tokens, columns, block_topk)
-    if not _laid_out(launches[-1][2][3], (tokens, width)) or (with_maxima and not _laid_out(launches[0][2][2], shape)):
+    topk_launch = direct[-1].taking(*TOPK_POINTERS)
+    maxima_launch = direct[0].taking(*MAXIMA_POINTERS) if with_maxima else None
+    if topk_launch is None or (with_maxima and maxima_launch is None):
         return None
-    return (direct[0] if with_maxima else None), direct[-1], width, (shape[0] * shape[1] if with_maxima else 0)
-
-
-def selection_signature(settings, q, compressed_k_cache, page_table, token_to_request, query_positions,
-                        context_lens, token_topk, compress_ratio, out, logits_workspace_bytes, max_seq_len, k_scale,
-                        phase, max_query_len):
-    """The call's ``call_plans`` signature ``(key, addresses)`` (a None key: not a cacheable call; the validating
-    path names the problem)."""
-    return replay.signature(
-        ("qsa_select_paged_tokens", id(settings)),
-        (q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, k_scale, out),
-        (token_topk, compress_ratio, logits_workspace_bytes, max_seq_len, phase, max_query_len))
+    width = topk.buffer_width(block_topk, launches[-1].plan.config, with_maxima)
+    shape = maxima.maxima_shape(tokens, columns, block_topk)
+    if not _laid_out(launches[-1].arg("buf_ptr"), (tokens, width)) or (
+            with_maxima and not _laid_out(launches[0].arg("max_ptr"), shape)):
+        return None
+    return maxima_launch, topk_launch, width, (shape[0] * shape[1] if with_maxima else 0)
 
 
 @dataclass(frozen=True)
@@ -67,33 +67,36 @@ class SelectionPlan:
 
     problem: ScoreProblem
     token_topk: int
-    score: replay.DirectLaunch
-    maxima: replay.DirectLaunch | None
-    topk: replay.DirectLaunch
+    score: Callable  # the recorded launches, taking their pointer arguments' addresses (DirectLaunch.taking)
+    maxima: Callable | None
+    topk: Callable
     offsets: tuple[int, int, int, int, int]
     scratch_elements: int
 
     @classmethod
     def of(cls, problem: ScoreProblem, block_topk: int, token_topk: int, launches: list) -> "SelectionPlan | None":
         """The plan of a call that made ``launches`` (None unless they were a scorer's, then the Triton top-k's)."""
-        if not launches or launches[0][0].kernel not in dispatch.SCORER_KERNELS:
+        if not launches or launches[0].plan.kernel not in registries.SCORER_KERNELS:
             return None
         tokens, columns = problem.num_tokens, problem.num_columns
-        score = replay.direct_launches(launches[:1], (launches[0][0].kernel,))
+        score = replay.direct_launches(launches[:1], (launches[0].plan.kernel,))
+        score = score[0].taking(*SCORER_POINTERS) if score else None
         parts = _topk_parts(launches[1:], block_topk, tokens, columns)
-        if score is None or score[0].pointers != SCORE_POINTERS or parts is None:
+        if score is None or parts is None:
             return None
-        if not _laid_out(launches[0][2][7], (tokens, columns)):
+        if not _laid_out(launches[0].arg("out_ptr"), (tokens, columns)):
             return None
         maxima_launch, topk_launch, width, maxima_elements = parts
         offsets, elements = _scratch_parts(tokens * columns, tokens * width, tokens * block_topk, tokens,
                                            maxima_elements)
-        return cls(problem, token_topk, score[0], maxima_launch, topk_launch, offsets, elements)
+        return cls(problem, token_topk, score, maxima_launch, topk_launch, offsets, elements)
 
-    def run(self, addresses, q, out, has_scale: bool) -> torch.Tensor:
-        """The call, for arguments of this plan's signature: ``addresses`` of its tensors in
-        ``selection_signature``'s order."""
+    def replay(self, addresses, tensors) -> torch.Tensor:
+        """The call, for arguments of this plan's signature: ``tensors`` and their ``addresses`` in the order
+        ``qsa_select_paged_tokens`` gives them to ``replay.cached_call``."""
         q_at, cache_at, table_at, request_at, position_at, lens_at, scale_at, _ = addresses
+        q, k_scale, out = tensors[0], tensors[6], tensors[7]
+        has_scale = k_scale is not None
         tokens, ratio = self.problem.num_tokens, self.problem.compress_ratio
         if out is None:
             out = q.new_empty((tokens, self.token_topk + ratio - 1), dtype=torch.int32)
@@ -111,19 +114,14 @@ class SelectionPlan:
         return out
 
 
-def topk_signature(settings, logits, visible, block_topk, out) -> tuple:
-    """A ``qsa_block_topk`` call's ``call_plans`` signature ``(key, addresses)``."""
-    return replay.signature(("qsa_block_topk", id(settings)), (logits, visible, out), (block_topk,))
-
-
 @dataclass(frozen=True)
 class TopkPlan:
     """A validated ``qsa_block_topk`` signature and its recorded launches: the block maxima (or None), the top-k;
     ``maxima_offset``: the byte offset of the block maxima in the scratch, after the candidates."""
 
     block_topk: int
-    maxima: replay.DirectLaunch | None
-    topk: replay.DirectLaunch
+    maxima: Callable | None
+    topk: Callable
     maxima_offset: int
     scratch_elements: int
 
@@ -138,9 +136,10 @@ class TopkPlan:
         (_, maxima_offset), elements = _scratch_parts(tokens * width, maxima_elements)
         return cls(block_topk, maxima_launch, topk_launch, maxima_offset, elements)
 
-    def run(self, addresses, logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """The call: ``addresses`` of ``topk_signature``'s tensors."""
+    def replay(self, addresses, tensors) -> torch.Tensor:
+        """The call: ``qsa_block_topk``'s tensors (logits, visible, out) and their ``addresses``."""
         logits_at, visible_at, _ = addresses
+        logits, out = tensors[0], tensors[2]
         if out is None:
             out = logits.new_empty((logits.shape[0], self.block_topk), dtype=torch.int32)
         scratch = logits.new_empty((self.scratch_elements,), dtype=torch.int32)
@@ -156,30 +155,25 @@ class TopkPlan:
         return out
 
 
-def expand_signature(settings, block_indices, query_positions, context_lens, token_to_request, compress_ratio,
-                     token_topk, out) -> tuple:
-    """A ``qsa_expand_block_indices`` call's ``call_plans`` signature ``(key, addresses)``."""
-    return replay.signature(("qsa_expand_block_indices", id(settings)),
-                                (block_indices, query_positions, context_lens, token_to_request, out),
-                                (compress_ratio, token_topk))
-
-
 @dataclass(frozen=True)
 class ExpandPlan:
     """A validated ``qsa_expand_block_indices`` signature and its recorded launch."""
 
     width: int  # token_topk + R - 1
-    expand: replay.DirectLaunch
+    expand: Callable
 
     @classmethod
     def of(cls, width: int, launches: list) -> "ExpandPlan | None":
         """The plan of a call that made ``launches`` (None unless it was the Triton expansion's)."""
         direct = replay.direct_launches(launches, ("expand",))
-        return None if direct is None or direct[0].pointers != expand.EXPAND_POINTERS else cls(width, direct[0])
+        launch = direct[0].taking(*EXPAND_POINTERS) if direct else None
+        return None if launch is None else cls(width, launch)
 
-    def run(self, addresses, block_indices, out) -> torch.Tensor:
-        """The call: ``addresses`` of ``expand_signature``'s tensors."""
+    def replay(self, addresses, tensors) -> torch.Tensor:
+        """The call: ``qsa_expand_block_indices``'s tensors (block_indices, query_positions, context_lens,
+        token_to_request, out) and their ``addresses``."""
         indices_at, position_at, lens_at, request_at, _ = addresses
+        block_indices, out = tensors[0], tensors[4]
         if out is None:
             out = block_indices.new_empty((block_indices.shape[0], self.width), dtype=torch.int32)
         self.expand(indices_at, position_at, lens_at, request_at, out.data_ptr())

@@ -3,7 +3,8 @@
 Dynamo cannot trace the eager functions' dispatch (registry, settings, logging, memo tables), so while it traces a
 decorated function the call goes to the custom-op wrapper of the same name and arguments, which it records as one
 opaque call; eagerly (and inside the custom op itself) the function runs as written. Code that calls the plain
-``qsa_aiter.qsa_*`` functions therefore compiles with ``fullgraph=True``.
+``qsa_aiter.qsa_*`` functions therefore compiles with ``fullgraph=True``. The decorated function's signature is the
+op's one declaration: ``custom_ops`` generates the custom ops and the wrapper from it (``declarations.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import functools
 from typing import Callable
 
 import torch
+
+#: Every decorated public function by name: each needs an ``OpDeclaration`` in ``custom_ops`` (a test checks it).
+TRACED: dict[str, Callable] = {}
 
 
 def through_custom_op(fn: Callable) -> Callable:
@@ -25,4 +29,5 @@ def through_custom_op(fn: Callable) -> Callable:
             return getattr(custom_ops, fn.__name__)(*args, **kwargs)
         return fn(*args, **kwargs)
 
+    TRACED[fn.__name__] = public
     return public

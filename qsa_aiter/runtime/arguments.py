@@ -88,7 +88,7 @@ def validate_scoring_call(
     phase,
     max_query_len,
     stacked_enabled: bool,
-    fp8_mma: bool = True,
+    e4m3_mma: bool = True,
 ) -> tuple[ScoreProblem, float]:
     """Check every argument; return the problem description and the score divisor. Raises before anything is written."""
     check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), contiguous=True)
@@ -183,7 +183,7 @@ def validate_scoring_call(
         phase_source=source,
         max_query_len=max_query_len,
         cache_bytes=cache.numel() * cache.element_size() + scale_bytes,
-        fp8_mma=fp8_mma,
+        e4m3_mma=e4m3_mma,
         # One integer load per key's exponents needs the scale tensor aligned to them (a view may not be).
         scale_aligned=k_scale is None or kv != "fp4" or k_scale.data_ptr() % max(1, head_dim // 32) == 0,
     )

@@ -207,17 +207,28 @@ class DirectLaunch:
     compiled kernel with the recorded scalar arguments, grid and constexprs on the current stream of ``device`` (the
     current device when it was recorded: the signature holds it)."""
 
-    __slots__ = ("_launch", "pointers", "tail")
+    __slots__ = ("_launch", "pointer_names", "tail")
 
-    def __init__(self, kernel, grid: tuple[int, ...], pointers: int, tail: tuple, device: int):
+    def __init__(self, kernel, grid: tuple[int, ...], pointer_names: tuple[str, ...], tail: tuple, device: int):
         from .jit.triton_compat import compiled_launcher  # Triton's private launch entry, adapted per release
 
-        self.pointers = pointers  # how many addresses a call passes
+        self.pointer_names = pointer_names  # the kernel's leading pointer parameters: a call passes their addresses
         self.tail = tail  # the recorded scalar arguments, then the constexprs
         self._launch = compiled_launcher(kernel, (tuple(grid) + (1, 1))[:3], device)
 
     def __call__(self, *addresses: int) -> None:
         self._launch(addresses + self.tail)
+
+    def taking(self, *names: str):
+        """This launch as a function of the addresses of the pointer parameters ``names``, in that order (each of
+        the kernel's pointer parameters named once; None otherwise, and the caller keeps no plan): a replay names
+        what it passes instead of relying on the kernel's parameter order."""
+        if sorted(names) != sorted(self.pointer_names):
+            return None
+        if names == self.pointer_names:
+            return self.__call__
+        pick, launch, tail = operator.itemgetter(*(names.index(n) for n in self.pointer_names)), self._launch, self.tail
+        return lambda *addresses: launch(pick(addresses) + tail)
 
 
 def direct_launches(launches: list, expected: tuple[str, ...]) -> tuple[DirectLaunch, ...] | None:
@@ -235,7 +246,7 @@ def direct_launches(launches: list, expected: tuple[str, ...]) -> tuple[DirectLa
         tail = None if kernel is None else _constexpr_tail(plan, len(args))
         if tail is None or pointers is None:
             return None
-        out.append(DirectLaunch(kernel, plan.grid, pointers, tuple(args[pointers:]) + tail,
+        out.append(DirectLaunch(kernel, plan.grid, tuple(plan.fn.arg_names[:pointers]), tuple(args[pointers:]) + tail,
                                 torch.cuda.current_device()))
     return tuple(out)
 
@@ -258,3 +269,22 @@ def _constexpr_tail(plan, positional: int) -> tuple | None:
         return tuple(plan.constexprs[name] for name in names[positional:])
     except KeyError:
         return None
+
+
+def cached_call(op: str, settings, tensors: tuple, hosts: tuple, first_call):
+    """The host path every public op shares: the call's signature (``op``, ``settings``, its ``tensors`` (None for
+    an absent one) and ``hosts``, its host arguments) -> a recorded plan under it replays the call
+    (``plan.replay(addresses, tensors)``); else ``first_call()`` validates, dispatches and launches, its launches are
+    recorded, and the plan it builds from them is kept for the next call.
+
+    ``first_call()`` returns ``(result, plan_of)``: ``plan_of(launches)`` builds the plan (None: not replayable, as
+    for a torch path or a fallback), or ``plan_of`` is None."""
+    key, addresses = signature((op, id(settings)), tensors, hosts)
+    plan = lookup(key)
+    if plan is not None:
+        return plan.replay(addresses, tensors)
+    with recording() as launches:
+        result, plan_of = first_call()
+    if plan_of is not None:
+        store(key, plan_of(launches), settings)
+    return result

@@ -1,4 +1,5 @@
-"""ROCm candidates of the registry: AITER's QSA Triton scorer and the FlyDSL prefill scorer; AITER's HIP top-k.
+"""ROCm candidates of the registries: AITER's QSA Triton scorer and the FlyDSL prefill scorer (``AITER_SCORING``,
+``FLYDSL_SCORING``); AITER's HIP top-k (``aiter_block_topk``, whose candidate ``registries.TOPK`` declares).
 
 Neither library is a dependency. Each candidate answers the registry's question "do you serve this problem?" from
 host facts, cheapest first, and imports its library only once everything else says yes (``aiter`` writes to the
@@ -31,9 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .log import log_once
-from ..kernels.scoring.problem import ScoreProblem
+from ..kernels.scoring.problem import PHASES, ScoreProblem
 from .arguments import check_index_out, check_topk_args, fail_argument
+from .dispatch import Candidate
+from .log import log_once
 from .settings import QsaSettings, get_settings
 
 AITER_SCORER = ("aiter.ops.triton.attention.qsa", "qsa_paged_mqa_logits")
@@ -227,10 +229,10 @@ def _takes_stable(fn) -> bool:
     return "stable" in inspect.signature(fn).parameters
 
 
-def aiter_topk_reasons(logits: torch.Tensor) -> list[str]:
-    """Why AITER's HIP top-k cannot rank ``logits`` (empty: it can)."""
-    if logits.device.type != "cuda":
-        return [f"needs ROCm GPU tensors (logits are on {logits.device.type})"]
+def aiter_topk_reasons(device_type: str) -> list[str]:
+    """Why AITER's HIP top-k cannot rank logits on ``device_type`` here (empty: it can)."""
+    if device_type != "cuda":
+        return [f"needs ROCm GPU tensors (logits are on {device_type})"]
     if _rocm_runtime() is None:
         return ["needs a ROCm build of torch"]
     _, fn, why = _load(*AITER_TOPK)
@@ -261,7 +263,7 @@ def aiter_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: in
     out = check_index_out(op, out, (tokens, block_topk), logits.device, "logits")
     if not out.is_contiguous():  # AITER writes [tokens, block_topk] as one dense block
         fail_argument(ValueError, "out", "contiguous", f"strides {out.stride()}", op)
-    reasons = aiter_topk_reasons(logits)
+    reasons = aiter_topk_reasons(logits.device.type)
     if reasons:
         raise RuntimeError("AITER's HIP top-k does not serve: " + "; ".join(reasons))
     if tokens == 0:
@@ -275,3 +277,30 @@ def aiter_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: in
     ordered = torch.sort(torch.where(keep, out, big), dim=1).values
     out.copy_(torch.where(ordered == big, -1, ordered))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The registries' candidates
+# ---------------------------------------------------------------------------------------------------------------
+
+# FlyDSL leads prefill because it is opt-in (ROCM_QSA_FLYDSL): asking for it means preferring it. AITER's op scores
+# every column of the page table, so it follows the row-wise scorer: it runs when forced, or on a ROCm stack where
+# this project's kernels failed and were marked broken.
+AITER_SCORING = Candidate("aiter", AITER_DESCRIPTION,
+                          lambda problem, platform, settings: aiter_reasons(problem, settings),
+                          lambda problem, args, settings: run_aiter(problem, args),
+                          dict.fromkeys(PHASES, 40), universal=True)
+FLYDSL_SCORING = Candidate("flydsl", FLYDSL_DESCRIPTION,
+                           lambda problem, platform, settings: flydsl_reasons(problem, settings),
+                           lambda problem, args, settings: run_flydsl(problem, args), {"prefill": 10})
+
+
+def aiter_topk_candidate_reasons(problem, platform, settings: QsaSettings) -> list[str]:
+    """Why AITER's HIP top-k is not the top-k registry's choice for ``problem`` (a ``TopkProblem``): it is asked
+    for by ``QSA_AITER_TOPK_BACKEND=aiter`` or ``QSA_AITER_BACKEND=aiter`` only (the project's top-k leads
+    otherwise), and it needs a ROCm GPU with a stable AITER top-k."""
+    reasons = []
+    if "aiter" not in (settings.backend, settings.topk_backend):
+        reasons.append("used only when the AITER path is asked for (QSA_AITER_TOPK_BACKEND=aiter or "
+                       "QSA_AITER_BACKEND=aiter)")
+    return reasons + aiter_topk_reasons(problem.device_type)

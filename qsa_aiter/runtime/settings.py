@@ -9,6 +9,7 @@ value and what is allowed.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator
@@ -40,7 +41,7 @@ def _parse_bool(value: object) -> object:
 class QsaSettings(BaseSettings):
     """Every environment variable qsa_aiter reads. Field aliases are the variable names."""
 
-    model_config = SettingsConfigDict(frozen=True, extra="ignore", populate_by_name=True, case_sensitive=True)
+    model_config = SettingsConfigDict(frozen=True, extra="ignore", case_sensitive=True)
 
     stacked_decode_scorer: bool = Field(
         True,
@@ -61,14 +62,22 @@ class QsaSettings(BaseSettings):
         "`python -m qsa_aiter explain` lists them) forced for every phase. The registry checks the name at the first "
         "scoring call (reading settings imports no kernels).",
     )
+    topk_backend: str = Field(
+        "auto",
+        alias="QSA_AITER_TOPK_BACKEND",
+        description="`auto`, or the name of one top-k candidate (`triton`, `aiter`, `torch`; "
+        "`qsa_aiter.explain_selection` lists them) forced for the top-k step of selection. Checked at the first "
+        "top-k call; forcing a candidate that cannot serve the call is an error naming its reasons.",
+    )
     strict: bool = Field(
         False,
         alias="QSA_AITER_STRICT",
         description="1 raises a kernel's compile or launch error instead of falling back to the next candidate.",
     )
-    fp8_mma: bool = Field(
+    e4m3_mma: bool = Field(
         True,
-        alias="QSA_AITER_FP8_MMA",
+        alias="QSA_AITER_E4M3_MMA",
+        validation_alias=AliasChoices("QSA_AITER_E4M3_MMA", "QSA_AITER_FP8_MMA"),  # its former name (FORMER_NAMES)
         description="1 lets the stacked scorer read e4m3fn and MXFP4 caches with e4m3 tensor-core MMAs (bf16 q split "
         "into two exact e4m3 terms; MXFP4 nibbles become exact e4m3 bytes, one MMA step per 32-element block; the "
         "tensor cores round inside their sums: up to 3.2e-4 of sum(|q||k|)/divisor measured on the H200 for fp8); 0 "
@@ -99,12 +108,12 @@ class QsaSettings(BaseSettings):
         "next launched or warmed up, and its entry replaced (once, however many processes ask for it).",
     )
 
-    @field_validator("stacked_decode_scorer", "strict", "fp8_mma", "rocm_qsa_flydsl", "rebuild", mode="before")
+    @field_validator("stacked_decode_scorer", "strict", "e4m3_mma", "rocm_qsa_flydsl", "rebuild", mode="before")
     @classmethod
     def _strict_bool(cls, value: object) -> object:
         return _parse_bool(value)
 
-    @field_validator("backend", mode="before")
+    @field_validator("backend", "topk_backend", mode="before")
     @classmethod
     def _backend_name(cls, value: object) -> object:
         text = str(value).strip().lower()
@@ -143,6 +152,9 @@ ENV_ALIASES = {choice: field.alias for field in QsaSettings.model_fields.values(
                for choice in field.validation_alias.choices if choice != field.alias}
 #: Every variable read: the fields' names and their aliases.
 ENV_VARIABLES = ENV_NAMES + tuple(ENV_ALIASES)
+#: Former names of renamed variables (former name -> current name): still read, as aliases of the current name (an
+#: ``AliasChoices`` entry of the field), with a ``FutureWarning`` that says to set the current name instead.
+FORMER_NAMES = {"QSA_AITER_FP8_MMA": "QSA_AITER_E4M3_MMA"}
 
 _cache: tuple[tuple, QsaSettings] | None = None
 
@@ -169,6 +181,7 @@ def get_settings() -> QsaSettings:
     if _cache is not None and _cache[0] == snapshot:
         return _cache[1]
     _check_aliases()
+    _warn_former_names()
     try:
         settings = QsaSettings()
     except ValidationError as err:
@@ -191,6 +204,15 @@ def _check_aliases() -> None:
             if values[name] != values[alias]:
                 raise ConfigurationError(f"environment variables {name}={os.environ[name]!r} and "
                                          f"{alias}={os.environ[alias]!r} disagree; set one of them")
+
+
+def _warn_former_names() -> None:
+    """A ``FutureWarning`` for each former variable name that is set. The text names no value, so Python's default
+    filter shows it once per process however often the settings are parsed again."""
+    for former, name in FORMER_NAMES.items():
+        if former in os.environ:
+            warnings.warn(f"environment variable {former} was renamed {name}; {former} is still read as {name}, "
+                          f"set {name} instead", FutureWarning, stacklevel=1)
 
 
 def _explain_error(err: ValidationError) -> str:
@@ -217,6 +239,10 @@ def environment_table() -> str:
         elif isinstance(default, tuple):
             default = ":".join(default)
         shown = f"`{default}`" if default != "" else "(none)"
-        names = [f"`{field.alias}`"] + [f"`{a}`" for a, n in ENV_ALIASES.items() if n == field.alias]
-        rows.append(f"| {' or '.join(names)} | {shown} | {field.description} |")
+        names = " or ".join([f"`{field.alias}`"] + [f"`{a}`" for a, n in ENV_ALIASES.items()
+                                                   if n == field.alias and a not in FORMER_NAMES])
+        former = [f"`{a}`" for a, n in FORMER_NAMES.items() if n == field.alias]
+        if former:
+            names += f" (formerly {' or '.join(former)})"
+        rows.append(f"| {names} | {shown} | {field.description} |")
     return "\n".join(rows)

@@ -15,12 +15,14 @@ import torch
 import triton
 
 from ..kernels import catalog
-from ..kernels.cache.writer import WriterProblem
+from ..kernels.cache.writer import WriterProblem, kind_of
 from ..kernels.platform import Platform, interpreting
+from ..kernels.quant.formats import CACHE_FORMATS, canonical_format
 from ..kernels.scoring import SPECS as SCORING_SPECS
 from ..kernels.scoring.base import example_problem
 from ..kernels.selection.problem import SelectionProblem
 from ..runtime.jit.triton_compat import ASTSource, GPUTarget
+from .build import specialise
 
 TARGETS = {
     "sm_90": GPUTarget("cuda", 90, 32),
@@ -42,8 +44,6 @@ def _check_target(target: str, what: str) -> None:
 
 def compile_plan(spec, problem, target: str, index_dtype: str = "i32", config=None):
     """Compile ``spec``'s plan for ``problem`` on ``target`` (``config``: its tile config; None: the default)."""
-    from .build import specialise
-
     _check_target(target, "compile_kernel")
     if index_dtype not in _INDEX_DTYPES:
         raise ValueError(f"index_dtype must be one of {', '.join(_INDEX_DTYPES)}; got {index_dtype!r}")
@@ -55,9 +55,9 @@ def compile_plan(spec, problem, target: str, index_dtype: str = "i32", config=No
 
 
 def _scoring_problem(problem, e4m3_mma: bool | None):
-    # e4m3_mma=False builds the decoding path where e4m3 MMAs would serve (QSA_AITER_FP8_MMA=0).
+    # e4m3_mma=False builds the decoding path where e4m3 MMAs would serve (QSA_AITER_E4M3_MMA=0).
     problem = problem or example_problem()
-    return dataclasses.replace(problem, fp8_mma=e4m3_mma is not False)
+    return dataclasses.replace(problem, e4m3_mma=e4m3_mma is not False)
 
 
 def kernel_config(kernel: str, target: str, problem=None, e4m3_mma: bool | None = None,
@@ -83,14 +83,21 @@ def compile_kernel(kernel: str, target: str, problem=None, index_dtype: str = "i
                         kernel_config(kernel, target, problem, e4m3_mma, overrides))
 
 
-def compile_cache_writer(kind: str, target: str, head_dim: int = 128):
-    """Compile the index-cache writer for ``kind`` (bf16, fp8_e4m3fn, fp8_e4m3fnuz, fp4) and ``target``."""
-    from ..kernels.cache.writer import KIND_CODES
+def writer_kind(cache_format: str) -> str:
+    """The writer kernel's kind (its ``KIND_CODES`` key) for a cache of ``cache_format`` (a ``CACHE_FORMATS`` name):
+    the writer tells the two e4m3 dtypes apart, and writes both 16-bit formats alike."""
+    fmt = CACHE_FORMATS[cache_format]
+    return kind_of(torch.empty(0, dtype=fmt.dtype), fmt.kind)
 
-    if kind not in KIND_CODES:
-        raise ValueError(f"kind must be one of {', '.join(KIND_CODES)}; got {kind!r}")
+
+def compile_cache_writer(cache_format: str, target: str, head_dim: int = 128):
+    """Compile the index-cache writer for a cache of ``cache_format`` (``bf16``, ``fp16``, ``fp8``, ``fp8_fnuz``,
+    ``fp4``; a former spelling is accepted with a ``DeprecationWarning``), keys of the format's query dtype, and
+    ``target``."""
+    fmt = CACHE_FORMATS[canonical_format(cache_format, stacklevel=2)]
     _check_target(target, "compile_cache_writer")
-    return compile_plan(catalog.spec_named("cache_writer"), WriterProblem(4, kind, head_dim), target)
+    problem = WriterProblem(4, writer_kind(fmt.name), head_dim, fmt.query_dtype)
+    return compile_plan(catalog.spec_named("cache_writer"), problem, target)
 
 
 #: The selection kernels ``compile_selection_kernel`` builds.

@@ -6,7 +6,8 @@ import argparse
 import re
 import sys
 
-from .cli_args import positive_int
+from .cli_args import cache_format, cache_formats, positive_int
+from ..kernels.quant.formats import CACHE_FORMATS
 from ..kernels.scoring.problem import PHASES
 
 _TOKENS = r"\s*(\d+)\s*([kKmM]?)\s*"
@@ -77,9 +78,10 @@ def _build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--heads", type=positive_int, default=4, help="index heads (default 4)")
     ex.add_argument("--head-dim", type=positive_int, default=128, help="index head dim (default 128)")
     ex.add_argument("--compress-ratio", type=positive_int, default=4, help="tokens per compressed group (default 4)")
-    ex.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="q and cache dtype (default bf16)")
-    ex.add_argument("--cache", choices=("16bit", "fp8", "fp8_fnuz", "fp4"), default="16bit",
-                    help="index-cache format (default 16bit: like --dtype)")
+    ex.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
+                    help="q dtype (default: a 16-bit --cache's, else bf16)")
+    ex.add_argument("--cache", type=cache_format, default=None, metavar="FORMAT",
+                    help=f"index-cache format: {', '.join(CACHE_FORMATS)} (default: a 16-bit cache of --dtype)")
     ex.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="where the batch lives (default: cuda if available, else cpu)")
 
@@ -95,8 +97,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="compile for this arch without a GPU (default: the present GPU's)")
     wu.add_argument("--kernels", type=_choices(KERNELS), default=KERNELS,
                     help=f"comma-separated subset of {','.join(KERNELS)} (default: all)")
-    wu.add_argument("--caches", type=_choices(tuple(CACHES)), default=tuple(CACHES),
-                    help=f"index-cache dtypes, comma-separated subset of {','.join(CACHES)} (default: all)")
+    wu.add_argument("--caches", type=cache_formats, default=CACHES,
+                    help=f"index-cache formats, comma-separated subset of {','.join(CACHES)} (default: all)")
     wu.add_argument("--page-sizes", type=_positive_list, default=None,
                     help="comma-separated page sizes (default: 16,64)")
     wu.add_argument("--index-dtypes", type=_choices(tuple(INDEX_DTYPES)), default=tuple(INDEX_DTYPES),
@@ -146,7 +148,7 @@ def _jit_root(opts: argparse.Namespace):
 
 def _warmup(opts: argparse.Namespace) -> int:
     from .warmup import Matrix, warmup
-    from ..runtime.dispatch import BLOCK_SIZES
+    from ..runtime.registries import BLOCK_SIZES
 
     matrix = Matrix(kernels=opts.kernels, caches=opts.caches, page_sizes=opts.page_sizes or BLOCK_SIZES,
                     index_dtypes=opts.index_dtypes)
@@ -197,11 +199,11 @@ def _explain(opts: argparse.Namespace) -> int:
     elif device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but this machine has no CUDA device (use --device cpu or auto)", file=sys.stderr)
         return 2
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[opts.dtype]
-    batch = make_batch(contexts, opts.rows_per_request, heads=opts.heads, head_dim=opts.head_dim,
-                       page_size=opts.page_size, compress_ratio=opts.compress_ratio, dtype=dtype, cache=opts.cache,
-                       device=device, spare_pages=0)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[opts.dtype]
     try:
+        batch = make_batch(contexts, opts.rows_per_request, heads=opts.heads, head_dim=opts.head_dim,
+                           page_size=opts.page_size, compress_ratio=opts.compress_ratio, dtype=dtype,
+                           cache=opts.cache, device=device, spare_pages=0)
         print(explain(*batch.args(), **batch.kwargs(), phase=opts.phase, max_query_len=batch.max_query_len))
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,8 +1,13 @@
-"""argparse argument types shared by the command-line entry points (``__main__``, demo, bench, tune, fuzz)."""
+"""argparse argument types and actions shared by the command-line entry points (``__main__``, demo, bench, tune,
+fuzz, warmup, explain) and the scripts in ``benchmarks/``."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import warnings
+
+from ..kernels.quant.formats import CACHE_FORMATS, canonical_format
 
 
 def positive_int(text: str) -> int:
@@ -14,3 +19,50 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
     return value
+
+
+def _format_name(text: str) -> str:
+    """``canonical_format`` of ``text`` as an argparse type: an unknown spelling is an argparse error, a former one a
+    note on stderr that names its new spelling."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            name = canonical_format(text.strip())
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    for warning in caught:
+        print(f"note: {warning.message}", file=sys.stderr)
+    return name
+
+
+def cache_format(text: str) -> str | None:
+    """A ``--cache`` value: one index-cache format name (``CACHE_FORMATS``, docs/cache_formats.md). The former
+    ``16bit`` (a cache of the queries' dtype) gives None, the options' default that means the same, with a note."""
+    if text.strip() == "16bit":
+        print("note: index-cache format '16bit' is now spelled 'bf16' or 'fp16' (left out: a 16-bit cache of the "
+              "queries' dtype)", file=sys.stderr)
+        return None
+    return _format_name(text)
+
+
+def cache_formats(text: str) -> tuple[str, ...]:
+    """A ``--caches`` value: comma-separated index-cache format names, at least one (duplicates dropped); former
+    spellings are accepted with a note."""
+    names = tuple(dict.fromkeys(_format_name(v) for v in text.split(",") if v.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated index-cache formats among "
+                                         f"{', '.join(CACHE_FORMATS)}; got {text!r}")
+    return names
+
+
+class RenamedOption(argparse.Action):
+    """An option's former name (``renamed_to`` names the new one): stores its value as the new option does and
+    notes the new name on stderr. Hidden from ``--help``."""
+
+    def __init__(self, option_strings, dest, renamed_to: str, **kwargs):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.renamed_to = renamed_to
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"note: {option_string} is now {self.renamed_to}", file=sys.stderr)
+        setattr(namespace, self.dest, values)

@@ -18,16 +18,18 @@ from dataclasses import dataclass
 import torch
 
 from .. import explain, qsa_paged_mqa_logits, qsa_select_paged_tokens, reference_paged_mqa_logits, selected_kernel
-from .cli_args import positive_int
+from .cli_args import cache_format, positive_int
 from ..kernels.platform import interpreting
-from ..ops.selection import torch_block_topk, torch_expand_block_indices
-from .bench import floor_bytes, time_graph
-from .workloads import CACHES, make_batch
+from ..kernels.quant.formats import CACHE_FORMATS
+from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
+from .inputs import floor_bytes
+from .timing import time_graph
+from .work_points import COMPRESS_RATIO as RATIO, HEAD_DIM, HEADS, TOKEN_TOPK
+from .workloads import make_batch
 
 #: Relative tolerance of the check: max abs error <= RTOL * max(1, max |reference|) over the visible region.
 RTOL = 1e-3
-HEADS, HEAD_DIM, RATIO, PAGE_SIZE, DTYPE = 4, 128, 4, 64, torch.bfloat16
-TOKEN_TOPK = 2048  # the model's token budget: 512 groups
+PAGE_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -113,12 +115,13 @@ def _cuda_median_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def run_phase(phase: Phase, device: torch.device, iters: int, seed: int, cache: str = "16bit") -> bool:
+def run_phase(phase: Phase, device: torch.device, iters: int, seed: int, cache: str = "bf16") -> bool:
+    """Score, check and time ``phase`` on a ``cache`` index cache (a format name; q has the format's query
+    dtype)."""
     print(f"\n=== {phase.label()} ===")
     gen = torch.Generator().manual_seed(seed)
     batch = make_batch(phase.context_lens, phase.rows_per_request, heads=HEADS, head_dim=HEAD_DIM,
-                       page_size=PAGE_SIZE, compress_ratio=RATIO, dtype=DTYPE, cache=cache, device=device,
-                       generator=gen)
+                       page_size=PAGE_SIZE, compress_ratio=RATIO, cache=cache, device=device, generator=gen)
     args, hints = batch.args(), {"max_query_len": batch.max_query_len, **batch.kwargs()}
     print(explain(*args, **hints))
 
@@ -196,17 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--iters", type=positive_int, default=50, help="timed calls per phase on a GPU (default 50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches (default 0)")
-    parser.add_argument("--cache", choices=CACHES, default="16bit",
-                        help="index-cache format: 16bit (bf16, default), fp8, fp8_fnuz or fp4 (MXFP4); quantised "
-                             "caches are written from the same keys with qsa_write_index_cache")
+    parser.add_argument("--cache", type=cache_format, default="bf16", metavar="FORMAT",
+                        help=f"index-cache format: {', '.join(CACHE_FORMATS)} (default bf16; fp4 is MXFP4); "
+                             "quantised caches are written from the same keys with qsa_write_index_cache")
     opts = parser.parse_args(argv)
 
     use_gpu = torch.cuda.is_available() and not interpreting()
     device = torch.device("cuda") if use_gpu else torch.device("cpu")
     print(f"qsa_aiter demo on {describe_mode(device)}")
-    cache = "bf16" if opts.cache == "16bit" else opts.cache
-    print(f"bf16 queries, {cache} index cache, {HEADS} index heads, head_dim {HEAD_DIM}, compress ratio {RATIO}, "
-          f"page size {PAGE_SIZE} groups")
+    cache = opts.cache or "bf16"  # the former 16bit (None): a cache of the queries' dtype, bf16
+    queries = str(CACHE_FORMATS[cache].query_dtype).removeprefix("torch.")
+    print(f"{queries} queries, {cache} index cache, {HEADS} index heads, head_dim {HEAD_DIM}, compress ratio "
+          f"{RATIO}, page size {PAGE_SIZE} groups")
     if torch.cuda.is_available() and interpreting():
         print("note: TRITON_INTERPRET=1 is set, so the demo runs on the CPU although a GPU is present")
     if interpreting():
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"Triton {triton.__version__}); if the kernels fail below, pip install 'numpy<2.4'")
 
     phases = gpu_phases() if use_gpu else cpu_phases()
-    results = [run_phase(phase, device, opts.iters, opts.seed + i, opts.cache)
+    results = [run_phase(phase, device, opts.iters, opts.seed + i, cache)
                for i, phase in enumerate(phases)]
     failed = [p.name for p, ok in zip(phases, results) if not ok]
     print("\n" + (f"FAILED: {', '.join(failed)}" if failed else f"all {len(phases)} checks passed"))

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from ..runtime import dispatch
+from ..runtime import registries
 from ..kernels.cache.reference import write_reference
 from .cli_args import positive_int
 from ..runtime.jit.triton_compat import install_uniform_interpreter_dots
@@ -40,7 +40,8 @@ from ..kernels.platform import interpreting
 from ..kernels.scoring import SPECS as SCORING_SPECS
 from ..ops.scoring import describe_call, qsa_paged_mqa_logits
 from ..kernels.scoring.reference import reference_paged_mqa_logits
-from ..ops.selection import qsa_block_topk, qsa_expand_block_indices, torch_block_topk, torch_expand_block_indices
+from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
+from ..ops.selection import qsa_block_topk, qsa_expand_block_indices
 from ..kernels.selection.reference import reference_block_topk, reference_expand_block_indices
 from .testing import assert_matches_reference, magnitude_bound, mma_atol, poisoned_logits
 from .workloads import make_batch
@@ -52,7 +53,8 @@ PAGE_SIZES = (1, 3, 5, 16, 33, 64, 100)
 #: Paths whose row scored alone must equal the row in the batch bitwise: every one (under the interpreter too, where
 #: ``run`` makes every ``tl.dot`` sum in one fixed order, as an MMA does).
 ALONE_CHECKED = tuple(spec.name for spec in SCORING_SPECS) + ("torch",)
-CACHE_KINDS = ("bf16", "bf16", "fp16", "fp8", "fp8_fnuz", "fp4")
+#: The index-cache formats a case draws from (docs/cache_formats.md): bf16, the engines' usual one, twice as often.
+CACHE_FORMATS_DRAWN = ("bf16", "bf16", "fp16", "fp8", "fp8_fnuz", "fp4")
 
 
 class Draw:
@@ -101,10 +103,10 @@ def scoring_case(seed: int, device: torch.device) -> ScoringCase:
     ratio = draw.pick((4, 4, 4, 1, 2, 8))
     page_size = draw.pick(PAGE_SIZES)
     heads = draw.pick((4, 4, 8, 1, 2, 3))
-    kind = draw.pick(CACHE_KINDS)
-    head_dim = draw.pick((32, 64) if kind == "fp4" else (16, 32, 64, 48))
-    q_dtype = torch.float16 if kind == "fp16" else (torch.bfloat16 if kind == "bf16" else
-                                                   draw.pick((torch.bfloat16, torch.float16)))
+    cache_format = draw.pick(CACHE_FORMATS_DRAWN)
+    head_dim = draw.pick((32, 64) if cache_format == "fp4" else (16, 32, 64, 48))
+    q_dtype = torch.float16 if cache_format == "fp16" else (torch.bfloat16 if cache_format == "bf16" else
+                                                           draw.pick((torch.bfloat16, torch.float16)))
     requests = draw.int(1, 4)
     # Contexts of 0-3000 tokens, most of them short: the interpreter's time grows with the columns scored.
     contexts = [draw.int(0, draw.pick((64, 600, 600, 3000))) for _ in range(requests)]
@@ -112,8 +114,8 @@ def scoring_case(seed: int, device: torch.device) -> ScoringCase:
     width = max(max(1, -(-(c // ratio) // page_size)) for c in contexts) + draw.int(0, 3)
     padded = max(draw.int(0, 2), int(sum(rows) == 0))
     batch = make_batch(contexts, rows, heads=heads, head_dim=head_dim, page_size=page_size, compress_ratio=ratio,
-                       dtype=q_dtype, cache="16bit" if kind in ("bf16", "fp16") else kind,
-                       spare_pages=draw.int(1, 3), padded_rows=padded, table_width=width, generator=draw.gen)
+                       dtype=q_dtype, cache=cache_format, spare_pages=draw.int(1, 3), padded_rows=padded,
+                       table_width=width, generator=draw.gen)
     num_pages = batch.compressed_k_cache.shape[0]
 
     table_dtype, t2r_dtype, pos_dtype, ctx_dtype = (draw.index_dtype() for _ in range(4))
@@ -158,8 +160,8 @@ def scoring_case(seed: int, device: torch.device) -> ScoringCase:
         kwargs["max_query_len"] = max(rows + [1])
     args = (batch.q[order].contiguous().to(device), batch.compressed_k_cache.to(device), table.to(device),
             t2r[order].to(device), pos[order].to(device), ctx.to(device), ratio)
-    label = (f"seed {seed}: {kind} cache, q {str(q_dtype).removeprefix('torch.')}, page {page_size}, heads {heads}, "
-             f"head_dim {head_dim}, R {ratio}, contexts {ctx.tolist()}, rows {rows}, width {width}, "
+    label = (f"seed {seed}: {cache_format} cache, q {str(q_dtype).removeprefix('torch.')}, page {page_size}, "
+             f"heads {heads}, head_dim {head_dim}, R {ratio}, contexts {ctx.tolist()}, rows {rows}, width {width}, "
              f"{int((t2r < 0).sum())} padded, index dtypes "
              f"{[str(d).removeprefix('torch.') for d in (table_dtype, t2r_dtype, pos_dtype, ctx_dtype)]}, "
              f"{kwargs.get('phase')}, max_columns {kwargs.get('max_columns')}, {int(tied.sum())} tied slots")
@@ -218,7 +220,7 @@ def run_scoring(path: str, case: ScoringCase) -> str:
     try:
         problem = describe_call(*case.args, **case.kwargs)
         out = poisoned_logits(case.args, case.kwargs.get("max_columns"))
-        if path != "auto" and dispatch.reasons(path, problem):
+        if path != "auto" and registries.SCORING.reasons(path, problem):
             try:
                 qsa_paged_mqa_logits(*case.args, out=out, **case.kwargs)
             except ValueError:

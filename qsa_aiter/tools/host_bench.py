@@ -8,7 +8,7 @@ kernels queue behind each other; fewer than the launch queue holds, so no call w
 after each. Each (point, op) keeps its median over the rounds: interleaved, a stretch of slow host (its clocks, other
 tenants) lands on every op alike instead of on whichever was measured then. "first-call path" is the same with the
 plan cache emptied before every call: what a call with a new signature costs (validation, dispatch, Triton's
-launcher). The GPU time is the CUDA-graph replay median of the same call (``bench.time_graph``).
+launcher). The GPU time is the CUDA-graph replay median of the same call (``timing.time_graph``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import torch
 from ..runtime import replay
 from ..ops.cache import qsa_write_index_cache
 from ..ops.selection import qsa_block_topk, qsa_expand_block_indices
-from .bench import TOKEN_TOPK, points_named, selection_inputs, time_graph, work_points
+from .inputs import selection_inputs
+from .timing import time_graph
+from .work_points import TOKEN_TOPK, points_named, work_points
 
 #: The host-time targets (µs per call) at the verify and prefill work points.
 TARGET_US = {"qsa_paged_mqa_logits": 25.0, "qsa_select_paged_tokens": 40.0}
@@ -88,8 +90,9 @@ ROUNDS, CALLS = 15, 50
 FIRST_ROUNDS, FIRST_CALLS = 5, 20
 
 
-def main(points: str = "", replays: int = 30) -> int:
-    """``points``: a substring of the work points' names (default: ``DEFAULT_POINTS``)."""
+def eager_report(points: str = "", replays: int = 30) -> int:
+    """Print the host and GPU times of every public op at the work points whose names contain ``points`` (default:
+    ``DEFAULT_POINTS``); what ``bench --eager`` runs. Returns the exit code."""
     if not torch.cuda.is_available():
         print("the eager benchmark needs a CUDA GPU")
         return 2

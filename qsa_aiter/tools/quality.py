@@ -22,9 +22,10 @@ def realistic_keys(n: int, head_dim: int, generator: torch.Generator, outlier_ch
     return (torch.randn(n, head_dim, generator=generator) * channel_scale).to(torch.bfloat16)
 
 
-def selection_overlap(kind: str, *, rows: int = 16, groups: int = 8192, topk: int = 512, heads: int = 4,
+def selection_overlap(cache_format: str, *, rows: int = 16, groups: int = 8192, topk: int = 512, heads: int = 4,
                       head_dim: int = 128, page_size: int = 64, seed: int = 0, **alloc) -> torch.Tensor:
-    """Per-row top-``topk`` overlap (fraction in [0, 1]) of a ``kind`` cache against the bf16 cache of the same keys.
+    """Per-row top-``topk`` overlap (fraction in [0, 1]) of a ``cache_format`` cache (a format name,
+    docs/cache_formats.md) against the bf16 cache of the same keys.
 
     One request of ``groups`` compressed keys; ``rows`` query rows that all see every group. Runs on the CPU.
     """
@@ -38,13 +39,13 @@ def selection_overlap(kind: str, *, rows: int = 16, groups: int = 8192, topk: in
     pos = torch.full((rows,), groups * 4 - 1, dtype=torch.int32)
     ctx = torch.tensor([groups * 4], dtype=torch.int32)
 
-    def top(cache_kind: str) -> torch.Tensor:
-        cache, scale = allocate_index_cache(cache_kind, pages, page_size, head_dim, **alloc)
+    def top(name: str) -> torch.Tensor:
+        cache, scale = allocate_index_cache(name, pages, page_size, head_dim, **alloc)
         write_reference(keys, slots, cache, scale)  # the quantisation itself; the writer kernel is tested apart
         dequant = dequantize_cache(cache, scale).to(torch.float32)
         logits, _ = reference_paged_mqa_logits(q.float(), dequant, table, t2r, pos, ctx, 4, max_columns=groups)
         return logits.topk(topk, dim=1).indices
 
-    base, other = top("bf16"), top(kind)
+    base, other = top("bf16"), top(cache_format)
     hits = (base[:, :, None] == other[:, None, :]).any(dim=2).sum(dim=1)
     return hits.float() / topk

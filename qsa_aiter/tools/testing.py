@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..runtime import dispatch
+from ..runtime import dispatch, registries
 from ..kernels.platform import Platform
 from ..kernels.quant.formats import dequantize_cache
 from ..ops.scoring import describe_call
@@ -19,14 +19,14 @@ from ..kernels.scoring.reference import reference_paged_mqa_logits
 #: What an output is filled with before a kernel writes it: a column the kernel should have written stays NaN.
 POISON = float("nan")
 
-#: e4m3 tensor cores (``QSA_AITER_FP8_MMA``: the stacked scorer on an e4m3fn or MXFP4 cache with bf16 queries, on a
+#: e4m3 tensor cores (``QSA_AITER_E4M3_MMA``: the stacked scorer on an e4m3fn or MXFP4 cache with bf16 queries, on a
 #: GPU) round inside their sums. Their error is measured against ``magnitude_bound`` (the size of the terms summed):
 #: on the H200 it reached 3.2e-4 of it for e4m3fn caches (six batches, written and random-code caches), which sum
-#: 8 MMA K-steps (two q terms x 128 elements) in one accumulator; the tests allow FP8_MMA_TOL of it on top of the
+#: 8 MMA K-steps (two q terms x 128 elements) in one accumulator; the tests allow E4M3_MMA_TOL of it on top of the
 #: usual tolerance. MXFP4 sums only 2 K-steps (two q terms x one 32-element block) per accumulator and adds the
 #: blocks in fp32, so its rounding is a part of that and the same allowance holds for it
-#: (``benchmarks/fp8_mma_error.py --kv fp4`` measures it).
-FP8_MMA_TOL = 1e-3
+#: (``benchmarks/e4m3_mma_error.py --cache fp4`` measures it).
+E4M3_MMA_TOL = 1e-3
 
 
 def poisoned_logits(args: tuple, max_columns: int | None = None) -> torch.Tensor:
@@ -36,18 +36,18 @@ def poisoned_logits(args: tuple, max_columns: int | None = None) -> torch.Tensor
     return torch.full((q.shape[0], columns), POISON, dtype=torch.float32, device=q.device)
 
 
-def uses_fp8_mma(args: tuple, **kwargs) -> bool:
+def uses_e4m3_mma(args: tuple, **kwargs) -> bool:
     """Whether the call would score with e4m3 tensor cores on a GPU (not the interpreter's exact emulation): the
-    chosen kernel's launch plan has ``FP8_DOT`` on (an e4m3fn or MXFP4 cache with bf16 queries,
-    ``QSA_AITER_FP8_MMA=1``)."""
+    chosen kernel's launch plan has ``E4M3_MMA`` on (an e4m3fn or MXFP4 cache with bf16 queries,
+    ``QSA_AITER_E4M3_MMA=1``)."""
     if not args[0].is_cuda:
         return False
     problem = describe_call(*args, **kwargs)
-    chosen = dispatch.select(problem).chosen
-    spec = dispatch.CANDIDATES[chosen].spec if chosen else None
+    chosen = registries.SCORING.select(problem).chosen
+    spec = registries.SCORING.candidates[chosen].spec if chosen else None
     if spec is None:
         return False
-    return bool(dispatch.plan_for(spec, problem, Platform.of(args[0].device)).constexprs.get("FP8_DOT"))
+    return bool(dispatch.plan_for(spec, problem, Platform.of(args[0].device)).constexprs.get("E4M3_MMA"))
 
 
 def magnitude_args(args: tuple, k_scale=None) -> tuple:
@@ -63,17 +63,17 @@ def magnitude_bound(args: tuple, **kwargs) -> torch.Tensor:
     return reference_paged_mqa_logits(*magnitude_args(args, kwargs.get("k_scale")), **extra)[0]
 
 
-def e4m3_atol(args: tuple, atol: float, **kwargs) -> torch.Tensor:
-    """Per logit, ``atol`` plus ``FP8_MMA_TOL`` of the magnitude bound: the tolerance of scores from e4m3 tensor
+def e4m3_mma_atol(args: tuple, atol: float, **kwargs) -> torch.Tensor:
+    """Per logit, ``atol`` plus ``E4M3_MMA_TOL`` of the magnitude bound: the tolerance of scores from e4m3 tensor
     cores."""
-    return atol + FP8_MMA_TOL * magnitude_bound(args, **kwargs)
+    return atol + E4M3_MMA_TOL * magnitude_bound(args, **kwargs)
 
 
 def mma_atol(args: tuple, atol: float, **kwargs):
-    """``atol``, plus ``FP8_MMA_TOL`` of the magnitude bound where the call scores with e4m3 tensor cores."""
-    if not uses_fp8_mma(args, **kwargs):
+    """``atol``, plus ``E4M3_MMA_TOL`` of the magnitude bound where the call scores with e4m3 tensor cores."""
+    if not uses_e4m3_mma(args, **kwargs):
         return atol
-    return e4m3_atol(args, atol, **kwargs)
+    return e4m3_mma_atol(args, atol, **kwargs)
 
 
 def visible_mask(visible: torch.Tensor, num_columns: int) -> torch.Tensor:

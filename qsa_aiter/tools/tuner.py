@@ -2,7 +2,7 @@
 work points (docs/benchmarks.md) on the present GPU and writes the best one per point as a tuned-config row
 (``qsa_aiter.runtime.tuned``).
 
-A sweep is one (kernel, work point, kv dtype, page size): the kernels are those whose spec has a candidate grid
+A sweep is one (kernel, work point, cache format, page size): the kernels are those whose spec has a candidate grid
 (``KernelSpec.tune_grid``), at the work points their spec names (``tune_points``). Its candidates are the product of
 the grid (or ``--grid`` axes) plus the kernel's default config; the default is always timed, so every row records
 what tuning gained (``default_us`` beside ``us``). Two stages:
@@ -12,7 +12,7 @@ what tuning gained (``default_us`` beside ``us``). Two stages:
    logits of ``[0, visible)`` with the default config's (poisoned output first). A config that does not compile
    (shared memory, registers) or scores differently is reported and dropped.
 2. **Time**, in this process, one candidate after another (timings never share the GPU): the benchmark's rotated
-   input sets (past L2), CUDA-graph replay, the median of ``--replays`` (``qsa_aiter.tools.bench.time_launcher``).
+   input sets (past L2), CUDA-graph replay, the median of ``--replays`` (``qsa_aiter.tools.timing.time_launcher``).
 
 With ``--csv FILE`` the best config of each sweep replaces the row with the same key and buckets in FILE (other
 rows are kept), so re-tuning a point updates it in place. ``--results FILE`` writes every timing.
@@ -31,26 +31,32 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..kernels.catalog import spec_named, tunable_specs
-from .cli_args import positive_int
+from ..kernels.quant.formats import CACHE_FORMATS
+from .cli_args import RenamedOption, cache_formats, positive_int
+from .inputs import point_inputs
+from .testing import e4m3_mma_atol
+from .timing import time_launcher
+from .work_points import point_named
 
 #: The kernels tuned, by name: every spec with a candidate grid.
 KERNELS = tuple(spec.name for spec in tunable_specs())
-KV_DTYPES = ("bf16", "fp8", "fp4")
+#: The index-cache formats tuned by default: one of each kind the tuned tables key rows by (bf16, fp8, fp4).
+CACHES = ("bf16", "fp8", "fp4")
 
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
-    """One (kernel, work point, phase, kv dtype, page size) to tune."""
+    """One (kernel, work point, phase, cache format, page size) to tune."""
 
     kernel: str
     point: str
     phase: str
-    kv: str
+    cache: str
     page_size: int
 
     @property
     def name(self) -> str:
-        return f"{self.kernel} {self.point} ({self.phase}) {self.kv} page {self.page_size}"
+        return f"{self.kernel} {self.point} ({self.phase}) {self.cache} page {self.page_size}"
 
 
 @dataclasses.dataclass
@@ -75,12 +81,8 @@ def _launch(kernel: str, problem, args, cfg) -> None:
 
 
 def _point(sweep: Sweep):
-    from .bench import work_points
-
-    for point in work_points():
-        if point.name == sweep.point:
-            return dataclasses.replace(point, phase=sweep.phase)
-    raise ValueError(f"unknown work point {sweep.point!r}")
+    """The sweep's work point, in the sweep's phase."""
+    return dataclasses.replace(point_named(sweep.point), phase=sweep.phase)
 
 
 def candidates(kernel: str, default, grid: dict[str, tuple[int, ...]]) -> list:
@@ -98,15 +100,15 @@ def candidates(kernel: str, default, grid: dict[str, tuple[int, ...]]) -> list:
     return out
 
 
-def plan(kernels, kvs, pages, point_filter: str = "") -> list[Sweep]:
+def plan(kernels, caches, pages, point_filter: str = "") -> list[Sweep]:
     sweeps = []
     for kernel in kernels:
         for point, phase in spec_named(kernel).tune_points:
             if point_filter and not any(s in point for s in point_filter.split(",")):
                 continue
             for page in pages:
-                for kv in kvs:
-                    sweeps.append(Sweep(kernel, point, phase, kv, page))
+                for cache in caches:
+                    sweeps.append(Sweep(kernel, point, phase, cache, page))
     return sweeps
 
 
@@ -120,13 +122,11 @@ def _compile_share(task: tuple[Sweep, list]) -> tuple[int, list[tuple[Sweep, obj
     those that failed, with the error."""
     import torch
 
-    from .bench import point_inputs
-
     sweep, default, configs = task
     if sweep not in _WORKER_INPUTS:
         _WORKER_INPUTS.clear()
         torch.cuda.empty_cache()
-        inputs = point_inputs(_point(sweep), sweep.page_size, torch.device("cuda"), sweep.kv, max_sets=1)
+        inputs = point_inputs(_point(sweep), sweep.page_size, torch.device("cuda"), sweep.cache, max_sets=1)
         _WORKER_INPUTS[sweep] = inputs, _scores(sweep.kernel, inputs, default)
     inputs, expected = _WORKER_INPUTS[sweep]
     failed = []
@@ -143,26 +143,24 @@ def _compile_share(task: tuple[Sweep, list]) -> tuple[int, list[tuple[Sweep, obj
     return len(configs), failed
 
 
-def _uses_fp8_mma(kernel: str, problem, device, cfg) -> bool:
+def _uses_e4m3_mma(kernel: str, problem, device, cfg) -> bool:
     from ..kernels.platform import Platform
 
-    return bool(spec_named(kernel).plan(problem, Platform.of(device), config=cfg).constexprs.get("FP8_DOT"))
+    return bool(spec_named(kernel).plan(problem, Platform.of(device), config=cfg).constexprs.get("E4M3_MMA"))
 
 
 def _atol(sweep: Sweep, inputs, default, cfg):
-    """The absolute tolerance of ``cfg``'s logits against the default config's: 1e-4, plus ``FP8_MMA_TOL`` of the
+    """The absolute tolerance of ``cfg``'s logits against the default config's: 1e-4, plus ``E4M3_MMA_TOL`` of the
     magnitude bound (``testing.magnitude_bound``, per logit) where either scores with e4m3 tensor cores, which
     round inside their sums (a config may feed them where the default decodes)."""
     import torch
 
-    from .testing import e4m3_atol
-
     problem, args = inputs.problems[0], inputs.launches[0]
-    if not any(_uses_fp8_mma(sweep.kernel, problem, args.q.device, c) for c in (default, cfg)):
+    if not any(_uses_e4m3_mma(sweep.kernel, problem, args.q.device, c) for c in (default, cfg)):
         return 1e-4
     key = ("e4m3 atol", sweep)
     if key not in _WORKER_INPUTS:
-        atol = e4m3_atol(
+        atol = e4m3_mma_atol(
             (args.q, args.k_cache, args.page_table, args.token_to_request, args.query_positions, args.context_lens,
              args.compress_ratio), 1e-4, score_divisor=1.0 / args.scale, max_columns=args.num_columns,
             k_scale=args.k_scale)
@@ -226,9 +224,7 @@ def compile_all(work: dict[Sweep, list], jobs: int, progress: bool) -> dict[tupl
 def time_sweep(sweep: Sweep, configs: list, failed: dict, replays: int, device, progress: bool) -> SweepResult:
     import torch
 
-    from .bench import point_inputs, time_launcher
-
-    inputs = point_inputs(_point(sweep), sweep.page_size, device, sweep.kv)
+    inputs = point_inputs(_point(sweep), sweep.page_size, device, sweep.cache)
     default = configs[0]
     timings, errors = [], [(cfg, failed[(sweep, cfg)]) for cfg in configs if (sweep, cfg) in failed]
     for cfg in tqdm(configs, desc=sweep.name, leave=False, disable=not progress):
@@ -308,7 +304,10 @@ def _parse_grid(items: list[str]) -> dict[str, tuple[int, ...]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qsa_aiter tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", default=",".join(KERNELS), help="kernels to tune, comma-separated")
-    parser.add_argument("--kv", default=",".join(KV_DTYPES), help="index-cache formats: bf16, fp8, fp4")
+    parser.add_argument("--caches", type=cache_formats, default=CACHES,
+                        help=f"index-cache formats, comma-separated, among {', '.join(CACHE_FORMATS)} "
+                             f"(default {','.join(CACHES)})")
+    parser.add_argument("--kv", dest="caches", type=cache_formats, action=RenamedOption, renamed_to="--caches")
     parser.add_argument("--pages", default="64,16", help="page sizes, comma-separated")
     parser.add_argument("--points", default="", help="substrings of work-point names (default: the kernel's plan)")
     parser.add_argument("--grid", nargs="*", default=None, metavar="FIELD=V1,V2",
@@ -324,10 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in kernels:
         if name not in KERNELS:
             parser.error(f"--kernels: {name!r} is not one of {', '.join(KERNELS)}")
-    kvs = args.kv.split(",")
-    for kv in kvs:
-        if kv not in KV_DTYPES:
-            parser.error(f"--kv: {kv!r} is not one of {', '.join(KV_DTYPES)}")
     if args.grid is not None and len(kernels) != 1:
         parser.error("--grid applies to one kernel: give --kernels with one name")
 
@@ -340,8 +335,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(err))
     import torch
 
-    from .bench import point_inputs
-
     if not torch.cuda.is_available():
         print("the tuner needs a GPU")
         return 2
@@ -350,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
     platform = Platform.of(device)
     arch = platform.arch
-    sweeps = plan(kernels, kvs, [int(p) for p in args.pages.split(",")], args.points)
+    sweeps = plan(kernels, args.caches, [int(p) for p in args.pages.split(",")], args.points)
     print(f"{torch.cuda.get_device_name()} ({arch}): {len(sweeps)} sweeps")
     results = []
     log = open(args.results, "w", newline="") if args.results else None
@@ -362,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         for kernel in kernels:
             work = {}
             for sweep in (s for s in sweeps if s.kernel == kernel):
-                inputs = point_inputs(_point(sweep), sweep.page_size, device, sweep.kv, max_sets=1)
+                inputs = point_inputs(_point(sweep), sweep.page_size, device, sweep.cache, max_sets=1)
                 default = spec_named(kernel).default_config(inputs.problems[0], platform)
                 del inputs
                 work[sweep] = candidates(kernel, default, grid or spec_named(kernel).tune_grid)

@@ -1,7 +1,7 @@
 """Warm-up: compile every kernel variant the model's serving path launches into the JIT cache.
 
-``python -m qsa_aiter warmup`` (or ``warmup()``) builds the variant matrix: the model's shapes (``MODEL``) x every
-kernel of ``catalog.SPECS`` x index-cache dtypes x page sizes x index-tensor dtypes. Each kernel's spec names its
+``python -m qsa_aiter warmup`` (or ``warmup()``) builds the variant matrix: the model's shapes (``work_points``) x
+every kernel of ``catalog.SPECS`` x index-cache formats x page sizes x index-tensor dtypes. Each kernel's spec names its
 problems (``KernelSpec.warm_problems``: for the scorers, each phase's work points and the buckets of their tuned
 rows), and each variant is that problem's ``LaunchPlan`` as a launch makes it (``registry.plan_for``; tuned rows
 apply to the kernels the tuner measures) on the spec's small example inputs (row strides that are multiples of 16;
@@ -26,43 +26,27 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels import catalog
-from ..runtime import dispatch
+from ..kernels.quant.formats import CACHE_FORMATS, canonical_format
+from ..runtime import dispatch, registries
 from ..kernels.platform import Platform, interpreting
 from ..kernels.scoring.problem import PHASES
 from ..kernels.scoring.base import ScorerSpec, example_problem, work_problem
 from ..kernels.selection.problem import SelectionProblem
 from ..runtime.settings import QsaSettings, get_settings
 from ..runtime import tuned
-from .aot import TARGETS
+from .aot import TARGETS, writer_kind
 from .build import Specialisation, build_for_target, specialise
 from ..runtime.jit.paths import jit_root
 from ..runtime.jit.launching import store_for
 from ..runtime.jit.store import Store, VariantBusy
 from ..runtime.jit.triton_compat import driver
+from .work_points import COMPRESS_RATIO, HEAD_DIM, HEADS, TOKEN_TOPK, rows_per_request, warm_points
 
-#: The model's shapes (SPEC section 1): 4 index heads, head_dim 128, R 4, token top-k 2048.
-MODEL = dict(heads=4, head_dim=128, compress_ratio=4, token_topk=2048)
-#: Index-cache dtypes: name -> (q dtype, cache dtype, registry kv axis, writer kind). q is bf16 except with an
-#: fp16 cache (a 16-bit cache has q's dtype).
-CACHES = {
-    "bf16": (torch.bfloat16, torch.bfloat16, "bf16", "bf16"),
-    "fp16": (torch.float16, torch.float16, "bf16", "bf16"),
-    "fp8_e4m3fn": (torch.bfloat16, torch.float8_e4m3fn, "fp8", "fp8_e4m3fn"),
-    "fp8_e4m3fnuz": (torch.bfloat16, torch.float8_e4m3fnuz, "fp8", "fp8_e4m3fnuz"),
-    "fp4": (torch.bfloat16, torch.float4_e2m1fn_x2, "fp4", "fp4"),
-}
+#: Index-cache formats (docs/cache_formats.md): each scorer and the writer are built for each. q is bf16 except with
+#: an fp16 cache (a 16-bit cache has q's dtype: ``CacheFormat.query_dtype``).
+CACHES = tuple(CACHE_FORMATS)
 KERNELS = tuple(catalog.BY_NAME)
 INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
-#: Work points (SPEC section 7) per phase: (requests, rows per request, context tokens). Each scorer's plan is
-#: made for each, as at launch; tuned rows' own buckets are added.
-WORK_POINTS = {
-    "verify": ((9, 4, 128 << 10), (16, 4, 32 << 10), (64, 4, 32 << 10), (64, 4, 98 << 10), (4, 4, 262 << 10)),
-    "draft": ((64, 1, 32 << 10), (16, 1, 98 << 10), (1, 1, 262 << 10), (128, 1, 200 << 10)),
-    "decode": ((64, 1, 32 << 10), (16, 1, 98 << 10), (1, 1, 262 << 10), (128, 1, 200 << 10)),
-    "prefill": ((1, 16 << 10, 96 << 10), (1, 32 << 10, 32 << 10)),
-}
-#: Rows per request of a phase, for a tuned row's bucket.
-_ROWS_PER_REQUEST = {"verify": 4, "draft": 1, "decode": 1, "prefill": None}
 #: Triton specialises an integer argument by value (1, a multiple of 16, or neither): the selection kernels take the
 #: request count, so one count of each kind.
 REQUEST_COUNTS = (1, 9, 16)
@@ -79,12 +63,21 @@ class Matrix:
     """The axes of a warm-up; the defaults are everything the model's serving path launches."""
 
     kernels: tuple[str, ...] = KERNELS
-    caches: tuple[str, ...] = tuple(CACHES)
-    page_sizes: tuple[int, ...] = dispatch.BLOCK_SIZES
+    caches: tuple[str, ...] = CACHES
+    page_sizes: tuple[int, ...] = registries.BLOCK_SIZES
     index_dtypes: tuple[str, ...] = tuple(INDEX_DTYPES)  # engines pass either (int64 slot mappings, positions)
 
     def __post_init__(self):
-        for name, allowed in (("kernels", KERNELS), ("caches", tuple(CACHES)), ("index_dtypes", tuple(INDEX_DTYPES))):
+        if isinstance(self.caches, tuple):  # former spellings of the formats, with a DeprecationWarning each
+            names = []
+            try:
+                for spelling in self.caches:
+                    names.append(canonical_format(spelling, stacklevel=3))  # names the line that made the Matrix
+            except (ValueError, TypeError):
+                pass  # an unknown format: named below
+            else:
+                object.__setattr__(self, "caches", tuple(names))
+        for name, allowed in (("kernels", KERNELS), ("caches", CACHES), ("index_dtypes", tuple(INDEX_DTYPES))):
             values = getattr(self, name)
             if not isinstance(values, tuple) or not values or any(v not in allowed for v in values):
                 raise ValueError(f"{name} must be a non-empty tuple of {', '.join(allowed)}; got {values!r}")
@@ -132,27 +125,29 @@ class WarmContext:
     matrix: Matrix
     platform: Platform
     settings: QsaSettings
-    head_dim: int = MODEL["head_dim"]
+    head_dim: int = HEAD_DIM
     request_counts: tuple[int, ...] = REQUEST_COUNTS
 
     def scorer_problems(self, spec: ScorerSpec):
-        """SPEC's work points of every phase whose registry order lists ``spec``, plus the bucket of every tuned
-        row for it on this arch, for every cache and page size; those the registry would not run it for are
-        left out."""
-        candidate = dispatch.CANDIDATES[spec.name]
+        """The warmed work points (``work_points.warm_points``) of every phase whose registry order lists ``spec``,
+        plus the bucket of every tuned row for it on this arch, for every cache and page size; those the registry
+        would not run it for are left out."""
+        candidate = registries.SCORING.candidates[spec.name]
         table = tuned.load_tables(tuple(self.settings.tuned_config))
         for cache_name in self.matrix.caches:
-            q_dtype, cache_dtype, kv, _ = CACHES[cache_name]
+            fmt = CACHE_FORMATS[cache_name]
+            kv = fmt.kind
             for page in self.matrix.page_sizes:
-                base = example_problem(q_dtype=q_dtype, kv_dtype=kv, cache_dtype=cache_dtype, block_size=page,
-                                       num_heads=MODEL["heads"], head_dim=MODEL["head_dim"],
-                                       compress_ratio=MODEL["compress_ratio"], fp8_mma=self.settings.fp8_mma)
+                base = example_problem(q_dtype=fmt.query_dtype, kv_dtype=kv, cache_dtype=fmt.dtype, block_size=page,
+                                       num_heads=HEADS, head_dim=HEAD_DIM, compress_ratio=COMPRESS_RATIO,
+                                       e4m3_mma=self.settings.e4m3_mma)
                 phases = [p for p in PHASES
-                          if spec.name in dispatch.TABLE.get((kv, page, p), dispatch.FALLBACK_ORDER)]
-                points = [(phase, point) for phase in phases for point in WORK_POINTS[phase]]
-                for row in table.get((self.platform.arch, spec.name, kv, page, MODEL["heads"], MODEL["head_dim"]), []):
+                          if spec.name in registries.SCORING_TABLE.get((kv, page, p), registries.SCORING_FALLBACK_ORDER)]
+                points = [(phase, (point.requests, point.rows_per_request, point.longest_context))
+                          for phase in phases for point in warm_points(phase)]
+                for row in table.get((self.platform.arch, spec.name, kv, page, HEADS, HEAD_DIM), []):
                     for phase in phases:
-                        per_request = _ROWS_PER_REQUEST[phase] or row.rows
+                        per_request = rows_per_request(phase) or row.rows
                         points.append((phase, (max(1, row.rows // per_request), per_request, row.context)))
                 for phase, (requests, rows, context) in points:
                     work = work_problem(base, requests, rows, context, phase)
@@ -163,16 +158,15 @@ class WarmContext:
                           rows: int | None = None) -> SelectionProblem:
         """The model's selection budget on ``rows`` (default: ``requests``, one each) rows of ``_LOGITS_WIDTH``
         logits (``_LONG_LOGITS_WIDTH`` ``with_maxima``: the long rows that take the column-block maxima)."""
-        ratio, token_topk = MODEL["compress_ratio"], MODEL["token_topk"]
+        ratio, token_topk = COMPRESS_RATIO, TOKEN_TOPK
         width = _LONG_LOGITS_WIDTH if with_maxima else _LOGITS_WIDTH
         return SelectionProblem(requests if rows is None else rows, width, token_topk // ratio, ratio, token_topk,
                                 fused, requests, with_maxima)
 
     def writer_kinds(self):
-        """``(cache name, keys dtype, writer kind)`` of the matrix's caches."""
+        """``(cache format, keys dtype, writer kind)`` of the matrix's caches: keys have the queries' dtype."""
         for cache_name in self.matrix.caches:
-            q_dtype, _, _, kind = CACHES[cache_name]
-            yield cache_name, q_dtype, kind
+            yield cache_name, CACHE_FORMATS[cache_name].query_dtype, writer_kind(cache_name)
 
 
 def launches(matrix: Matrix, arch: str, device: torch.device, settings: QsaSettings | None = None) -> list[Launch]:

@@ -11,10 +11,7 @@ import torch
 
 from ..ops.cache import qsa_write_index_cache
 from ..kernels.cache.reference import write_reference
-from ..kernels.quant.formats import allocate_index_cache
-
-#: Index-cache formats ``make_batch`` can build.
-CACHES = ("16bit", "fp8", "fp8_fnuz", "fp4")
+from ..kernels.quant.formats import CACHE_FORMATS, allocate_index_cache, canonical_format
 
 
 @dataclass
@@ -31,6 +28,7 @@ class ScoringBatch:
     max_query_len: int
     visible_groups_total: int  # sum over requests of the groups the longest row of the request sees
     k_scale: torch.Tensor | None = None  # the cache's scales (fp8, fp4); None for 16-bit caches
+    cache_format: str = "bf16"  # the index cache's format (``CACHE_FORMATS``)
 
     def args(self) -> tuple:
         return (self.q, self.compressed_k_cache, self.page_table, self.token_to_request, self.query_positions,
@@ -49,8 +47,8 @@ def make_batch(
     head_dim: int = 128,
     page_size: int = 64,
     compress_ratio: int = 4,
-    dtype: torch.dtype = torch.bfloat16,
-    cache: str = "16bit",
+    dtype: torch.dtype | None = None,
+    cache: str | None = None,
     device: str | torch.device = "cpu",
     spare_pages: int = 3,
     padded_rows: int = 0,
@@ -61,13 +59,13 @@ def make_batch(
 
     Pages are allocated in a random order (so page ids are not contiguous per request); ``spare_pages`` unused pages
     are added; ``padded_rows`` rows with request ``-1`` are appended; ``table_width`` widens the page table
-    (entries past a request's pages are ``-1``). ``cache`` picks the index-cache format: ``16bit`` (``dtype``, like
-    q), ``fp8`` (e4m3fn), ``fp8_fnuz`` (e4m3fnuz) or ``fp4`` (MXFP4); quantised caches hold the quantised keys
-    (written with ``qsa_write_index_cache`` on a GPU, its torch reference elsewhere: the same bytes) and come with
-    their ``k_scale``.
+    (entries past a request's pages are ``-1``). ``cache`` names the index-cache format (docs/cache_formats.md):
+    ``bf16``, ``fp16``, ``fp8`` (e4m3fn), ``fp8_fnuz`` (e4m3fnuz) or ``fp4`` (MXFP4); by default a 16-bit cache of
+    q's dtype. ``dtype`` is q's: by default the 16-bit cache's dtype, else bf16; a 16-bit cache must have q's dtype.
+    Quantised caches hold the quantised keys (written with ``qsa_write_index_cache`` on a GPU, its torch reference
+    elsewhere: the same bytes) and come with their ``k_scale``.
     """
-    if cache not in CACHES:
-        raise ValueError(f"cache must be one of {', '.join(CACHES)}; got {cache!r}")
+    cache_format, dtype = cache_format_and_query_dtype(cache, dtype)
     gen = generator
     n_req = len(context_lens)
     rows = [rows_per_request] * n_req if isinstance(rows_per_request, int) else list(rows_per_request)
@@ -88,11 +86,8 @@ def make_batch(
     dev_gen = torch.Generator(device=device).manual_seed(seed)
     keys = torch.randn(total_pages, page_size, 1, head_dim, generator=dev_gen, device=device).to(dtype)
     k_cache, k_scale = keys, None
-    if cache != "16bit":
-        kind = "fp4" if cache == "fp4" else "fp8"
-        fp8_dtype = torch.float8_e4m3fnuz if cache == "fp8_fnuz" else torch.float8_e4m3fn
-        k_cache, k_scale = allocate_index_cache(kind, total_pages, page_size, head_dim, device=device,
-                                                fp8_dtype=fp8_dtype)
+    if CACHE_FORMATS[cache_format].kind != "bf16":
+        k_cache, k_scale = allocate_index_cache(cache_format, total_pages, page_size, head_dim, device=device)
         flat = keys.reshape(-1, head_dim)
         slots = torch.arange(flat.shape[0], dtype=torch.int64, device=device)
         if k_cache.device.type == "cuda":
@@ -120,4 +115,18 @@ def make_batch(
         max_query_len=max(rows) if rows else 1,
         visible_groups_total=sum(groups),
         k_scale=k_scale,
+        cache_format=cache_format,
     )
+
+
+def cache_format_and_query_dtype(cache: str | None, dtype: torch.dtype | None) -> tuple[str, torch.dtype]:
+    """``(cache format name, q dtype)`` of ``make_batch``'s ``cache`` and ``dtype`` (see there); a former spelling
+    of the format is accepted with a ``DeprecationWarning`` (``16bit``: the 16-bit format of ``dtype``), and a
+    16-bit format that is not ``dtype`` raises ``ValueError``."""
+    if cache is None:
+        cache = "fp16" if dtype == torch.float16 else "bf16"
+    fmt = CACHE_FORMATS[canonical_format(cache, q_dtype=dtype or torch.bfloat16, stacklevel=3)]
+    if dtype is not None and fmt.kind == "bf16" and dtype != fmt.dtype:
+        raise ValueError(f"dtype {dtype} with cache {fmt.name!r}: a 16-bit cache has q's dtype (give cache=None or "
+                         f"the format of {dtype})")
+    return fmt.name, dtype or fmt.query_dtype

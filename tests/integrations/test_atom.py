@@ -8,6 +8,7 @@ the op's own logits (as in test_selection.py).
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 import qsa_aiter
 from qsa_aiter.integrations import atom
 from qsa_aiter.kernels.selection.reference import reference_block_topk, reference_expand_block_indices
-from qsa_aiter.tools.bench import capture_graph
+from qsa_aiter.tools.timing import capture_graph
 from qsa_aiter.tools.workloads import make_batch
 
 from helpers import assert_matches_reference, write_new_lengths
@@ -139,6 +140,41 @@ def test_the_drop_ins_keep_the_engines_parameters_and_defaults():
 
     with pytest.raises(TypeError, match="`output_width` defaults to 16"):
         atom.check_signature("qsa_expand_block_indices", other_default)
+
+
+def test_the_drop_ins_signatures_derive_from_the_public_ops():
+    """The engine's positional parameters are the public op's (the expansion's ``output_width`` after them); the
+    keyword-only extras are the public op's but ``out``."""
+    for name in atom.OPS:
+        public = inspect.signature(getattr(qsa_aiter, name)).parameters.values()
+        ours = inspect.signature(getattr(atom, name)).parameters.values()
+        positional = [p for p in public if p.kind == p.POSITIONAL_OR_KEYWORD]
+        extras = [p for p in public if p.kind == p.KEYWORD_ONLY and p.name != "out"]
+        engine_only = ["output_width"] if name == "qsa_expand_block_indices" else []
+        assert [p.name for p in ours] == [p.name for p in positional] + engine_only + [p.name for p in extras]
+        assert [p for p in ours if p.name not in engine_only] == positional + extras
+
+
+def test_the_drop_ins_reject_what_their_signatures_do_not_take(installed, rng):
+    module, _ = installed
+    args = batch_of(rng).args()
+    with pytest.raises(TypeError, match="`out`|'out'"):
+        module.qsa_paged_mqa_logits(*args[:6], R, out=torch.empty(0))  # the engine's scoring op has no `out`
+    with pytest.raises(TypeError, match="'backend'"):
+        module.qsa_select_paged_tokens(*args[:6], 64, R, backend="auto")
+    with pytest.raises(TypeError, match="multiple values for argument 'output_width'"):
+        module.qsa_expand_block_indices(args[3][:, None], *args[4:6], args[3], R, 64, None, 67, output_width=67)
+
+
+def test_engine_selection_compiles_with_fullgraph(installed, rng):
+    """The engine compiles its model: dynamo traces the drop-in (argument binding included) without a graph break,
+    recording the custom op."""
+    _, consumer = installed
+    args = batch_of(rng).args()[:6]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: consumer.qsa_select_paged_tokens(*a, 64, R, max_seq_len=1024, phase="verify"),
+                             fullgraph=True, backend="eager")
+    assert torch.equal(compiled(*args), consumer.qsa_select_paged_tokens(*args, 64, R, max_seq_len=1024))
 
 
 # ---------------------------------------------------------------------------------------------------------------

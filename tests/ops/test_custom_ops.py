@@ -7,14 +7,16 @@ On the CPU the op bodies run the Triton kernels under the interpreter (``TRITON_
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import qsa_aiter
-from qsa_aiter.ops import custom_ops
+from qsa_aiter.ops import custom_ops, traced
 from qsa_aiter.kernels.quant.formats import allocate_index_cache
-from qsa_aiter.tools.bench import capture_graph
+from qsa_aiter.tools.timing import capture_graph
 from qsa_aiter.tools.workloads import make_batch
 
 from helpers import assert_matches_reference, visible_mask, write_new_lengths
@@ -55,6 +57,77 @@ def test_schema_declares_exactly_the_written_arguments(name):
     written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert written == MUTATIONS[name], schema(name)
     assert not any(r.alias_info for r in op._schema.returns), "no op returns one of its inputs"
+
+
+_SCORING_ARGS = ("Tensor q, Tensor compressed_k_cache, Tensor page_table, Tensor token_to_request, "
+                 "Tensor query_positions, Tensor context_lens")
+_HINTS = "Tensor? k_scale, str? phase, SymInt? max_query_len"
+_EXPAND_ARGS = ("Tensor block_indices, Tensor query_positions, Tensor context_lens, Tensor token_to_request, "
+                "SymInt compress_ratio, SymInt token_topk")
+#: The registered schemas, generated from the public signatures (the contract with compiled graphs and engines).
+SCHEMAS = {
+    "paged_mqa_logits": f"({_SCORING_ARGS}, SymInt compress_ratio, float? score_divisor, SymInt? max_columns, "
+                        f"Tensor(a9!)? row_starts, {_HINTS}) -> (Tensor, Tensor)",
+    "paged_mqa_logits_out": f"({_SCORING_ARGS}, SymInt compress_ratio, float? score_divisor, SymInt? max_columns, "
+                            f"Tensor(a9!)? row_starts, {_HINTS}, Tensor(a13!) out) -> Tensor",
+    "block_topk": "(Tensor logits, Tensor visible, SymInt block_topk) -> Tensor",
+    "block_topk_out": "(Tensor logits, Tensor visible, SymInt block_topk, Tensor(a3!) out) -> ()",
+    "expand_block_indices": f"({_EXPAND_ARGS}) -> Tensor",
+    "expand_block_indices_out": f"({_EXPAND_ARGS}, Tensor(a6!) out) -> ()",
+    "select_paged_tokens": f"({_SCORING_ARGS}, SymInt token_topk, SymInt compress_ratio, "
+                           f"SymInt logits_workspace_bytes, SymInt? max_seq_len, {_HINTS}) -> Tensor",
+    "select_paged_tokens_out": f"({_SCORING_ARGS}, SymInt token_topk, SymInt compress_ratio, "
+                               f"SymInt logits_workspace_bytes, SymInt? max_seq_len, {_HINTS}, Tensor(a13!) out) -> ()",
+    "write_index_cache": "(Tensor keys, Tensor slot_mapping, Tensor(a2!) cache, Tensor(a3!)? k_scale) -> ()",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_schemas_are_the_documented_ones(name):
+    """Generated from the public signatures, equal to the hand-written ones they replaced, and listed (wrapped) in
+    ``custom_ops``' docstring."""
+    assert sorted(SCHEMAS) == sorted(MUTATIONS)
+    assert schema(name) == f"qsa_aiter::{name}{SCHEMAS[name]}"
+    assert schema(name) in " ".join(custom_ops.__doc__.split()), "the module docstring lists every schema"
+
+
+@pytest.mark.parametrize("declaration", custom_ops.DECLARATIONS, ids=lambda d: d.name)
+def test_ops_take_the_public_parameters_in_order(declaration):
+    """The op: the public parameters but ``out``, positional; the ``_out`` variant: the same, then ``out``."""
+    public = [name for name in inspect.signature(declaration.public).parameters if name != "out"]
+    names = [a.name for a in getattr(torch.ops.qsa_aiter, declaration.name).default._schema.arguments]
+    assert names == public
+    if "out" in inspect.signature(declaration.public).parameters:
+        variant = getattr(torch.ops.qsa_aiter, f"{declaration.name}_out").default._schema
+        assert [a.name for a in variant.arguments] == public + ["out"]
+
+
+@pytest.mark.parametrize("name", sorted(traced.TRACED))
+def test_wrappers_keep_the_public_signatures(name):
+    """Every public function that becomes its custom op when traced has a declaration, and its wrapper here takes
+    the same parameters (names, order, kinds, defaults, annotations) and has the same return annotation."""
+    assert name in {d.public.__name__ for d in custom_ops.DECLARATIONS}
+    wrapper = getattr(custom_ops, name)
+    assert inspect.signature(wrapper) == inspect.signature(getattr(qsa_aiter, name))
+    assert (wrapper.__name__, wrapper.__module__) == (name, "qsa_aiter.ops.custom_ops")
+
+
+def test_every_declared_op_is_traced_through_its_wrapper():
+    assert {d.public.__name__ for d in custom_ops.DECLARATIONS} == set(traced.TRACED)
+    assert all(d.public is traced.TRACED[d.public.__name__] for d in custom_ops.DECLARATIONS)
+    assert set(traced.TRACED) <= set(custom_ops.__all__)
+
+
+def test_wrappers_reject_the_calls_the_public_functions_reject(rng):
+    b = small_batch(rng)
+    a = b.args()
+    for call in (lambda api: api.qsa_paged_mqa_logits(*a[:6], 4, None, None, None, None),  # k_scale is keyword-only
+                 lambda api: api.qsa_select_paged_tokens(*a[:6], token_topk=TOPK, bogus=1),
+                 lambda api: api.qsa_block_topk(a[0], a[3], 4, block_topk=4),
+                 lambda api: api.qsa_write_index_cache(a[0])):
+        for api in (qsa_aiter, custom_ops):
+            with pytest.raises(TypeError, match="argument"):
+                call(api)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -254,7 +327,7 @@ def test_the_plain_public_functions_compile_with_fullgraph(rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA/HIP GPU")
-@pytest.mark.parametrize("cache", ["16bit", "fp8"])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
 def test_custom_ops_are_captured_in_a_cuda_graph_and_replayed(cache):
     """One graph holding the writer, scoring and selection ops; new queries, keys and lengths before each replay."""
     gen = torch.Generator().manual_seed(5)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter.runtime import dispatch
+from qsa_aiter.runtime import dispatch, registries
 from qsa_aiter.tools.cli import main
 from qsa_aiter.ops.scoring import describe_call
 from qsa_aiter.runtime.settings import ConfigurationError
@@ -73,11 +73,11 @@ def test_scoring_raises_and_marks_nothing_broken(monkeypatch, tmp_path, rng, cas
     assert not dispatch._broken, dispatch._broken
     monkeypatch.delenv(variable)
     assert qsa_aiter.selected_kernel(*args, **hints) == chosen
-    assert dispatch.run(describe_call(*args, **hints), _launch_args(args, hints)) == chosen
+    assert registries.SCORING.dispatch(describe_call(*args, **hints), _launch_args(args, hints)) == chosen
 
 
 def _launch_args(args, hints):
-    """The launch arguments ``qsa_paged_mqa_logits`` builds for ``args`` (to see which kernel ``registry.run`` ran)."""
+    """The launch arguments ``qsa_paged_mqa_logits`` builds for ``args`` (to see which kernel ``registries.SCORING.dispatch`` ran)."""
     from qsa_aiter.kernels.scoring.base import ScoreArgs
 
     q, cache, table, t2r, pos, ctx, ratio = args
@@ -120,8 +120,9 @@ def test_a_kernel_failure_still_falls_back(monkeypatch, rng):
     def broken(*_):
         raise RuntimeError("compile failed")
 
-    monkeypatch.setitem(dispatch.CANDIDATES, "stacked", dataclasses.replace(dispatch.CANDIDATES["stacked"], run=broken))
+    scoring = registries.SCORING.candidates
+    monkeypatch.setitem(scoring, "stacked", dataclasses.replace(scoring["stacked"], launch=broken))
     dispatch.clear_broken()
     logits, _ = qsa_aiter.qsa_paged_mqa_logits(*args, max_query_len=2)
-    assert any(key[0] == "stacked" for key in dispatch._broken)
+    assert any(key[1] == "stacked" for key in dispatch._broken)
     assert qsa_aiter.selected_kernel(*args, max_query_len=2) != "stacked"

@@ -10,7 +10,7 @@ import torch
 
 import qsa_aiter
 from qsa_aiter.kernels import platform as platform_module
-from qsa_aiter.runtime import dispatch
+from qsa_aiter.runtime import dispatch, registries
 from qsa_aiter.runtime.log import reset_log_once
 from qsa_aiter.runtime.settings import get_settings
 from qsa_aiter.kernels.platform import interpreting
@@ -42,27 +42,27 @@ def batch_for(phase: str, gen, **kw):
 
 
 def test_candidates_and_table():
-    assert set(dispatch.CANDIDATES) == ({"tiled", "stacked", "keys_major", "rowwise", "torch"}
-                                        | set(dispatch.ROCM_CANDIDATES))
-    for name, cand in dispatch.CANDIDATES.items():
+    assert set(registries.SCORING.candidates) == ({"tiled", "stacked", "keys_major", "rowwise", "torch"}
+                                        | set(registries.ROCM_CANDIDATES))
+    for name, cand in registries.SCORING.candidates.items():
         assert cand.name == name and cand.description
-    assert dispatch.KV_DTYPES == ("bf16", "fp8", "fp4")  # SPEC section 4: every cache dtype has its rows
-    for kv in dispatch.KV_DTYPES:
+    assert registries.KV_DTYPES == ("bf16", "fp8", "fp4")  # SPEC section 4: every cache dtype has its rows
+    for kv in registries.KV_DTYPES:
         for block in (16, 64):
             for phase in PHASES:
-                order = dispatch.TABLE[(kv, block, phase)]
-                assert [n for n in order if n not in dispatch.ROCM_CANDIDATES][0] == PREFERRED[phase]
+                order = registries.SCORING_TABLE[(kv, block, phase)]
+                assert [n for n in order if n not in registries.ROCM_CANDIDATES][0] == PREFERRED[phase]
                 assert "rowwise" in order, "the row-wise scorer is the universal fallback"
                 assert order[-1] == "torch"
-                assert set(order) <= set(dispatch.CANDIDATES)
-    assert dispatch.FALLBACK_ORDER[0] == "rowwise"
+                assert set(order) <= set(registries.SCORING.candidates)
+    assert registries.SCORING_FALLBACK_ORDER[0] == "rowwise"
 
 
 def test_page_size_outside_the_table_uses_the_fallback_order(rng):
     batch = make_batch([500, 300], 2, head_dim=32, page_size=32, generator=rng)
     problem = describe_call(*batch.args(), max_query_len=2)
-    order, note = dispatch.candidate_order(problem)
-    assert order == dispatch.FALLBACK_ORDER and "no registry row" in note
+    order, note = registries.SCORING.order(problem)
+    assert order == registries.SCORING_FALLBACK_ORDER and "no registry row" in note
     text = qsa_aiter.explain(*batch.args(), max_query_len=2)
     assert "no registry row" in text
     if interpreting():
@@ -117,7 +117,7 @@ def test_dispatch_reads_no_device_memory():
             torch.empty(36, dtype=torch.int32, **meta), torch.empty(9, dtype=torch.int32, **meta))
     problem = describe_call(*args, max_query_len=4)
     assert problem.phase == "verify" and problem.device_type == "meta"
-    decision = dispatch.select(problem)
+    decision = registries.SCORING.select(problem)
     assert decision.order == ("stacked", "keys_major", "rowwise", "aiter", "torch")
     for name in ("stacked", "keys_major", "rowwise"):
         assert "tensors are on meta" in " ".join(decision.rejected[name]), "Triton kernels do not serve meta tensors"
@@ -158,7 +158,7 @@ def test_stacked_switch_off_sends_verify_and_draft_to_rowwise(monkeypatch, rng, 
 def test_backend_forces_one_kernel_for_every_phase(monkeypatch, rng, phase, name):
     batch, hints = batch_for(phase, rng)
     problem = describe_call(*batch.args(), **hints)
-    if dispatch.reasons(name, problem):
+    if registries.SCORING.reasons(name, problem):
         pytest.skip(f"{name} does not serve {problem.summary()}")
     force_backend(monkeypatch, name)
     assert qsa_aiter.selected_kernel(*batch.args(), **hints) == name
@@ -206,7 +206,8 @@ def failing(monkeypatch):
             calls.append(problem)
             raise SimulatedFailure(f"simulated launch failure of {name}\nsecond line of the error")
 
-        monkeypatch.setitem(dispatch.CANDIDATES, name, dataclasses.replace(dispatch.CANDIDATES[name], run=run))
+        scoring = registries.SCORING.candidates
+        monkeypatch.setitem(scoring, name, dataclasses.replace(scoring[name], launch=run))
         return calls
 
     yield install
@@ -233,7 +234,7 @@ def test_failure_marks_broken_logs_once_and_falls_back(monkeypatch, rng, failing
     assert len(calls) == 1
     assert len(dispatch._broken) == 1
     (key, message), = dispatch._broken.items()
-    assert key[0] == "stacked" and "simulated launch failure of stacked" in message
+    assert key[:2] == ("scoring", "stacked") and "simulated launch failure of stacked" in message
     assert "second line" not in message, "the reason is the first line of the error"
     assert qsa_aiter.selected_kernel(*batch.args(), **hints) == "keys_major"  # the next in the verify order
     assert "marked broken in this process" in qsa_aiter.explain(*batch.args(), **hints)
@@ -259,7 +260,7 @@ def test_failures_fall_through_every_candidate(monkeypatch, rng, failing):
     logits, visible = qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **hints)
     ref_logits, ref_visible = reference_of(batch.args())
     assert torch.equal(visible, ref_visible) and torch.equal(logits, ref_logits)  # the torch reference ran
-    assert len(calls) == 3 and {k[0] for k in dispatch._broken} == {"stacked", "keys_major", "rowwise"}
+    assert len(calls) == 3 and {k[1] for k in dispatch._broken} == {"stacked", "keys_major", "rowwise"}
 
 
 @needs_interpreter
@@ -422,7 +423,7 @@ def test_shipped_h200_rows_send_decode_to_the_stacked_scorer(kv, page):
     for rows, context in ((128, 100352), (64, 32768), (16, 100352), (1, 268288)):
         problem = example_problem(kv_dtype=kv, cache_dtype=dtype, block_size=page, num_tokens=rows,
                                   num_requests=rows, num_columns=context // 4, phase="decode", max_query_len=1)
-        chosen = dispatch.measured_choice(problem, ["rowwise", "stacked"], platform_module.Platform.named("sm_90"),
+        chosen = registries.SCORING.measured_choice(problem, ["rowwise", "stacked"], platform_module.Platform.named("sm_90"),
                                           settings)
         assert chosen is not None and chosen[0] == "stacked", (rows, context, chosen)
         assert f"tuned rows at {rows} rows x {context} tokens, arch sm_90" in chosen[1]
@@ -438,12 +439,12 @@ def test_cpu_without_interpreter_uses_torch(monkeypatch, phase):
     monkeypatch.setattr(platform_module, "interpreting", lambda: False)  # as triton_runs_on sees it
     problem = dataclasses.replace(example_problem(), device_type="cpu", phase=phase)
     for name in KERNELS:
-        reasons = dispatch.reasons(name, problem)
+        reasons = registries.SCORING.reasons(name, problem)
         assert any("TRITON_INTERPRET" in r for r in reasons), (name, reasons)
-    assert dispatch.reasons("torch", problem) == []
-    decision = dispatch.select(problem)
+    assert registries.SCORING.reasons("torch", problem) == []
+    decision = registries.SCORING.select(problem)
     assert decision.chosen == "torch"
-    assert "TRITON_INTERPRET" in dispatch.explain(problem)
+    assert "TRITON_INTERPRET" in registries.SCORING.explain(problem)
 
 
 def test_cpu_without_interpreter_runs_the_reference(monkeypatch, rng):
@@ -461,8 +462,8 @@ def test_cuda_problem_is_served_by_the_triton_kernels():
     for phase in PHASES:
         problem = example_problem(phase=phase)
         for name in KERNELS:
-            assert dispatch.reasons(name, problem) == [], name
-        assert dispatch.select(problem).chosen == PREFERRED[phase]
+            assert registries.SCORING.reasons(name, problem) == [], name
+        assert registries.SCORING.select(problem).chosen == PREFERRED[phase]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -493,5 +494,5 @@ def test_bad_environment_value_fails_the_call(monkeypatch, rng, var, value):
 def test_decision_memo_is_bounded():
     base = example_problem()
     for tokens in range(1, 2001):
-        dispatch.select(dataclasses.replace(base, num_tokens=tokens, num_columns=64 * tokens, table_width=tokens))
-    assert len(dispatch._decisions) < 2000
+        registries.SCORING.select(dataclasses.replace(base, num_tokens=tokens, num_columns=64 * tokens, table_width=tokens))
+    assert len(registries.SCORING._decisions) < 2000

@@ -67,7 +67,7 @@ def replaying(monkeypatch):
         launches = spec._recording.get()
         if launches is not None:
             recorded.append(_Recorded(self, args))
-            launches.append((self, recorded[-1], args))
+            launches.append(spec.RecordedLaunch(self, recorded[-1], args))
 
     def launcher(kernel, grid, device):
         def run(params):
@@ -316,9 +316,13 @@ def test_direct_launches_take_only_the_expected_kernels_with_leading_pointers_an
     good = (_plan("a", fn, {"BLOCK": 4}), object(), (x, 3))
     other = (_plan("b", fn, {"BLOCK": 8}), object(), (x, 3))
     direct = replay.direct_launches([good, other], ("a", "b"))
-    assert (direct[1].pointers, direct[1].tail) == (1, (3, 8))  # the recorded scalar, then the constexpr
+    assert (len(direct[1].pointer_names), direct[1].tail) == (1, (3, 8))  # the recorded scalar, then the constexpr
     two = _Fn("x", "y", "N", "BLOCK")
-    assert replay.direct_launches([(_plan("a", two, {"BLOCK": 4}), object(), (x, x, 3))], ("a",))[0].pointers == 2
+    pair = replay.direct_launches([(_plan("a", two, {"BLOCK": 4}), object(), (x, x, 3))], ("a",))[0]
+    assert pair.pointer_names == ("x", "y")
+    # A replay names the pointers it passes: each of the kernel's once, in any order; anything else keeps no plan.
+    assert pair.taking("x", "y") == pair.__call__ and pair.taking("y", "x") is not None
+    assert pair.taking("x") is None and pair.taking("x", "z") is None and pair.taking("x", "x") is None
     # A tensor after a scalar: its address could not lead the replayed arguments.
     assert replay.direct_launches([(_plan("a", two, {"BLOCK": 4}), object(), (x, 3, x))], ("a",)) is None
     assert len(replay.direct_launches([good], ("a", "m?"))) == 1  # an optional kernel may be absent
@@ -330,6 +334,18 @@ def test_direct_launches_take_only_the_expected_kernels_with_leading_pointers_an
     assert replay.direct_launches([(_plan("a", interleaved, {"BLOCK": 4}), object(), ("x", 1, 3))],
                                       ("a",)) is None  # BLOCK given positionally and as a constexpr
     assert replay.direct_launches([(_plan("a", fn, {}), object(), ("x", 3))], ("a",)) is None  # BLOCK unknown
+
+
+def test_a_launch_taking_its_pointers_by_name_passes_them_in_the_kernel_order(monkeypatch):
+    sent = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(triton_compat, "compiled_launcher", lambda kernel, grid, device: sent.append)
+    x = torch.zeros(4)
+    launch = replay.direct_launches([(_plan("a", _Fn("x", "y", "N", "BLOCK"), {"BLOCK": 4}), object(), (x, x, 3))],
+                                    ("a",))[0]
+    launch.taking("y", "x")(20, 10)
+    launch.taking("x", "y")(10, 20)
+    assert sent == [(10, 20, 3, 4), (10, 20, 3, 4)]
 
 
 def test_the_replay_scratch_parts_start_aligned_and_apart():
@@ -413,7 +429,7 @@ def test_plans_under_one_key_are_told_apart_by_their_guards_and_bounded(monkeypa
 def test_cached_calls_on_the_gpu_run_the_compiled_kernels_eagerly_and_in_a_graph():
     """Real compiled kernels: the replay equals the first call bit for bit, and a graph captured from a cached call
     replays with new lengths written in place."""
-    from qsa_aiter.tools.bench import capture_graph
+    from qsa_aiter.tools.timing import capture_graph
 
     from helpers import write_new_lengths
 

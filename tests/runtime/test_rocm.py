@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter.runtime import dispatch
+from qsa_aiter.runtime import dispatch, registries
 from qsa_aiter.runtime import rocm
 from qsa_aiter.kernels.platform import Platform, interpreting
 from qsa_aiter.kernels.scoring.base import ScoreArgs, example_problem
@@ -91,7 +91,7 @@ def rocm_platform(monkeypatch):
     """Look like a gfx950 ROCm machine; forget import results before and after."""
     monkeypatch.setattr(rocm, "_rocm_runtime", lambda: "7.0.0")
     monkeypatch.setattr(rocm, "_gpu_arch", lambda: "gfx950")
-    monkeypatch.setattr(dispatch, "_platform", lambda problem: Platform.named("gfx950"))  # explain's plan line
+    monkeypatch.setattr(dispatch, "platform_of", lambda problem: Platform.named("gfx950"))  # explain's plan line
     rocm.reset()
     yield monkeypatch
     rocm.reset()
@@ -110,15 +110,15 @@ def flydsl_ready(monkeypatch, calls=None, **kw):
 
 def test_without_rocm_both_say_why_and_import_nothing(monkeypatch):
     rocm.reset()
-    monkeypatch.setattr(dispatch, "_platform", lambda problem: Platform.named("sm_90"))  # explain, without a GPU
+    monkeypatch.setattr(dispatch, "platform_of", lambda problem: Platform.named("sm_90"))  # explain, without a GPU
     monkeypatch.setenv("ROCM_QSA_FLYDSL", "1")
     for phase in ("prefill", "decode"):
         problem = dataclasses.replace(FLYDSL_PROBLEM, phase=phase)
         assert any("ROCm build of torch" in r for r in rocm.aiter_reasons(problem))
         assert any("ROCm build of torch" in r for r in rocm.flydsl_reasons(problem))
-        assert dispatch.select(problem).chosen in ("tiled", "rowwise")
+        assert registries.SCORING.select(problem).chosen in ("tiled", "rowwise")
     assert rocm._loaded == {}, "no library is imported where it could not serve"
-    text = dispatch.explain(FLYDSL_PROBLEM)
+    text = registries.SCORING.explain(FLYDSL_PROBLEM)
     assert "order flydsl > tiled > rowwise > aiter > torch" in text
     assert "- flydsl: needs a ROCm build of torch" in text and "* tiled: serves" in text
 
@@ -134,9 +134,9 @@ def test_cpu_tensors_are_not_served(rng):
 def test_flydsl_serves_its_shape_and_leads_prefill(rocm_platform):
     flydsl_ready(rocm_platform)
     assert rocm.flydsl_reasons(FLYDSL_PROBLEM) == []
-    decision = dispatch.select(FLYDSL_PROBLEM)
+    decision = registries.SCORING.select(FLYDSL_PROBLEM)
     assert decision.chosen == "flydsl" and decision.order[0] == "flydsl"
-    assert "* flydsl: serves (FlyDSL" in dispatch.explain(FLYDSL_PROBLEM)
+    assert "* flydsl: serves (FlyDSL" in registries.SCORING.explain(FLYDSL_PROBLEM)
 
 @pytest.mark.parametrize("change,why", [
     (dict(phase="verify"), "prefill phase only"),
@@ -154,7 +154,7 @@ def test_flydsl_shape_and_phase_gates(rocm_platform, change, why):
     flydsl_ready(rocm_platform)
     problem = dataclasses.replace(FLYDSL_PROBLEM, **change)
     assert any(why in r for r in rocm.flydsl_reasons(problem)), rocm.flydsl_reasons(problem)
-    assert dispatch.select(problem).chosen != "flydsl"
+    assert registries.SCORING.select(problem).chosen != "flydsl"
 
 def test_flydsl_is_off_unless_asked_for_and_reads_the_vllm_alias(rocm_platform):
     install(rocm_platform, module(rocm.FLYDSL_PACKAGE), flydsl_scorer_standin([]))
@@ -203,7 +203,7 @@ def test_flydsl_rejection_is_logged_once_as_a_warning(rocm_platform, caplog):
     with caplog.at_level(logging.WARNING, logger="qsa_aiter"):
         for _ in range(3):
             dispatch.clear_broken()  # drop the memoised decision: the reasons are asked for again
-            dispatch.select(FLYDSL_PROBLEM)
+            registries.SCORING.select(FLYDSL_PROBLEM)
     lines = [r.getMessage() for r in caplog.records if "flydsl does not serve" in r.getMessage()]
     assert len(lines) == 1 and "gfx90a" in lines[0]
 
@@ -215,10 +215,10 @@ def test_aiter_serves_bf16_but_ranks_after_the_rowwise_scorer(rocm_platform):
     install(rocm_platform, aiter_scorer_standin([]))
     problem = example_problem(phase="decode")
     assert rocm.aiter_reasons(problem) == []
-    assert dispatch.select(problem).chosen == "rowwise"
-    assert "- aiter: serves, but an earlier candidate is preferred" in dispatch.explain(problem)
+    assert registries.SCORING.select(problem).chosen == "rowwise"
+    assert "- aiter: serves, but an earlier candidate is preferred" in registries.SCORING.explain(problem)
     rocm_platform.setenv("QSA_AITER_BACKEND", "aiter")
-    assert dispatch.select(problem).chosen == "aiter"
+    assert registries.SCORING.select(problem).chosen == "aiter"
 
 def test_aiter_gates(rocm_platform):
     fp16 = example_problem(q_dtype=torch.float16, cache_dtype=torch.float16)
@@ -252,7 +252,7 @@ def test_forced_aiter_runs_the_library_op_with_the_calls_arguments(rocm_platform
     rocm_platform.setenv("QSA_AITER_BACKEND", "aiter")
     batch = make_batch([900, 301, 1700], 1, head_dim=32, padded_rows=2, generator=rng)
     problem, launch = launch_for(batch, describe_call(*batch.args(), max_columns=400, phase="decode"))
-    assert dispatch.run(problem, launch) == "aiter"
+    assert registries.SCORING.dispatch(problem, launch) == "aiter"
     assert calls == [dict(compress_ratio=4, num_columns=400, score_divisor=pytest.approx(11.5))]
     ref = reference_paged_mqa_logits(*batch.args()[:6], 4, 11.5, 400)
     assert_matches_reference(launch.logits, launch.visible, *ref, rtol=0, atol=0)
@@ -262,8 +262,8 @@ def test_flydsl_runs_in_place_with_the_calls_arguments(rocm_platform, rng):
     flydsl_ready(rocm_platform, calls)
     batch = make_batch([2100, 900], [30, 22], page_size=16, generator=rng)
     problem, launch = launch_for(batch, describe_call(*batch.args(), phase="prefill"))
-    assert dispatch.select(problem).chosen == "flydsl"
-    assert dispatch.run(problem, launch) == "flydsl"
+    assert registries.SCORING.select(problem).chosen == "flydsl"
+    assert registries.SCORING.dispatch(problem, launch) == "flydsl"
     assert calls == [dict(compress_ratio=4, divisor=pytest.approx(11.5), row_starts=None)]
     assert_matches_reference(launch.logits, launch.visible,
                              *reference_paged_mqa_logits(*batch.args()[:6], 4, 11.5), rtol=0, atol=0)
@@ -274,16 +274,16 @@ def test_a_failing_flydsl_kernel_is_marked_broken_and_the_triton_kernel_serves(r
     batch = make_batch([2100, 900], [30, 22], page_size=16, generator=rng)
     problem, launch = launch_for(batch, describe_call(*batch.args(), phase="prefill"))
     with caplog.at_level(logging.WARNING, logger="qsa_aiter"):
-        assert dispatch.run(problem, launch) == "tiled"
+        assert registries.SCORING.dispatch(problem, launch) == "tiled"
     assert any("kernel flydsl failed" in r.getMessage() and "marked broken" in r.getMessage()
                for r in caplog.records)
-    assert "marked broken in this process: RuntimeError: stand-in FlyDSL launch failure" in dispatch.explain(problem)
+    assert "marked broken in this process: RuntimeError: stand-in FlyDSL launch failure" in registries.SCORING.explain(problem)
     assert_matches_reference(launch.logits, launch.visible,
                              *reference_paged_mqa_logits(*batch.args()[:6], 4, 11.5), rtol=1e-5, atol=1e-5)
     rocm_platform.setenv("QSA_AITER_STRICT", "1")
     dispatch.clear_broken()
     with pytest.raises(RuntimeError, match="stand-in FlyDSL launch failure"):
-        dispatch.run(problem, launch)
+        registries.SCORING.dispatch(problem, launch)
 
 # ---------------------------------------------------------------------------------------------------------------
 # AITER's HIP top-k behind the qsa_block_topk contract
@@ -295,7 +295,7 @@ def test_aiter_block_topk_sorts_the_library_output_and_matches_the_oracle(rocm_p
     logits = torch.randn(5, 300, generator=rng)
     visible = torch.tensor([300, 40, 16, 0, 299], dtype=torch.int32)
     # CPU tensors stand in for GPU ones here: only the device check is bypassed.
-    rocm_platform.setattr(rocm, "aiter_topk_reasons", lambda logits: [])
+    rocm_platform.setattr(rocm, "aiter_topk_reasons", lambda device_type: [])
     out = torch.full((5, 16), -7, dtype=torch.int32)
     assert rocm.aiter_block_topk(logits, visible, 16, out=out) is out
     assert torch.equal(out, reference_block_topk(logits, visible, 16))
@@ -303,27 +303,26 @@ def test_aiter_block_topk_sorts_the_library_output_and_matches_the_oracle(rocm_p
 
 def test_aiter_block_topk_gates(rocm_platform):
     logits, visible = torch.zeros(2, 8), torch.zeros(2, dtype=torch.int32)
-    assert rocm.aiter_topk_reasons(logits) == ["needs ROCm GPU tensors (logits are on cpu)"]
+    assert rocm.aiter_topk_reasons("cpu") == ["needs ROCm GPU tensors (logits are on cpu)"]
     with pytest.raises(RuntimeError, match="does not serve: needs ROCm GPU tensors"):
         rocm.aiter_block_topk(logits, visible, 4)
     with pytest.raises(ValueError, match="`visible`"):
         rocm.aiter_block_topk(logits, visible[:1], 4)
     with pytest.raises(TypeError, match="`block_topk`"):
         rocm.aiter_block_topk(logits, visible, 4.0)
-    gpu_logits = types.SimpleNamespace(device=torch.device("cuda"))  # the reasons read only the device
     install(rocm_platform, topk_standin([], stable=False))
-    reasons = rocm.aiter_topk_reasons(gpu_logits)
+    reasons = rocm.aiter_topk_reasons("cuda")
     assert len(reasons) == 1 and "no stable= argument" in reasons[0]
     rocm.reset()
     install(rocm_platform, topk_standin([]))
-    assert rocm.aiter_topk_reasons(gpu_logits) == []
+    assert rocm.aiter_topk_reasons("cuda") == []
 
 def test_selection_uses_aiter_topk_only_when_the_aiter_path_is_forced(rocm_platform, rng):
     """``qsa_block_topk`` and the top-k step of ``qsa_select_paged_tokens`` rank with AITER's HIP top-k when
     ``QSA_AITER_BACKEND=aiter`` and it can run (the stand-in here); otherwise the library's own top-k ranks."""
     calls = []
     install(rocm_platform, topk_standin(calls))
-    rocm_platform.setattr(rocm, "aiter_topk_reasons", lambda logits: [])  # CPU tensors stand in for ROCm ones
+    rocm_platform.setattr(rocm, "aiter_topk_reasons", lambda device_type: [])  # CPU tensors stand in for ROCm ones
     logits = torch.randn(3, 200, generator=rng)
     visible = torch.tensor([200, 150, 9], dtype=torch.int32)
     assert torch.equal(qsa_aiter.qsa_block_topk(logits, visible, 16), reference_block_topk(logits, visible, 16))
@@ -343,3 +342,8 @@ def test_selection_uses_aiter_topk_only_when_the_aiter_path_is_forced(rocm_platf
     rocm_platform.setenv("QSA_AITER_BACKEND", "aiter")
     assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 64, 4), expected)
     assert len(calls) == 2 and len(scorer_calls) == 1
+    # QSA_AITER_TOPK_BACKEND=aiter asks for AITER's top-k alone (the scorer is the library's own).
+    rocm_platform.delenv("QSA_AITER_BACKEND")
+    rocm_platform.setenv("QSA_AITER_TOPK_BACKEND", "aiter")
+    assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 64, 4), expected)
+    assert len(calls) == 3 and len(scorer_calls) == 1

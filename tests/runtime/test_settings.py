@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from qsa_aiter.runtime import dispatch, settings
+from qsa_aiter.runtime import registries, settings
 from qsa_aiter.runtime.settings import ENV_NAMES, environment_table, get_settings
 
 BOOL_VARS = {"ATOM_QSA_STACKED_DECODE_SCORER": "stacked_decode_scorer", "QSA_AITER_STRICT": "strict",
-             "QSA_AITER_FP8_MMA": "fp8_mma", "ROCM_QSA_FLYDSL": "rocm_qsa_flydsl", "QSA_AITER_REBUILD": "rebuild"}
+             "QSA_AITER_E4M3_MMA": "e4m3_mma", "ROCM_QSA_FLYDSL": "rocm_qsa_flydsl", "QSA_AITER_REBUILD": "rebuild"}
 TRUE_WORDS = ["1", "true", "yes", "on", "TRUE", "Yes", "ON", " 1 "]
 FALSE_WORDS = ["0", "false", "no", "off", "FALSE", "No", "Off", "0 "]
 
@@ -19,7 +19,7 @@ def test_defaults():
     assert s.stacked_decode_scorer is True
     assert s.backend == "auto"
     assert s.strict is False
-    assert s.fp8_mma is True
+    assert s.e4m3_mma is True
     assert s.tuned_config == ()
     assert s.log_level == "warning"
     assert s.jit_dir == "" and s.rebuild is False
@@ -27,8 +27,8 @@ def test_defaults():
 
 def test_every_variable_is_known():
     assert set(ENV_NAMES) == {"ATOM_QSA_STACKED_DECODE_SCORER", "QSA_AITER_BACKEND", "QSA_AITER_STRICT",
-                              "QSA_AITER_FP8_MMA", "QSA_AITER_TUNED_CONFIG", "QSA_AITER_LOG_LEVEL", "ROCM_QSA_FLYDSL",
-                              "QSA_AITER_JIT_DIR", "QSA_AITER_REBUILD"}
+                              "QSA_AITER_E4M3_MMA", "QSA_AITER_TUNED_CONFIG", "QSA_AITER_LOG_LEVEL", "ROCM_QSA_FLYDSL",
+                              "QSA_AITER_JIT_DIR", "QSA_AITER_REBUILD", "QSA_AITER_TOPK_BACKEND"}
 
 
 @pytest.mark.parametrize("var", BOOL_VARS)
@@ -52,7 +52,7 @@ def test_bad_boolean_names_variable_value_and_allowed_words(monkeypatch, var, wo
 
 
 @pytest.mark.parametrize("value,expected", [("auto", "auto"), ("AUTO", "auto")]
-                         + [(n, n) for n in dispatch.CANDIDATES] + [(" Tiled ", "tiled"), ("ROWWISE", "rowwise")])
+                         + [(n, n) for n in registries.SCORING.candidates] + [(" Tiled ", "tiled"), ("ROWWISE", "rowwise")])
 def test_backend_values(monkeypatch, value, expected):
     monkeypatch.setenv("QSA_AITER_BACKEND", value)
     assert get_settings().backend == expected
@@ -66,7 +66,7 @@ def test_bad_backend(monkeypatch, value):
 
     monkeypatch.setenv("QSA_AITER_BACKEND", value)
     with pytest.raises(ValueError) as info:
-        dispatch.select(example_problem(device_type="cpu"))
+        registries.SCORING.select(example_problem(device_type="cpu"))
     message = str(info.value)
     assert "QSA_AITER_BACKEND" in message and repr(value) in message
     assert "allowed: auto" in message
@@ -134,12 +134,68 @@ def test_every_way_of_changing_the_environment_is_seen(monkeypatch, how):
         with mock.patch.dict(os.environ, {}, clear=True):
             assert get_settings().strict is False
     else:
-        (alias, name), = settings.ENV_ALIASES.items()  # the second name of a variable is watched too
-        field = next(f for f, info in settings.QsaSettings.model_fields.items() if info.alias == name)
-        before = getattr(get_settings(), field)
-        with mock.patch.dict(os.environ, {alias: "0" if before else "1"}):
-            assert getattr(get_settings(), field) is not before
+        for alias, name in settings.ENV_ALIASES.items():  # a variable's other names are watched too
+            field = next(f for f, info in settings.QsaSettings.model_fields.items() if info.alias == name)
+            before = getattr(get_settings(), field)
+            with mock.patch.dict(os.environ, {alias: "0" if before else "1"}):
+                monkeypatch.setattr(settings, "_cache", None)  # the warning comes when the variables are parsed
+                if alias in settings.FORMER_NAMES:
+                    with pytest.warns(FutureWarning, match=alias):
+                        assert getattr(get_settings(), field) is not before
+                else:
+                    assert getattr(get_settings(), field) is not before
     assert get_settings().strict is (how == "clear")
+
+
+def test_former_names_are_aliases_of_the_current_names():
+    for former, name in settings.FORMER_NAMES.items():
+        assert settings.ENV_ALIASES[former] == name and name in ENV_NAMES
+
+
+@pytest.mark.parametrize("word,expected", [("0", False), ("off", False), ("1", True), ("yes", True)])
+def test_a_former_name_is_read_as_the_current_one_with_a_warning(monkeypatch, word, expected):
+    """``QSA_AITER_FP8_MMA``, the former name of ``QSA_AITER_E4M3_MMA``, still switches the e4m3 MMA path, and a
+    ``FutureWarning`` names both variables."""
+    monkeypatch.setattr(settings, "_cache", None)  # the warning comes when the variables are parsed
+    monkeypatch.setenv("QSA_AITER_FP8_MMA", word)
+    with pytest.warns(FutureWarning) as record:
+        assert get_settings().e4m3_mma is expected
+    message = str(record[0].message)
+    assert "QSA_AITER_FP8_MMA" in message and "set QSA_AITER_E4M3_MMA instead" in message
+
+
+def test_the_current_name_reads_without_a_warning(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(settings, "_cache", None)
+    monkeypatch.setenv("QSA_AITER_E4M3_MMA", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert get_settings().e4m3_mma is False
+
+
+@pytest.mark.parametrize("current,former,agree", [("1", "on", True), ("0", "no", True), ("1", "0", False),
+                                                   ("off", "true", False)])
+def test_a_former_name_set_beside_the_current_one_must_agree(monkeypatch, current, former, agree):
+    monkeypatch.setattr(settings, "_cache", None)
+    monkeypatch.setenv("QSA_AITER_E4M3_MMA", current)
+    monkeypatch.setenv("QSA_AITER_FP8_MMA", former)
+    if agree:
+        with pytest.warns(FutureWarning):
+            assert get_settings().e4m3_mma is (current in TRUE_WORDS)
+        return
+    with pytest.raises(ValueError) as info:
+        get_settings()
+    message = str(info.value)
+    assert f"QSA_AITER_E4M3_MMA={current!r}" in message and f"QSA_AITER_FP8_MMA={former!r}" in message
+    assert "disagree" in message
+
+
+def test_a_bad_value_under_a_former_name_names_that_name(monkeypatch):
+    monkeypatch.setenv("QSA_AITER_FP8_MMA", "maybe")
+    with pytest.warns(FutureWarning), pytest.raises(ValueError) as info:
+        get_settings()
+    assert "environment variable QSA_AITER_FP8_MMA='maybe' is invalid" in str(info.value)
 
 
 def test_the_snapshot_falls_back_to_environ_get_without_its_storage(monkeypatch):
@@ -152,6 +208,7 @@ def test_the_snapshot_falls_back_to_environ_get_without_its_storage(monkeypatch)
 
 
 def test_unrelated_variables_are_ignored(monkeypatch):
+    monkeypatch.setattr(settings, "_cache", None)  # parse now, whatever earlier tests left cached
     monkeypatch.setenv("QSA_AITER_SOMETHING_ELSE", "x")
     monkeypatch.setenv("stacked_decode_scorer", "0")  # field names are not variable names
     assert get_settings().stacked_decode_scorer is True
@@ -168,6 +225,7 @@ def test_environment_table_lists_every_variable():
         assert f"`{name}`" in table
     assert "| `ATOM_QSA_STACKED_DECODE_SCORER` | `1` |" in table
     assert "| `QSA_AITER_BACKEND` | `auto` |" in table
+    assert "| `QSA_AITER_E4M3_MMA` (formerly `QSA_AITER_FP8_MMA`) | `1` |" in table
     assert table.count("\n") == len(ENV_NAMES) + 1
 
 

@@ -47,11 +47,11 @@ ROWWISE_DECODER_MARKS = dict(DECODER_MARKS, **{"fp8-fnuz-fp16-page16": "0x7B007B
 # The MXFP4 -> e4m3 unpack's magnitude mask (``dequant.E2M1_TO_E4M3_ASM``): only the e4m3 MMA path of MXFP4 holds it.
 UNPACK_MARK = "0x1C1C1C1C"
 ALL_MARKS = sorted(set(DECODER_MARKS.values()) | set(ROWWISE_DECODER_MARKS.values()) | {UNPACK_MARK})
-# The builds that score with e4m3 tensor cores instead of decoding the keys (QSA_AITER_FP8_MMA): e4m3fn keys as
+# The builds that score with e4m3 tensor cores instead of decoding the keys (QSA_AITER_E4M3_MMA): e4m3fn keys as
 # stored, MXFP4 keys unpacked to e4m3 bytes.
-FP8_MMA_BUILDS = {(kernel, "sm_90", variant) for kernel in ("stacked", "keys_major") for variant in ("fp8", "fp4")}
-# Those builds again with QSA_AITER_FP8_MMA=0 (``compile_kernel(..., e4m3_mma=False)``): the PTX decoders instead.
-DECODED_BUILDS = sorted(FP8_MMA_BUILDS)
+E4M3_MMA_BUILDS = {(kernel, "sm_90", variant) for kernel in ("stacked", "keys_major") for variant in ("fp8", "fp4")}
+# Those builds again with QSA_AITER_E4M3_MMA=0 (``compile_kernel(..., e4m3_mma=False)``): the PTX decoders instead.
+DECODED_BUILDS = sorted(E4M3_MMA_BUILDS)
 
 #: Tiled keys-major builds with every head stacked as N: (name, ``VARIANTS`` key, rows per tile, targets). 32-row
 #: tiles on every target (a 64-row tile's q stack takes 64 KiB: all of a gfx942 CU's LDS), 64-row ones on sm_90 (the
@@ -191,7 +191,7 @@ def test_quantised_decoders_per_target(compiled, kernel, target, variant):
     PTX) for them; AMD builds (and 16-bit caches) use neither."""
     result = build(compiled, kernel, target, variant)
     marks = ROWWISE_DECODER_MARKS if kernel == "rowwise" else DECODER_MARKS
-    e4m3_mma = (kernel, target, variant) in FP8_MMA_BUILDS
+    e4m3_mma = (kernel, target, variant) in E4M3_MMA_BUILDS
     want = [marks[variant]] if target.startswith("sm_") and variant in marks and not e4m3_mma else []
     if e4m3_mma and variant == "fp4":
         want = [UNPACK_MARK]
@@ -201,7 +201,7 @@ def test_quantised_decoders_per_target(compiled, kernel, target, variant):
 
 @pytest.mark.parametrize("kernel,target,variant", DECODED_BUILDS)
 def test_decoding_builds_with_the_mma_switch_off(compiled, kernel, target, variant):
-    """With QSA_AITER_FP8_MMA=0 the e4m3 MMA builds decode with the PTX decoders and hold no e4m3 MMA."""
+    """With QSA_AITER_E4M3_MMA=0 the e4m3 MMA builds decode with the PTX decoders and hold no e4m3 MMA."""
     result = compiled[f"{variant}-decoded/{kernel}/{target}"]
     assert result["decoder_marks"] == [DECODER_MARKS[variant]]
     assert not result["e4m3_mma"]

@@ -36,7 +36,7 @@ def _word_sums(batch, page_size: int, columns: int) -> torch.Tensor:
     return words[slots.clamp(min=0)]
 
 
-@pytest.mark.parametrize("cache", ("16bit", "fp8", "fp4"))
+@pytest.mark.parametrize("cache", ("bf16", "fp8", "fp4"))
 @pytest.mark.parametrize("page_size", (16, 64))
 @pytest.mark.parametrize("phase, rows", (("verify", 4), ("draft", 1)))
 def test_traffic_kernel_writes_the_scorers_cells(rng, cache, page_size, phase, rows):

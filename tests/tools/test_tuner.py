@@ -50,9 +50,9 @@ def test_every_grid_names_settings_of_its_kernel():
 
 
 def test_the_plan_covers_every_kernel_dtype_and_page_and_filters_points():
-    sweeps = tuner.plan(tuner.KERNELS, tuner.KV_DTYPES, [64, 16])
-    assert {(s.kernel, s.kv, s.page_size) for s in sweeps} == {
-        (k, kv, p) for k in tuner.KERNELS for kv in tuner.KV_DTYPES for p in (64, 16)}
+    sweeps = tuner.plan(tuner.KERNELS, tuner.CACHES, [64, 16])
+    assert {(s.kernel, s.cache, s.page_size) for s in sweeps} == {
+        (k, cache, p) for k in tuner.KERNELS for cache in tuner.CACHES for p in (64, 16)}
     assert {s.phase for s in sweeps if s.kernel == "rowwise"} == {"decode"}
     only = tuner.plan(["stacked"], ["fp8"], [64], point_filter="64x4")
     assert [(s.point, s.phase) for s in only] == [("64x4@98K", "verify")]
@@ -105,7 +105,7 @@ def test_a_row_written_for_another_kernel_keeps_its_own_fields(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--kernels", "foo"], "--kernels: 'foo' is not one of"),
-    (["--kv", "fp16"], "--kv: 'fp16' is not one of"),
+    (["--caches", "fp6"], "index-cache format must be one of bf16, fp16, fp8, fp8_fnuz, fp4"),
     (["--grid", "block_n=64"], "--grid applies to one kernel"),
     (["--kernels", "stacked", "--grid", "block_n"], "--grid: expected field=v1,v2"),
     (["--kernels", "stacked", "--grid", "block_n=a,b"], "--grid: expected field=v1,v2"),
@@ -121,7 +121,7 @@ def test_bad_arguments_are_named(args, message):
 def test_a_small_sweep_times_the_default_and_writes_a_row(tmp_path):
     out, results = tmp_path / "tuned.csv", tmp_path / "all.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "qsa_aiter", "tune", "--kernels", "rowwise", "--kv", "bf16", "--pages", "64",
+        [sys.executable, "-m", "qsa_aiter", "tune", "--kernels", "rowwise", "--caches", "bf16", "--pages", "64",
          "--points", "1x1@262K", "--grid", "programs_per_sm=4,8", "--replays", "5", "--jobs", "2", "--no-progress",
          "--csv", str(out), "--results", str(results)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -150,7 +150,7 @@ def test_config_check_tolerance_infinities_and_nan():
 
 def test_config_check_allows_e4m3_rounding_only_where_a_config_uses_e4m3_mmas():
     """1e-4 where neither config scores with e4m3 tensor cores (a 16-bit cache); with them (an e4m3fn cache, which
-    the interpreter emulates) 1e-4 plus ``FP8_MMA_TOL`` of the per-logit magnitude bound."""
+    the interpreter emulates) 1e-4 plus ``E4M3_MMA_TOL`` of the per-logit magnitude bound."""
     from types import SimpleNamespace
 
     import torch
@@ -158,7 +158,7 @@ def test_config_check_allows_e4m3_rounding_only_where_a_config_uses_e4m3_mmas():
     from qsa_aiter.kernels.platform import Platform
     from qsa_aiter.kernels.scoring.base import example_problem, example_score_args
     from qsa_aiter.kernels.scoring.stacked import SPEC
-    from qsa_aiter.tools.testing import FP8_MMA_TOL
+    from qsa_aiter.tools.testing import E4M3_MMA_TOL
     from qsa_aiter.tools.tuner import Sweep, _atol, _close
 
     for kv, cache_dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
@@ -176,6 +176,6 @@ def test_config_check_allows_e4m3_rounding_only_where_a_config_uses_e4m3_mmas():
             # Finite everywhere: past a row's visible count (the two rows of a request see different counts)
             # the bound is -inf, and the scores compared there are zeros, which must match.
             assert bool(torch.isfinite(atol).all()) and bool((atol >= 1e-4).all())
-            assert bool((atol <= 1e-4 + FP8_MMA_TOL * args.q.abs().sum() * 64).all())
+            assert bool((atol <= 1e-4 + E4M3_MMA_TOL * args.q.abs().sum() * 64).all())
             zeros = torch.zeros_like(args.logits)
             assert _close(zeros, zeros, atol)

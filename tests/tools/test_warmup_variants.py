@@ -16,10 +16,11 @@ import torch
 
 import qsa_aiter
 from qsa_aiter.kernels import catalog
-from qsa_aiter.runtime import dispatch
-from qsa_aiter.tools import warmup
+from qsa_aiter.runtime import dispatch, registries
+from qsa_aiter.tools import warmup, work_points
 from qsa_aiter.tools.aot import SCORERS
 from qsa_aiter.kernels.platform import Platform
+from qsa_aiter.kernels.quant.formats import CACHE_FORMATS
 from qsa_aiter.runtime.settings import get_settings
 from qsa_aiter.kernels.spec import LaunchPlan
 from qsa_aiter.tools.workloads import make_batch
@@ -138,14 +139,14 @@ def test_the_public_ops_launch_only_warmed_variants(arch, monkeypatch):
     monkeypatch.setattr(LaunchPlan, "launch", lambda plan, *args: launched.append(_variant(plan.kernel, plan.kwargs)))
     gen = torch.Generator().manual_seed(0)
     phases = {"verify": (9, 4), "draft": (16, 1), "decode": (1, 1), "prefill": (1, 300)}
-    for cache in ("16bit", "fp8", "fp8_fnuz", "fp4"):
-        for page_size in dispatch.BLOCK_SIZES:
+    for cache in ("bf16", "fp8", "fp8_fnuz", "fp4"):
+        for page_size in registries.BLOCK_SIZES:
             for phase, (requests, rows) in phases.items():
                 batch = make_batch([8192] * requests, rows, page_size=page_size, cache=cache, generator=gen)
                 qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **batch.kwargs(), phase=phase, max_query_len=rows)
     # Where measurements send decode to the stacked scorer, the row-wise one serves with the switch off.
     monkeypatch.setenv("ATOM_QSA_STACKED_DECODE_SCORER", "0")
-    for cache in ("16bit", "fp8"):
+    for cache in ("bf16", "fp8"):
         batch = make_batch([8192], 1, page_size=64, cache=cache, generator=gen)
         qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **batch.kwargs(), phase="decode", max_query_len=1)
     monkeypatch.delenv("ATOM_QSA_STACKED_DECODE_SCORER")
@@ -159,11 +160,9 @@ def test_the_public_ops_launch_only_warmed_variants(arch, monkeypatch):
             groups = qsa_aiter.qsa_block_topk(logits, visible, 512)
         qsa_aiter.qsa_expand_block_indices(groups, sel.query_positions, sel.context_lens, sel.token_to_request, 4,
                                            2048)
-    for name, (q_dtype, cache_dtype, kv, _) in warmup.CACHES.items():
-        kind = "fp16" if cache_dtype == torch.float16 else kv
-        cache, scale = qsa_aiter.allocate_index_cache(kind, 4, 16, 128, fp8_dtype=cache_dtype if kv == "fp8" else
-                                                      torch.float8_e4m3fn)
-        keys = torch.randn(8, 128, generator=gen).to(q_dtype)
+    for name in warmup.CACHES:
+        cache, scale = qsa_aiter.allocate_index_cache(name, 4, 16, 128)
+        keys = torch.randn(8, 128, generator=gen).to(CACHE_FORMATS[name].query_dtype)
         qsa_aiter.qsa_write_index_cache(keys, torch.arange(8), cache, scale)
     kinds = collections.Counter(kernel for kernel, _ in launched)
     # The keys-major scorer serves where the tuned rows measured it faster: only the H200 has such rows.
@@ -178,12 +177,34 @@ def test_matrix_rejects_bad_axes():
         warmup.Matrix(kernels=("flash",))
     with pytest.raises(ValueError, match="caches must be"):
         warmup.Matrix(caches=("fp6",))
+    with pytest.raises(ValueError, match="caches must be"), pytest.warns(DeprecationWarning, match="'fp8'"):
+        warmup.Matrix(caches=("fp8_e4m3fn", "fp6"))
     with pytest.raises(ValueError, match="page_sizes must be"):
         warmup.Matrix(page_sizes=(0,))
     with pytest.raises(ValueError, match="index_dtypes must be"):
         warmup.Matrix(index_dtypes=())
     with pytest.raises(ValueError, match="page_sizes must be"):
         warmup.Matrix(page_sizes=[16])  # a list, not a tuple
+
+
+def test_matrix_takes_former_cache_spellings_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="'fp8_e4m3fnuz' is now spelled 'fp8_fnuz'"):
+        assert warmup.Matrix(caches=("bf16", "fp8_e4m3fnuz")).caches == ("bf16", "fp8_fnuz")
+
+
+def test_scorers_are_warmed_at_the_warm_work_points():
+    """Each scorer's warm problems include every warmed work point of each phase its registry order lists (the
+    points declared once, in ``tools.work_points``), at the point's widest page table."""
+    context = warmup.WarmContext(warmup.Matrix(caches=("bf16",), page_sizes=(64,)), Platform.named("gfx942"),
+                                 get_settings())
+    problems = {(p.phase, p.num_requests, p.max_query_len, p.table_width)
+                for _, p in context.scorer_problems(catalog.spec_named("rowwise"))}
+    phases = {phase for phase, *_ in problems}
+    assert {"draft", "decode"} <= phases  # the row-wise scorer is in (at least) these phases' orders
+    for phase in phases:
+        for point in work_points.warm_points(phase):
+            width = -(-point.longest_context // 4 // 64)
+            assert (phase, point.requests, point.rows_per_request, width) in problems, (phase, point.name)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="without a GPU only")

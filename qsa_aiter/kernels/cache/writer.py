@@ -29,7 +29,7 @@ SCAN_MAX_TOKENS = 4096
 LATER_BLOCK = 256
 
 # Kinds: the scorers' ``KV_KIND`` codes (a 16-bit copy, fp8 e4m3fn, fp8 e4m3fnuz, MXFP4).
-KIND_CODES = {"bf16": KV_16BIT, "fp8_e4m3fn": KV_FP8_E4M3FN, "fp8_e4m3fnuz": KV_FP8_E4M3FNUZ, "fp4": KV_FP4}
+KIND_CODES = {"bf16": KV_16BIT, "fp8": KV_FP8_E4M3FN, "fp8_fnuz": KV_FP8_E4M3FNUZ, "fp4": KV_FP4}
 
 
 @triton.jit
@@ -149,14 +149,15 @@ def _write_index_cache_kernel(
                 tl.store(scale_ptr + slot, scale)
 
 
-_FP8_DTYPES = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3fnuz": torch.float8_e4m3fnuz}
+_FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_fnuz": torch.float8_e4m3fnuz}
 
 
 def kind_of(cache: torch.Tensor, kind: str) -> str:
-    """The ``KIND_CODES`` key of ``cache``, whose ``quant.formats.cache_kind`` is ``kind`` (fp8 split by dtype)."""
+    """The ``KIND_CODES`` key of ``cache`` (its cache-format name, both 16-bit formats written alike as ``bf16``),
+    whose ``quant.formats.cache_kind`` is ``kind``: fp8 split by dtype."""
     if kind != "fp8":
         return kind
-    return "fp8_e4m3fnuz" if cache.dtype == torch.float8_e4m3fnuz else "fp8_e4m3fn"
+    return "fp8_fnuz" if cache.dtype == torch.float8_e4m3fnuz else "fp8"
 
 
 def constexprs(kind: str, head_dim: int) -> dict:
@@ -182,11 +183,6 @@ class WriterConfig:
     num_warps: int = 4
 
 
-#: ``allocate_index_cache`` kind and fp8 dtype of each ``KIND_CODES`` key, for example launches.
-_ALLOCATE = {"bf16": ("bf16", None), "fp8_e4m3fn": ("fp8", torch.float8_e4m3fn),
-             "fp8_e4m3fnuz": ("fp8", torch.float8_e4m3fnuz), "fp4": ("fp4", None)}
-
-
 class WriterSpec(KernelSpec):
     name = "cache_writer"
     family = "cache"
@@ -204,12 +200,10 @@ class WriterSpec(KernelSpec):
         return (problem.tokens,)
 
     def example_args(self, problem: WriterProblem, index_dtype, device) -> tuple:
-        kind, fp8 = _ALLOCATE[problem.kind]
-        if kind == "bf16" and problem.keys_dtype == torch.float16:
-            kind = "fp16"
-        extra = {"fp8_dtype": fp8} if fp8 is not None else {}
+        # The 16-bit kind stands for both 16-bit formats: the cache takes the keys' dtype.
+        cache_format = "fp16" if problem.kind == "bf16" and problem.keys_dtype == torch.float16 else problem.kind
         pages, page_size = 2, 16
-        cache, scale = allocate_index_cache(kind, pages, page_size, problem.head_dim, device=device, **extra)
+        cache, scale = allocate_index_cache(cache_format, pages, page_size, problem.head_dim, device=device)
         keys = torch.zeros(problem.tokens, problem.head_dim, dtype=problem.keys_dtype, device=device)
         slots = torch.arange(problem.tokens, dtype=index_dtype, device=device)
         cache = kernel_view(cache)

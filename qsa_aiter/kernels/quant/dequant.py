@@ -12,9 +12,10 @@ Each returns the keys and a per-column factor that the caller applies once per c
   (``e2m1 * 2**(e - 127)``, the exponent differs per 32-element block, so it cannot wait for the head sum);
   factor = ``1 / score_divisor``.
 
-With ``FP8_DOT`` (``fp8_dot``: e4m3fn or MXFP4 keys, bf16 q, e4m3 tensor cores) the keys go to e4m3 MMAs against q
-split into two exact e4m3 terms (``split_query_e4m3``): e4m3fn keys as stored, MXFP4 nibbles placed as exact e4m3
-bytes one 32-element block at a time (``fp4_e4m3_block``), their exponents applied to each block's fp32 dot.
+With ``E4M3_MMA`` (where ``scoring.base.e4m3_mma_serves``: e4m3fn or MXFP4 keys, bf16 q, a head_dim of at least
+``E4M3_MIN_HEAD_DIM``, e4m3 tensor cores) the keys go to e4m3 MMAs against q split into two exact e4m3 terms
+(``split_query_e4m3``): e4m3fn keys as stored, MXFP4 nibbles placed as exact e4m3 bytes one 32-element block at a
+time (``fp4_e4m3_block``), their exponents applied to each block's fp32 dot.
 
 Two exact decoders per format:
 
@@ -59,15 +60,15 @@ def kernel_view(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.view(torch.uint8)
 
 
-def dot_dtype(problem, upcast: bool, fp8_dot: bool = False):
+def dot_dtype(problem, upcast: bool, e4m3_mma: bool = False):
     """Operand dtype of the ``tl.dot`` in the tensor-core kernels (a ``DOT_DTYPE`` constexpr).
 
-    fp32 under the interpreter (it computes bf16 on raw bits); e4m3 when ``fp8_dot`` (``FP8_DOT``: the fp8 keys go
+    fp32 under the interpreter (it computes bf16 on raw bits); e4m3 when ``e4m3_mma`` (``E4M3_MMA``: the fp8 keys go
     to the tensor cores as stored, against q split into two e4m3 terms, ``split_query_e4m3``); otherwise q's dtype,
     except fp16 queries on an MXFP4 cache: dequantised fp4 keys can leave fp16's range, and fp32 (tf32) operands hold
     both exactly. Every fp8 value is exact in bf16 and fp16, and so is every dequantised fp4 key in bf16.
     """
-    if fp8_dot and not upcast:
+    if e4m3_mma and not upcast:
         return tl.float8e4nv
     if upcast or (problem.q_dtype == torch.float16 and kv_kind(problem.cache_dtype) == KV_FP4):
         return tl.float32
@@ -88,16 +89,6 @@ def key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE: tl.constexpr):
 
 #: e4m3 MMAs take head_dim in K-steps of 32: a smaller head_dim cannot be one.
 E4M3_MIN_HEAD_DIM = 32
-
-
-def fp8_dot(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, tensor_cores: bool) -> bool:
-    """Whether the tensor-core kernels score the keys with e4m3 MMAs (``FP8_DOT``): an e4m3fn cache (the stored
-    bytes are the operand) or an MXFP4 cache (each e2m1 nibble becomes an exact e4m3 byte, ``fp4_e4m3_block``), bf16
-    queries (8 significant bits: two e4m3 terms hold them, ``split_query_e4m3``), a head_dim of at least
-    ``E4M3_MIN_HEAD_DIM`` and e4m3 tensor cores (``Platform.e4m3_tensor_cores``; the interpreter emulates them with fp32 dots
-    of the same terms)."""
-    return (kv_kind(cache_dtype) in (KV_FP8_E4M3FN, KV_FP4) and q_dtype == torch.bfloat16
-            and head_dim >= E4M3_MIN_HEAD_DIM and tensor_cores)
 
 
 @triton.jit
@@ -293,7 +284,7 @@ FP4_TO_BF16_ASM = tl.constexpr(
 )
 
 
-# MXFP4 -> e4m3, for the e4m3 MMA path (``FP8_DOT``): a nibble ``s eem`` placed as the e4m3 byte ``s 000 eem 00``
+# MXFP4 -> e4m3, for the e4m3 MMA path (``E4M3_MMA``): a nibble ``s eem`` placed as the e4m3 byte ``s 000 eem 00``
 # (sign to bit 7, the magnitude bits to bits 4..2) is exactly ``e2m1 * 2**-6``: exponent field 0 with mantissa 100 is
 # the subnormal 2**-7 = 0.5 * 2**-6, fields 1..3 hold 1 .. 6 times 2**-6, and zero stays zero. Pure bit placement on
 # four bytes per 32-bit register: the low nibbles (even elements) to $0, the high nibbles (odd elements) to $1.
@@ -398,7 +389,7 @@ def key_values(k_ptr, slot, page_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constex
     if KV_KIND == KIND_16BIT:
         keys = raw.to(DOT_DTYPE)
     elif DOT_DTYPE == tl.float8e4nv:
-        keys = raw.to(tl.float8e4nv, bitcast=True)  # FP8_DOT: the stored bytes are the MMA operand
+        keys = raw.to(tl.float8e4nv, bitcast=True)  # E4M3_MMA: the stored bytes are the MMA operand
     else:
         keys = fp8_keys(raw, KV_KIND, DOT_DTYPE, FAST_DECODE)
     return keys

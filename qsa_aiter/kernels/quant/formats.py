@@ -1,10 +1,14 @@
-"""Index-cache formats (SPEC section 3): allocation, torch quantisers and the dequantiser.
+"""Index-cache formats (SPEC section 3): their names, allocation, torch quantisers and the dequantiser.
 
-| kind | cache | scale |
-|---|---|---|
-| ``bf16`` / ``fp16`` | ``[pages, P, 1, D]`` as is | none |
-| ``fp8`` | ``[pages, P, 1, D]`` ``float8_e4m3fn`` (or ``float8_e4m3fnuz``) | ``[pages, P]`` fp32, one per token |
-| ``fp4`` | ``[pages, P, 1, D // 2]`` ``float4_e2m1fn_x2`` | ``[pages, P, 1, D // 32]`` ``float8_e8m0fnu`` |
+| format | cache | scale | kind |
+|---|---|---|---|
+| ``bf16`` / ``fp16`` | ``[pages, P, 1, D]`` as is | none | ``bf16`` |
+| ``fp8`` / ``fp8_fnuz`` | ``[pages, P, 1, D]`` ``float8_e4m3fn`` / ``_e4m3fnuz`` | ``[pages, P]`` fp32 | ``fp8`` |
+| ``fp4`` | ``[pages, P, 1, D // 2]`` ``float4_e2m1fn_x2`` | ``[pages, P, 1, D // 32]`` ``float8_e8m0fnu`` | ``fp4`` |
+
+A format's name is the one spelling the API and every command-line option use (``canonical_format`` maps the
+spellings of earlier releases to it); its kind is the registry's and the tuned tables' kv axis, which a format's
+layout decides (``cache_kind``).
 
 fp8: ``scale = max(amax(k), 1e-4) / finfo.max``, ``value = round_to_fp8(k / scale)``, key = ``value * scale``.
 fp4 (OCP MX): per block of 32 elements along ``D`` the e8m0 exponent is ``floor(log2(amax)) - 2`` (biased by 127,
@@ -15,6 +19,9 @@ byte ``i``.
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import torch
 
 FP4_BLOCK = 32
@@ -24,6 +31,52 @@ SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 #: Midpoints between consecutive e2m1 magnitudes; a tie goes to the even code (round to nearest-even).
 E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """One index-cache format: ``name`` (its one spelling), ``dtype`` (the cache tensor's) and ``kind`` (the
+    registry's and the tuned tables' kv axis: ``bf16`` for both 16-bit formats, ``fp8`` for both e4m3 ones)."""
+
+    name: str
+    dtype: torch.dtype
+    kind: str
+
+    @property
+    def query_dtype(self) -> torch.dtype:
+        """The query dtype that goes with the format by default: a 16-bit cache has q's dtype, q is bf16 otherwise."""
+        return self.dtype if self.kind == "bf16" else torch.bfloat16
+
+
+#: Every index-cache format, by name (docs/cache_formats.md).
+CACHE_FORMATS = {fmt.name: fmt for fmt in (
+    CacheFormat("bf16", torch.bfloat16, "bf16"),
+    CacheFormat("fp16", torch.float16, "bf16"),
+    CacheFormat("fp8", torch.float8_e4m3fn, "fp8"),
+    CacheFormat("fp8_fnuz", torch.float8_e4m3fnuz, "fp8"),
+    CacheFormat("fp4", torch.float4_e2m1fn_x2, "fp4"),
+)}
+#: Spellings of earlier releases, still accepted with a ``DeprecationWarning``: the warm-up's fp8 names, and the
+#: demo's ``16bit`` (a cache of q's dtype: ``bf16`` or ``fp16``).
+FORMER_SPELLINGS = {"fp8_e4m3fn": "fp8", "fp8_e4m3fnuz": "fp8_fnuz", "16bit": "bf16 or fp16"}
+
+
+def canonical_format(spelling: str, *, q_dtype: torch.dtype = torch.bfloat16, stacklevel: int = 1) -> str:
+    """The format name (a key of ``CACHE_FORMATS``) that ``spelling`` means.
+
+    A former spelling (``FORMER_SPELLINGS``) gives its name with a ``DeprecationWarning`` that names it; ``16bit``
+    is the 16-bit format of ``q_dtype``. Anything else raises ``ValueError`` naming the accepted spellings.
+    ``stacklevel`` counts from the caller (1: the warning names the line that called this function).
+    """
+    if spelling in CACHE_FORMATS:
+        return spelling
+    if spelling not in FORMER_SPELLINGS:
+        raise ValueError(f"index-cache format must be one of {', '.join(CACHE_FORMATS)} (former spellings, still "
+                         f"accepted: {', '.join(FORMER_SPELLINGS)}); got {spelling!r}")
+    name = ("fp16" if q_dtype == torch.float16 else "bf16") if spelling == "16bit" else FORMER_SPELLINGS[spelling]
+    warnings.warn(f"index-cache format {spelling!r} is now spelled {name!r} (docs/cache_formats.md)",
+                  DeprecationWarning, stacklevel=stacklevel + 1)
+    return name
 
 
 def cache_kind(cache: torch.Tensor) -> str:
@@ -51,26 +104,28 @@ def scale_layout(kind: str, num_pages: int, page_size: int, head_dim: int):
     return None
 
 
-def allocate_index_cache(kind: str, num_pages: int, page_size: int, head_dim: int, *, device="cpu",
-                         fp8_dtype: torch.dtype = torch.float8_e4m3fn):
-    """Zeroed ``(cache, scale)`` for ``kind`` in ``bf16``, ``fp16``, ``fp8`` or ``fp4`` (scale is None for 16-bit)."""
+def allocate_index_cache(cache_format: str, num_pages: int, page_size: int, head_dim: int, *, device="cpu",
+                         fp8_dtype: torch.dtype | None = None):
+    """Zeroed ``(cache, scale)`` of ``cache_format`` (a ``CACHE_FORMATS`` name: ``bf16``, ``fp16``, ``fp8``,
+    ``fp8_fnuz`` or ``fp4``; a former spelling is accepted with a ``DeprecationWarning``); scale is None for 16-bit
+    formats. ``fp8_dtype`` picks the e4m3 dtype of an ``fp8`` cache (``float8_e4m3fnuz`` makes it ``fp8_fnuz``)."""
+    name = canonical_format(cache_format, stacklevel=2)
     if num_pages < 1 or page_size < 1 or head_dim < 1:
         raise ValueError(f"num_pages, page_size and head_dim must be >= 1; got {num_pages}, {page_size}, {head_dim}")
-    if kind in ("bf16", "fp16"):
-        dtype = torch.bfloat16 if kind == "bf16" else torch.float16
-        return torch.zeros(num_pages, page_size, 1, head_dim, dtype=dtype, device=device), None
-    if kind == "fp8":
+    fmt = CACHE_FORMATS[name]
+    cache_dtype = fmt.dtype
+    if fp8_dtype is not None and fmt.kind == "fp8":
         if fp8_dtype not in FP8_DTYPES:
             raise TypeError(f"fp8_dtype must be float8_e4m3fn or float8_e4m3fnuz; got {fp8_dtype}")
+        if name == "fp8_fnuz" and fp8_dtype != torch.float8_e4m3fnuz:
+            raise ValueError(f"fp8_dtype {fp8_dtype} contradicts cache format 'fp8_fnuz' (float8_e4m3fnuz)")
         cache_dtype = fp8_dtype
-    elif kind == "fp4":
-        if head_dim % FP4_BLOCK:
-            raise ValueError(f"fp4 caches need head_dim divisible by {FP4_BLOCK}; got {head_dim}")
-        cache_dtype = torch.float4_e2m1fn_x2
-    else:
-        raise ValueError(f"kind must be one of bf16, fp16, fp8, fp4; got {kind!r}")
-    scale_shape, scale_dtype = scale_layout(kind, num_pages, page_size, head_dim)
-    cache = _zeros((num_pages, page_size, 1, cache_width(kind, head_dim)), cache_dtype, device)
+    if fmt.kind == "bf16":
+        return torch.zeros(num_pages, page_size, 1, head_dim, dtype=cache_dtype, device=device), None
+    if fmt.kind == "fp4" and head_dim % FP4_BLOCK:
+        raise ValueError(f"fp4 caches need head_dim divisible by {FP4_BLOCK}; got {head_dim}")
+    scale_shape, scale_dtype = scale_layout(fmt.kind, num_pages, page_size, head_dim)
+    cache = _zeros((num_pages, page_size, 1, cache_width(fmt.kind, head_dim)), cache_dtype, device)
     return cache, _zeros(scale_shape, scale_dtype, device)
 
 

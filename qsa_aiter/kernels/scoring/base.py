@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import torch
 
-from ..platform import Platform, triton_runs_on
-from ..quant.dequant import E4M3_MIN_HEAD_DIM, KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, fp8_dot, kernel_view, kv_kind
+from ..platform import Platform
+from ..quant.dequant import E4M3_MIN_HEAD_DIM, KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, kernel_view, kv_kind
 from ..quant.formats import allocate_index_cache
 from ..spec import KernelSpec, cdiv, is_pow2, next_pow2
 
@@ -46,9 +46,15 @@ class ScoreArgs:
     scale: float  # 1 / score_divisor
     k_scale: torch.Tensor | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the call runs (the device of ``q``)."""
+        return self.q.device
+
     def kernel_args(self) -> tuple:
-        """Positional arguments of every scoring kernel, in the order of their signatures: ``SCORE_POINTERS``
-        tensors, then the scalars (a cached call replays them with the tensors' addresses, ``ScoringPlan``)."""
+        """Positional arguments of every scoring kernel, in the order of their signatures: the tensors (the
+        pointer parameters), then the scalars (a cached call replays them with the tensors' addresses,
+        ``ScoringPlan``)."""
         cache = kernel_view(self.k_cache)
         # 16-bit caches have no scale tensor: the cache stands in for the never-read pointer.
         k_scale = cache if self.k_scale is None else kernel_view(self.k_scale)
@@ -59,17 +65,35 @@ class ScoreArgs:
         )
 
 
-#: Pointer arguments leading every scoring kernel's signature: q, the cache, its scales (or the cache again), the page
-#: table, token_to_request, query_positions, context_lens, the logits, the visible counts.
-SCORE_POINTERS = 9
+
+def e4m3_mma_refusal(problem, platform: Platform) -> str | None:
+    """Why ``problem``'s keys cannot go to e4m3 tensor-core MMAs on ``platform`` (for ``explain``), or None when they
+    can. They can with ``QSA_AITER_E4M3_MMA`` on as read for the call (``problem.e4m3_mma``), bf16 queries (8
+    significant bits: two e4m3 terms hold them, ``split_query_e4m3``), an e4m3fn cache (the stored bytes are the
+    operand) or an MXFP4 one (each e2m1 nibble becomes an exact e4m3 byte, ``fp4_e4m3_block``), a head_dim of at
+    least ``E4M3_MIN_HEAD_DIM``, and e4m3 tensor cores (``Platform.e4m3_tensor_cores``; the interpreter emulates them
+    with exact fp32 dots of the same terms)."""
+    if not problem.e4m3_mma:
+        return "QSA_AITER_E4M3_MMA=0"
+    if problem.q_dtype != torch.bfloat16:
+        return "fp16 queries: two e4m3 terms cannot hold them"
+    kind = kv_kind(problem.cache_dtype)
+    if kind == KV_16BIT:
+        return "16-bit keys are no e4m3 operand"
+    if kind not in (KV_FP8_E4M3FN, KV_FP4):
+        return "an e4m3fnuz cache"
+    if problem.head_dim < E4M3_MIN_HEAD_DIM:
+        return f"head_dim {problem.head_dim} < {E4M3_MIN_HEAD_DIM}: e4m3 MMAs step head_dim by 32"
+    if not platform.e4m3_tensor_cores:
+        return "no e4m3 tensor cores on this device"
+    return None
 
 
-def e4m3_mma(problem, platform: Platform) -> bool:
-    """Whether the keys go to e4m3 tensor-core MMAs (``FP8_DOT``): ``QSA_AITER_FP8_MMA`` as read for the call
-    (``problem.fp8_mma``), an e4m3fn or MXFP4 cache with bf16 queries (``dequant.fp8_dot``) and e4m3 tensor cores
-    on ``platform`` (or the interpreter, which emulates them with exact fp32 dots)."""
-    return fp8_dot(problem.q_dtype, problem.cache_dtype, problem.head_dim,
-                   problem.fp8_mma and platform.e4m3_tensor_cores)
+def e4m3_mma_serves(problem, platform: Platform) -> bool:
+    """Whether a kernel with the e4m3 MMA path (``ScorerSpec.e4m3_mma_path``) feeds ``problem``'s keys to e4m3
+    tensor-core MMAs on ``platform`` (its ``E4M3_MMA`` constexpr): whenever ``e4m3_mma_refusal`` finds no reason
+    against it."""
+    return e4m3_mma_refusal(problem, platform) is None
 
 
 def scale_words_fit(head_dim: int) -> bool:
@@ -106,14 +130,14 @@ def request_block_rows(problem) -> int:
 def stacked_constexprs(problem, platform: Platform, cfg) -> dict:
     """The constexprs the stacked and keys-major scorers share, from ``cfg`` (``block_rows``, ``block_n``,
     ``scalar_pages``)."""
-    mma = e4m3_mma(problem, platform)
+    mma = e4m3_mma_serves(problem, platform)
     kind = kv_kind(problem.cache_dtype)
     return dict(
         RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
         PAGE_SIZE=problem.block_size, BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n,
         KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, mma),
         FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
-        FP8_DOT=mma, SCALE_WORDS=problem.scale_aligned and scale_words_fit(problem.head_dim),
+        E4M3_MMA=mma, SCALE_WORDS=problem.scale_aligned and scale_words_fit(problem.head_dim),
     )
 
 
@@ -131,14 +155,12 @@ class ScorerSpec(KernelSpec):
     switch: ClassVar[str | None] = None
     #: Scores with ``tl.dot`` (tensor cores).
     tensor_cores: ClassVar[bool] = True
-    #: Feeds e4m3fn and MXFP4 keys to e4m3 tensor cores where ``e4m3_mma`` allows (``FP8_DOT``).
-    e4m3_keys: ClassVar[bool] = False
+    #: Has the e4m3 MMA path: feeds e4m3fn and MXFP4 keys to e4m3 tensor cores where ``e4m3_mma_serves`` says so
+    #: (its ``E4M3_MMA`` constexpr).
+    e4m3_mma_path: ClassVar[bool] = False
 
     def reasons(self, problem, platform) -> list[str]:
-        reasons = []
-        if not triton_runs_on(problem.device_type):
-            reasons.append("Triton kernels need a CUDA/HIP tensor or TRITON_INTERPRET=1 (tensors are on "
-                           f"{problem.device_type})")
+        reasons = super().reasons(problem, platform)
         if problem.kv_dtype not in self.kv_dtypes:
             reasons.append(f"kv dtype {problem.kv_dtype} is not served (serves {', '.join(self.kv_dtypes)})")
         why = self.shape_reason(problem)
@@ -153,11 +175,11 @@ class ScorerSpec(KernelSpec):
     def key_reading(self, problem, platform) -> str:
         """One line for ``explain``: how this kernel reads ``problem``'s keys on ``platform``."""
         kind = kv_kind(problem.cache_dtype)
-        if self.e4m3_keys and e4m3_mma(problem, platform):
+        if self.e4m3_mma_path and e4m3_mma_serves(problem, platform):
             keys = ("MXFP4 nibbles placed as exact e4m3 bytes, one k32 MMA step per 32-element block, scaled by its "
                     "e8m0 exponent in fp32" if kind == KV_FP4 else "the stored e4m3fn bytes as the MMA operand")
             emulated = " (emulated with exact fp32 dots under TRITON_INTERPRET=1)" if platform.interpreter else ""
-            return f"e4m3 tensor cores (QSA_AITER_FP8_MMA=1): {keys}; q split into two e4m3 terms{emulated}"
+            return f"e4m3 tensor cores (QSA_AITER_E4M3_MMA=1): {keys}; q split into two e4m3 terms{emulated}"
         if kind == KV_16BIT:
             return "as stored"
         dtype = "fp32" if platform.upcast else str(dot_dtype(problem, False))
@@ -165,16 +187,9 @@ class ScorerSpec(KernelSpec):
 
     def decoding_reason(self, problem, platform) -> str:
         """Why quantised keys are decoded rather than fed to e4m3 tensor cores."""
-        if not problem.fp8_mma:
-            return "QSA_AITER_FP8_MMA=0"
-        if problem.q_dtype != torch.bfloat16:
-            return "fp16 queries: two e4m3 terms cannot hold them"
-        kind = kv_kind(problem.cache_dtype)
-        if kind not in (KV_FP8_E4M3FN, KV_FP4):
-            return "an e4m3fnuz cache"
-        if problem.head_dim < E4M3_MIN_HEAD_DIM:
-            return f"head_dim {problem.head_dim} < {E4M3_MIN_HEAD_DIM}: e4m3 MMAs step head_dim by 32"
-        return "no e4m3 tensor cores on this device"
+        if not self.e4m3_mma_path:
+            return "this kernel has no e4m3 MMA path"
+        return e4m3_mma_refusal(problem, platform) or "e4m3 MMAs would serve"
 
     def example_args(self, problem, index_dtype, device) -> tuple:
         """Two requests of two rows on two pages each, laid out like the public op's (page-table and logits row

@@ -11,7 +11,7 @@ stride over several tiles with rows x heads as M.
 
 Rows of different requests in one block (decode and draft: one row per request) are walked as in the stacked
 scorer (``tiles.block_request``). Every cache format is served: 16-bit keys as stored, fp8 and MXFP4 decoded in
-registers, or with ``FP8_DOT`` the e4m3 bytes (stored, or unpacked from MXFP4 nibbles) fed to e4m3 MMAs as in the
+registers, or with ``E4M3_MMA`` the e4m3 bytes (stored, or unpacked from MXFP4 nibbles) fed to e4m3 MMAs as in the
 stacked scorer's keys-major path.
 """
 
@@ -37,7 +37,7 @@ def _keys_major_scorer_kernel(
     num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, KV_KIND: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, FP8_DOT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, E4M3_MMA: tl.constexpr,
     SCALAR_PAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -53,7 +53,7 @@ def _keys_major_scorer_kernel(
         M: tl.constexpr = BLOCK_ROWS * NUM_HEADS
         q_rows = first_row.to(tl.int64) * NUM_HEADS + tl.arange(0, M)
         q_first, q_second, q_factor = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM,
-                                                  KV_KIND, DOT_DTYPE, FP8_DOT)
+                                                  KV_KIND, DOT_DTYPE, E4M3_MMA)
         out_rows = out_ptr + rows.to(tl.int64) * out_stride
         for i in tl.static_range(BLOCK_ROWS):
             r_i, starts, mine, req_vis = block_request(req, vis, i, BLOCK_ROWS)
@@ -61,7 +61,7 @@ def _keys_major_scorer_kernel(
                 pt_row = pt_ptr + r_i.to(tl.int64) * pt_stride
                 # This program's tiles of the request: [first_tile, last_tile), possibly none.
                 last_tile = tl.minimum(first_tile + TILES, tl.cdiv(req_vis, BLOCK_N))
-                if FP8_DOT and (KV_KIND == KIND_FP4):
+                if E4M3_MMA and (KV_KIND == KIND_FP4):
                     q_scale = q_factor * scale
                     exps = fp4_tile_exponents(ks_ptr, pt_row, first_tile, last_tile, req_vis, num_pages, BLOCK_N,
                                               PAGE_SIZE, HEAD_DIM // 32, SCALAR_PAGES, SCALE_WORDS)
@@ -76,7 +76,7 @@ def _keys_major_scorer_kernel(
                         store_keys_major(out_rows, cols, dots_t, page_ok, tl.full((BLOCK_N,), 1.0, tl.float32), mine,
                                          vis, BLOCK_N, BLOCK_ROWS, NUM_HEADS)
                         exps = next_exps
-                elif FP8_DOT:
+                elif E4M3_MMA:
                     factor = fp8_tile_scales(ks_ptr, pt_row, first_tile, last_tile, req_vis, num_pages, scale,
                                              BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
                     for tile in range(first_tile, last_tile):
@@ -132,7 +132,7 @@ class KeysMajorSpec(ScorerSpec):
     # After the stacked scorer in the order: chosen where the tuned tables measured it faster (registry).
     ranks = {"verify": 25, "draft": 25, "decode": 35}
     switch = "stacked_decode_scorer"
-    e4m3_keys = True
+    e4m3_mma_path = True
     tune_points = (("9x4@64K-128K", "verify"), ("16x4@32K", "verify"), ("64x4@32K", "verify"),
                    ("64x4@98K", "verify"), ("4x4@262K", "verify"), ("128x1@98K", "draft"), ("64x1@32K", "decode"),
                    ("16x1@98K", "decode"), ("1x1@262K", "decode"))

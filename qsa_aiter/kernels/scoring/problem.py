@@ -39,7 +39,7 @@ class ScoreProblem:
     phase_source: str  # "hint" or "inferred: <why>"
     max_query_len: int | None
     cache_bytes: int  # the cache plus its scale tensor
-    fp8_mma: bool = True  # QSA_AITER_FP8_MMA as read for the call: e4m3 tensor cores may score e4m3fn/MXFP4 keys
+    e4m3_mma: bool = True  # QSA_AITER_E4M3_MMA as read for the call: e4m3 tensor cores may score e4m3fn/MXFP4 keys
     scale_aligned: bool = True  # an MXFP4 scale tensor's address is a multiple of a key's exponent bytes
 
     def summary(self) -> str:

@@ -7,7 +7,7 @@ verify), the request's keys are read once per verify instead of once per row. Ro
 block (draft: one row per request) are walked: each distinct request is scored with its own page-table row and only
 its rows are stored. Several programs per row block (enough to fill the GPU once) stride over the column tiles.
 
-On an e4m3fn or MXFP4 cache with bf16 queries (``FP8_DOT``, ``QSA_AITER_FP8_MMA=1``) the operands swap: the e4m3 key
+On an e4m3fn or MXFP4 cache with bf16 queries (``E4M3_MMA``, ``QSA_AITER_E4M3_MMA=1``) the operands swap: the e4m3 key
 tile (stored, or unpacked from MXFP4 nibbles one 32-element block per MMA K-step, ``tiles.fp4_keys_major_dots``) is
 the M operand of e4m3 tensor-core MMAs and q, split into two exact e4m3 terms, is N (``dequant.split_query_e4m3``).
 """
@@ -22,7 +22,7 @@ import triton.language as tl
 from ..quant.dequant import KIND_FP4, KV_16BIT, KV_FP4, key_values, kv_kind
 from ..spec import COUNT_OR_ZERO, FLAG, cdiv
 from .base import (
-    DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma, request_block_rows, stacked_constexprs,
+    DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma_serves, request_block_rows, stacked_constexprs,
     stacked_shape_reason,
 )
 from .tiles import (
@@ -37,7 +37,7 @@ def _stacked_scorer_kernel(
     num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KV_KIND: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, FP8_DOT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, E4M3_MMA: tl.constexpr,
     SCALAR_PAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -52,7 +52,7 @@ def _stacked_scorer_kernel(
     M: tl.constexpr = BLOCK_ROWS * NUM_HEADS
     q_rows = first_row.to(tl.int64) * NUM_HEADS + tl.arange(0, M)
     q_first, q_second, q_factor = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND,
-                                              DOT_DTYPE, FP8_DOT)
+                                              DOT_DTYPE, E4M3_MMA)
     out_rows = out_ptr + rows.to(tl.int64) * out_stride
 
     for i in tl.static_range(BLOCK_ROWS):
@@ -61,7 +61,7 @@ def _stacked_scorer_kernel(
         if starts:
             pt_row = pt_ptr + r_i.to(tl.int64) * pt_stride
             n_tiles = tl.cdiv(req_vis, BLOCK_N)
-            if FP8_DOT and (KV_KIND == KIND_FP4):
+            if E4M3_MMA and (KV_KIND == KIND_FP4):
                 # MXFP4 keys unpacked to e4m3 bytes, one MMA K-step per 32-element block; the block exponents are
                 # loaded one tile ahead (fp4_tile_exponents). 1 / score_divisor (> 0) joins q's factor before the
                 # ReLU: one multiply per dot instead of one more per score.
@@ -78,7 +78,7 @@ def _stacked_scorer_kernel(
                     store_keys_major(out_rows, cols, dots_t, page_ok, tl.full((BLOCK_N,), 1.0, tl.float32), mine,
                                      vis, BLOCK_N, BLOCK_ROWS, NUM_HEADS)
                     exps = next_exps
-            elif FP8_DOT:
+            elif E4M3_MMA:
                 # The stored e4m3 keys are the MMA's M operand, q's two e4m3 terms the N operand: dots and scores
                 # come out keys x rows. The keys' fp32 scales are loaded one tile ahead (fp8_tile_scales).
                 factor = fp8_tile_scales(ks_ptr, pt_row, col_prog, n_tiles, req_vis, num_pages, scale, BLOCK_N,
@@ -127,7 +127,7 @@ class StackedSpec(ScorerSpec):
     # Decode after the row-wise scorer: chosen there where the tuned tables measured it faster (registry).
     ranks = {"verify": 20, "draft": 20, "decode": 30}
     switch = "stacked_decode_scorer"
-    e4m3_keys = True
+    e4m3_mma_path = True
     tune_points = (("9x4@64K-128K", "verify"), ("64x4@98K", "verify"), ("4x4@262K", "verify"),
                    ("128x1@98K", "draft"), ("64x1@32K", "decode"), ("16x1@98K", "decode"), ("1x1@262K", "decode"))
     tune_grid = dict(block_n=(64, 128), num_stages=(2, 3, 5), scalar_pages=(0, 1), programs_per_sm=(2, 4, 8))
@@ -139,7 +139,7 @@ class StackedSpec(ScorerSpec):
         """Tile settings for ``problem`` on ``platform``, from the tuner's H200 measurements (docs/kernels.md)."""
         rows = request_block_rows(problem)
         kind = kv_kind(problem.cache_dtype)
-        mma = e4m3_mma(problem, platform)
+        mma = e4m3_mma_serves(problem, platform)
         if kind == KV_FP4 and mma:
             # Every 32-element block keeps an fp32 accumulator [BLOCK_N, M] live until it is scaled: 64-key tiles
             # (the smallest wgmma M), one warpgroup, deep staging (the page-id indirection takes two stages), and

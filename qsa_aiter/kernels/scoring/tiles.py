@@ -73,21 +73,21 @@ def stacked_head_scores(dots, page_ok, factor, ROWS: tl.constexpr, NUM_HEADS: tl
 
 @triton.jit
 def load_q_tile(q_ptr, q_rows, q_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                FP8_DOT: tl.constexpr):
+                E4M3_MMA: tl.constexpr):
     """Query rows ``q_rows`` (of ``q`` viewed as ``[rows, HEAD_DIM]``) as dot operands ``(first, second, factor)``
     for ``pair_dot``: ``(q, q, 1)``, each ``[len(q_rows), HEAD_DIM]``; for an MXFP4 cache q's even and odd elements,
-    each ``[len(q_rows), HEAD_DIM // 2]`` (to meet ``load_fp4_key_tile``'s even and odd keys); with ``FP8_DOT`` the
+    each ``[len(q_rows), HEAD_DIM // 2]`` (to meet ``load_fp4_key_tile``'s even and odd keys); with ``E4M3_MMA`` the
     two e4m3 terms of q and the fp32 row scale ``[len(q_rows)]`` to multiply their dots by (``split_query_e4m3``),
-    and with ``FP8_DOT`` on an MXFP4 cache those terms per 32-element block (``load_q_fp4_blocks``)."""
+    and with ``E4M3_MMA`` on an MXFP4 cache those terms per 32-element block (``load_q_fp4_blocks``)."""
     row = q_ptr + q_rows.to(tl.int64)[:, None] * HEAD_DIM
     factor = tl.full(q_rows.shape, 1.0, tl.float32)
-    if FP8_DOT and (KV_KIND == KIND_FP4):
+    if E4M3_MMA and (KV_KIND == KIND_FP4):
         first, second, factor = load_q_fp4_blocks(q_ptr, q_rows, q_ok, HEAD_DIM, DOT_DTYPE)
     elif KV_KIND == KIND_FP4:
         j = 2 * tl.arange(0, HEAD_DIM // 2)
         first = tl.load(row + j[None, :], mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
         second = tl.load(row + j[None, :] + 1, mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
-    elif FP8_DOT:
+    elif E4M3_MMA:
         q = tl.load(row + tl.arange(0, HEAD_DIM)[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
         hi, lo, factor = split_query_e4m3(q)
         first = hi.to(DOT_DTYPE)
@@ -180,7 +180,7 @@ def keys_major_pair_dot(q_first, q_second, k_first, k_second, KV_KIND: tl.conste
 
 @triton.jit
 def fp8_keys_major_dots(keys, q_hi, q_lo, q_factor):
-    """``FP8_DOT`` dots, keys major: e4m3 keys ``[BLOCK_N, D]`` (as stored) against q's two e4m3 terms ``[M, D]``
+    """``E4M3_MMA`` dots, keys major: e4m3 keys ``[BLOCK_N, D]`` (as stored) against q's two e4m3 terms ``[M, D]``
     (``load_q_tile``), one fp32 accumulator ``[BLOCK_N, M]`` times q's row scales ``[M]``. With the keys as the M
     operand the tensor cores read them straight from shared memory: no register pass over the keys at all."""
     dots = tl.dot(keys, tl.trans(q_lo), tl.dot(keys, tl.trans(q_hi)))
@@ -266,7 +266,7 @@ def fp4_block_factors(exps, NB: tl.constexpr, SCALE_WORDS: tl.constexpr):
 @triton.jit
 def fp4_keys_major_dots(k_ptr, slot, page_ok, exps, q_hi, q_lo, q_factor, HEAD_DIM: tl.constexpr,
                         DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, SCALE_WORDS: tl.constexpr):
-    """``FP8_DOT`` dots of an MXFP4 key tile, keys major: ``[BLOCK_N, M]`` fp32 for the keys at cache slots ``slot``
+    """``E4M3_MMA`` dots of an MXFP4 key tile, keys major: ``[BLOCK_N, M]`` fp32 for the keys at cache slots ``slot``
     (``[BLOCK_N]``; zeros where not ``page_ok``) with block exponents ``exps`` (``fp4_tile_exponents``) against q's
     per-block e4m3 terms (``load_q_fp4_blocks``).
 

@@ -121,11 +121,8 @@ def launch(block_indices: torch.Tensor, query_positions: torch.Tensor, context_l
         *kernel_args(block_indices, query_positions, context_lens, token_to_request, out))
 
 
-#: Pointer arguments leading the kernel's signature (a cached call replays them as addresses).
-EXPAND_POINTERS = 5
-
 
 def kernel_args(block_indices, query_positions, context_lens, token_to_request, out) -> tuple:
-    """The kernel's positional arguments: ``EXPAND_POINTERS`` tensors, then the scalars."""
+    """The kernel's positional arguments: the tensors (the pointer parameters), then the scalars."""
     return (block_indices, query_positions, context_lens, token_to_request, out, context_lens.shape[0],
             block_indices.stride(0), out.stride(0))

@@ -1,5 +1,6 @@
-"""Row-by-row torch oracles of the selection ops: block top-k (``reference_block_topk``) and the expansion of
-groups to tokens (``reference_expand_block_indices``)."""
+"""The selection ops in torch: the row-by-row oracles of block top-k (``reference_block_topk``) and of the expansion
+of groups to tokens (``reference_expand_block_indices``), and the vectorised, graph-safe torch paths that serve where
+no kernel does (``torch_block_topk``, ``torch_expand_block_indices``: the ``torch`` candidates of their registries)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,53 @@ def reference_expand_block_indices(block_indices: torch.Tensor, query_positions:
         kept = [tok for tok in kept if 0 <= tok < limit][:width]
         out[t, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
     return out.to(block_indices.device)
+
+
+def torch_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int, out: torch.Tensor) -> None:
+    """The torch path of ``qsa_block_topk`` (any device, graph-safe): a stable descending sort of the visible scores
+    (ties keep the lower index first; masked columns sort after every visible one, ``-inf`` included, because they
+    have higher indices), the first ``block_topk`` columns, then an ascending sort with ``-1`` last."""
+    tokens, columns = logits.shape
+    if tokens == 0:
+        return
+    cols = torch.arange(columns, device=logits.device)
+    vis = visible.long()[:, None]
+    masked = torch.where(cols[None, :] < vis, logits, torch.full_like(logits, float("-inf")))
+    take = min(block_topk, columns)
+    order = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :take]
+    rank = torch.arange(take, device=logits.device)[None, :]
+    chosen = torch.where(rank < vis, order, columns)  # rows with fewer visible groups: the rest are empty
+    chosen = torch.sort(chosen, dim=1).values
+    out[:, :take] = torch.where(chosen < columns, chosen, -1).to(torch.int32)
+    out[:, take:] = -1
+
+
+def torch_expand_block_indices(block_indices, query_positions, context_lens, token_to_request, compress_ratio: int,
+                               token_topk: int, out: torch.Tensor) -> None:
+    """The torch path of ``qsa_expand_block_indices`` (any device, graph-safe, vectorised over rows)."""
+    tokens, groups = block_indices.shape
+    if tokens == 0:
+        return
+    device, ratio = block_indices.device, compress_ratio
+    width = token_topk + ratio - 1
+    req = token_to_request.long()
+    ok = (req >= 0) & (req < context_lens.shape[0])
+    limit = torch.where(ok, context_lens.long()[req.clamp(0, max(context_lens.shape[0] - 1, 0))], 0)
+    limit = limit.clamp_max(TOKEN_INDEX_LIMIT)
+    pos = query_positions.long()
+    g = block_indices.long()
+    tok = g[:, :, None] * ratio + torch.arange(ratio, device=device)[None, None, :]  # [T, G, R]
+    keep = (g[:, :, None] >= 0) & (g[:, :, None] < limit[:, None, None]) & (tok < limit[:, None, None])
+    kept = keep.sum(dim=2)
+    first = torch.cumsum(kept, dim=1) - kept  # [T, G]
+    total = kept.sum(dim=1)
+    slots = torch.arange(width, device=device)
+    result = torch.full((tokens, width + 1), -1, dtype=torch.long, device=device)  # column `width`: a sink
+    target = torch.where(keep, first[:, :, None] + torch.arange(ratio, device=device)[None, None, :], width)
+    result.scatter_(1, target.reshape(tokens, -1), torch.where(keep, tok, -1).reshape(tokens, -1))
+    tail_start = torch.where(pos >= 0, torch.div(pos + 1, ratio, rounding_mode="floor") * ratio, 0)
+    tail_len = (torch.minimum(pos + 1, limit) - tail_start).clamp_min(0)
+    rel = slots[None, :] - total[:, None]
+    tail = torch.where((rel >= 0) & (rel < tail_len[:, None]), tail_start[:, None] + rel, -1)
+    result = torch.where(slots[None, :] < total[:, None], result[:, :width], tail)
+    out.copy_(result.to(torch.int32))

@@ -459,6 +459,3 @@ def launch(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block
     plan.launch(logits, visible, out, candidates, block_max, pos, ctx, t2r, tok, logits.stride(0), out.stride(0),
                 candidates.stride(0), block_max.stride(0), num_requests, tok_stride, columns)
 
-
-#: Pointer arguments leading the top-k kernel's signature (a cached call replays them as addresses).
-TOPK_POINTERS = 9

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qsa_aiter
-from qsa_aiter.runtime import dispatch
+from qsa_aiter.runtime import registries
 from qsa_aiter.kernels.platform import interpreting
 from qsa_aiter.ops.scoring import describe_call
 from qsa_aiter.tools.workloads import make_batch
@@ -37,7 +37,7 @@ def test_kernel_matrix(monkeypatch, rng, dtype, page_size, phase, backend):
     batch, hints = phase_batch(phase, page_size, rng, dtype=DTYPES[dtype])
     # Page sizes outside the registry table take the universal fallback order (rowwise first) under `auto`.
     check_forced(monkeypatch, backend, batch, hints, label=f"{backend}/{phase}/{dtype}/page{page_size}",
-                 auto_is_preferred=interpreting() and page_size in dispatch.BLOCK_SIZES)
+                 auto_is_preferred=interpreting() and page_size in registries.BLOCK_SIZES)
 
 
 @pytest.mark.parametrize("backend", KERNELS + ("auto",))
@@ -229,7 +229,7 @@ def test_heads_not_power_of_two(monkeypatch, rng, heads):
     hints = dict(max_query_len=4)
     problem = describe_call(*args, **hints)
     assert problem.phase == "verify"
-    reasons = dispatch.reasons("stacked", problem)
+    reasons = registries.SCORING.reasons("stacked", problem)
     assert any("head count" in r and str(heads) in r for r in reasons), reasons
     # Automatic dispatch falls back to the row-wise scorer and stays correct.
     assert qsa_aiter.selected_kernel(*args, **hints) in ("rowwise", "torch")
@@ -238,7 +238,7 @@ def test_heads_not_power_of_two(monkeypatch, rng, heads):
     check_call(args, label="auto", **hints)
     # The tiled kernel has no head-count restriction.
     force_backend(monkeypatch, "tiled")
-    if not dispatch.reasons("tiled", problem):
+    if not registries.SCORING.reasons("tiled", problem):
         check_call(args, label="tiled", **hints)
     # Forcing the stacked scorer is an error that gives its reason.
     force_backend(monkeypatch, "stacked")
@@ -257,7 +257,7 @@ def test_head_dim_not_power_of_two(monkeypatch, rng, head_dim, phase):
     hints = dict(phase=phase, max_query_len=3)
     problem = describe_call(*args, **hints)
     for name in ("tiled", "stacked"):
-        reasons = dispatch.reasons(name, problem)
+        reasons = registries.SCORING.reasons(name, problem)
         assert any("head_dim" in r and str(head_dim) in r for r in reasons), (name, reasons)
     if interpreting():
         # Automatic dispatch falls back to the row-wise scorer, whatever the phase.

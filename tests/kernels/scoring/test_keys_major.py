@@ -34,7 +34,7 @@ def _run(batch, phase: str, rows: int, cfg: keys_major.KeysMajorConfig):
     return logits, visible, problem
 
 
-@pytest.mark.parametrize("cache", ("16bit", "fp8", "fp8_fnuz", "fp4"))
+@pytest.mark.parametrize("cache", ("bf16", "fp8", "fp8_fnuz", "fp4"))
 @pytest.mark.parametrize("page_size", (16, 64))
 @pytest.mark.parametrize("phase, rows", (("verify", 4), ("draft", 1)))
 @pytest.mark.parametrize("tiles", (2, 3))
@@ -48,14 +48,14 @@ def test_spans_of_several_tiles(monkeypatch, rng, cache, page_size, phase, rows,
         cfg = keys_major.KeysMajorConfig(block_rows=max(rows, 4), block_n=block_n, scalar_pages=scalar_pages,
                                          tiles_per_program=tiles)
         for mma in ("1", "0"):
-            monkeypatch.setenv("QSA_AITER_FP8_MMA", mma)
+            monkeypatch.setenv("QSA_AITER_E4M3_MMA", mma)
             logits, visible, problem = _run(batch, phase, rows, cfg)
             ref_logits, ref_visible = reference_paged_mqa_logits(*batch.args(), k_scale=batch.k_scale)
             atol = mma_atol(batch.args(), TOL, **batch.kwargs(), phase=phase, max_query_len=rows)
             assert_matches_reference(logits.cpu(), visible.cpu(), ref_logits.cpu(), ref_visible.cpu(), rtol=TOL,
                                      atol=atol if isinstance(atol, float) else atol.cpu(),
                                      label=f"{cache}/page{page_size}/{phase}/tiles{tiles}/n{block_n}/mma{mma}")
-            if cache == "16bit":
+            if cache == "bf16":
                 break  # the MMA switch only concerns quantised caches
 
 

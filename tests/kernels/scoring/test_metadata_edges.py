@@ -13,7 +13,7 @@ import torch
 
 import qsa_aiter
 from qsa_aiter.kernels.selection import topk
-from qsa_aiter.ops.selection import torch_block_topk, torch_expand_block_indices
+from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.kernels.selection.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.tools.workloads import make_batch
 

@@ -2,7 +2,7 @@
 
 The reference dequantises the keys it gathers exactly (``qsa_aiter.cache_formats``), so kernel and reference differ
 only in summation order: rtol = atol = 1e-5 under the interpreter (fp32 throughout), 1e-4 on a GPU (16-bit operands
-on tensor cores, fp32 accumulation; every fp8 value and dequantised fp4 key is exact in bf16), plus ``FP8_MMA_TOL`` of
+on tensor cores, fp32 accumulation; every fp8 value and dequantised fp4 key is exact in bf16), plus ``E4M3_MMA_TOL`` of
 the magnitude bound where e4m3 tensor cores score an e4m3fn or MXFP4 cache (their sums round internally; the
 interpreter emulates them exactly, so the CPU run checks the split of q, the nibble unpacking and the per-block
 exponents at 1e-5). Besides caches written
@@ -29,8 +29,8 @@ from qsa_aiter.ops.scoring import describe_call
 from qsa_aiter.kernels.scoring.reference import reference_paged_mqa_logits
 
 from helpers import (
-    BACKENDS, FP8_MMA_TOL, KERNELS, PREFERRED, check_call, check_forced, force_backend, magnitude_bound, phase_batch,
-    run_poisoned, skip_unless_serves, uses_fp8_mma,
+    BACKENDS, E4M3_MMA_TOL, KERNELS, PREFERRED, check_call, check_forced, force_backend, magnitude_bound, phase_batch,
+    run_poisoned, skip_unless_serves, uses_e4m3_mma,
 )
 
 QUANTISED = ("fp8", "fp8_fnuz", "fp4")
@@ -109,8 +109,8 @@ def test_every_code_decodes_exactly(monkeypatch, rng, cache, page_size, phase, b
     ref_logits, ref_visible = reference_paged_mqa_logits(*args, k_scale=batch.k_scale)
     bound = magnitude_bound(args, k_scale=batch.k_scale)
     # Scores within 1e-5 of the magnitude sum (fp32 summation in another order; e4m3 tensor cores round inside
-    # their sums: FP8_MMA_TOL more), compared on [0, visible).
-    rel = 1e-5 + (FP8_MMA_TOL if uses_fp8_mma(args, **hints) else 0.0)
+    # their sums: E4M3_MMA_TOL more), compared on [0, visible).
+    rel = 1e-5 + (E4M3_MMA_TOL if uses_e4m3_mma(args, **hints) else 0.0)
     mask = torch.arange(logits.shape[1], device=logits.device)[None, :] < visible.long()[:, None]
     assert torch.equal(visible, ref_visible.to(visible.device))
     got, exp, lim = logits[mask], ref_logits[mask], bound[mask]
@@ -143,18 +143,46 @@ def test_bad_page_ids_and_padded_rows_on_a_quantised_cache(monkeypatch, rng):
             assert bool(torch.isneginf(logits[0, 16:32]).all())
 
 
-def stacked_plan(batch, hints: dict, fp8_mma: bool):
-    """The stacked scorer's launch plan for ``batch`` with ``QSA_AITER_FP8_MMA`` as ``fp8_mma`` (what it would
+def stacked_plan(batch, hints: dict, e4m3_mma: bool):
+    """The stacked scorer's launch plan for ``batch`` with ``QSA_AITER_E4M3_MMA`` as ``e4m3_mma`` (what it would
     launch)."""
-    problem = dataclasses.replace(describe_call(*batch.args(), **hints), fp8_mma=fp8_mma)
+    problem = dataclasses.replace(describe_call(*batch.args(), **hints), e4m3_mma=e4m3_mma)
     return stacked.SPEC.plan(problem, Platform.of(batch.q.device))
+
+
+@pytest.mark.parametrize("change,refusal", [
+    ({}, None),
+    ({"cache_dtype": torch.float4_e2m1fn_x2, "kv_dtype": "fp4"}, None),
+    ({"e4m3_mma": False}, "QSA_AITER_E4M3_MMA=0"),
+    ({"q_dtype": torch.float16}, "fp16 queries: two e4m3 terms cannot hold them"),
+    ({"cache_dtype": torch.float8_e4m3fnuz}, "an e4m3fnuz cache"),
+    ({"cache_dtype": torch.bfloat16, "kv_dtype": "bf16"}, "16-bit keys are no e4m3 operand"),
+    ({"head_dim": 16}, "head_dim 16 < 32: e4m3 MMAs step head_dim by 32"),
+])
+@pytest.mark.parametrize("arch", ("sm_90", "gfx942"))
+def test_one_rule_decides_the_e4m3_mma_path_and_explains_it(change, refusal, arch):
+    """``e4m3_mma_serves`` is true exactly where ``e4m3_mma_refusal`` finds no reason, and the kernels with the path
+    set their ``E4M3_MMA`` constexpr from it (host side only: plans, no launch)."""
+    from qsa_aiter.kernels.scoring import keys_major
+    from qsa_aiter.kernels.scoring.base import e4m3_mma_refusal, e4m3_mma_serves, example_problem
+
+    platform = Platform.named(arch)
+    problem = dataclasses.replace(example_problem(device_type="cuda", cache_dtype=torch.float8_e4m3fn, kv_dtype="fp8"),
+                                  **change)
+    if refusal is None and not platform.e4m3_tensor_cores:
+        refusal = "no e4m3 tensor cores on this device"
+    assert e4m3_mma_refusal(problem, platform) == refusal
+    assert e4m3_mma_serves(problem, platform) is (refusal is None)
+    for spec in (stacked.SPEC, keys_major.SPEC):
+        assert spec.e4m3_mma_path
+        assert spec.plan(problem, platform).constexprs["E4M3_MMA"] is (refusal is None), spec.name
 
 
 def test_a_head_dim_below_32_is_decoded_not_sent_to_e4m3_mmas(monkeypatch, rng):
     """e4m3 MMAs step head_dim by 32: at head_dim 16 the stacked scorer decodes e4m3fn keys (on the H200 the e4m3
     path failed to compile there), and ``explain`` says why."""
     batch, hints = quantised_batch("verify", "fp8", 16, rng, head_dim=16)
-    assert not stacked_plan(batch, hints, True).constexprs["FP8_DOT"]
+    assert not stacked_plan(batch, hints, True).constexprs["E4M3_MMA"]
     keys = qsa_aiter.explain(*batch.args(), **hints).splitlines()[-1]
     assert "head_dim 16 < 32" in keys, keys
     check_forced(monkeypatch, "stacked", batch, hints, label="stacked/fp8/head_dim 16", tol=TOL)
@@ -164,23 +192,23 @@ def test_a_head_dim_below_32_is_decoded_not_sent_to_e4m3_mmas(monkeypatch, rng):
 @pytest.mark.parametrize("phase", ("verify", "draft"))
 @pytest.mark.parametrize("page_size", PAGES)
 def test_keys_decoded_when_the_mma_switch_is_off(monkeypatch, rng, cache, phase, page_size):
-    """QSA_AITER_FP8_MMA=0: the stacked scorer decodes e4m3fn and MXFP4 keys to bf16 in registers (exact fp32 sums);
+    """QSA_AITER_E4M3_MMA=0: the stacked scorer decodes e4m3fn and MXFP4 keys to bf16 in registers (exact fp32 sums);
     ``explain`` says so, where with the switch on it names the e4m3 tensor cores (emulated under the interpreter)."""
     batch, hints = quantised_batch(phase, cache, page_size, rng)
     on = qsa_aiter.explain(*batch.args(), **hints).splitlines()[-1]
-    assert on.startswith("  keys: e4m3 tensor cores (QSA_AITER_FP8_MMA=1)"), on
+    assert on.startswith("  keys: e4m3 tensor cores (QSA_AITER_E4M3_MMA=1)"), on
     assert ("MXFP4 nibbles placed as exact e4m3 bytes" in on) == (cache == "fp4"), on
-    monkeypatch.setenv("QSA_AITER_FP8_MMA", "0")
+    monkeypatch.setenv("QSA_AITER_E4M3_MMA", "0")
     off = qsa_aiter.explain(*batch.args(), **hints).splitlines()[-1]
-    assert off.startswith("  keys: decoded to ") and off.endswith("(QSA_AITER_FP8_MMA=0)"), off
-    # The launch takes the decoding path (FP8_DOT off) and its own tile settings.
-    assert stacked_plan(batch, hints, True).constexprs["FP8_DOT"]
-    assert not stacked_plan(batch, hints, False).constexprs["FP8_DOT"]
+    assert off.startswith("  keys: decoded to ") and off.endswith("(QSA_AITER_E4M3_MMA=0)"), off
+    # The launch takes the decoding path (E4M3_MMA off) and its own tile settings.
+    assert stacked_plan(batch, hints, True).constexprs["E4M3_MMA"]
+    assert not stacked_plan(batch, hints, False).constexprs["E4M3_MMA"]
     rows = stacked_plan(batch, hints, True).config.block_rows
     decoding = (stacked.StackedConfig(block_rows=rows, block_n=64, num_warps=2, programs_per_sm=16) if cache == "fp4"
                 else stacked.StackedConfig(block_rows=rows))
     assert stacked_plan(batch, hints, False).config == decoding
-    assert not uses_fp8_mma(batch.args(), **hints)
+    assert not uses_e4m3_mma(batch.args(), **hints)
     check_forced(monkeypatch, "stacked", batch, hints, label=f"stacked/{phase}/{cache} decoded/page{page_size}",
                  tol=TOL)
 

@@ -16,14 +16,14 @@ from qsa_aiter.kernels.scoring import tiled
 from qsa_aiter.kernels.scoring.base import ScoreArgs
 from qsa_aiter.ops.scoring import describe_call
 from qsa_aiter.kernels.scoring.reference import reference_paged_mqa_logits
-from qsa_aiter.tools.testing import POISON, assert_matches_reference, e4m3_atol
+from qsa_aiter.tools.testing import POISON, assert_matches_reference, e4m3_mma_atol
 from qsa_aiter.tools.workloads import make_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4 if DEVICE == "cuda" else 1e-5
 
 
-@pytest.mark.parametrize("cache", ("16bit", "fp8", "fp8_fnuz", "fp4"))
+@pytest.mark.parametrize("cache", ("bf16", "fp8", "fp8_fnuz", "fp4"))
 @pytest.mark.parametrize("page_size", (16, 64))
 @pytest.mark.parametrize("heads,stack_heads", ((4, 0), (4, 1), (2, 1)), ids=("per-head", "stacked", "2-heads"))
 def test_keys_major_tiles(monkeypatch, rng, cache, page_size, heads, stack_heads):
@@ -34,7 +34,7 @@ def test_keys_major_tiles(monkeypatch, rng, cache, page_size, heads, stack_heads
     cfg = tiled.TiledConfig(block_m=32 if heads == 4 else 16, block_n=32, keys_major=1, stack_heads=stack_heads,
                             scalar_pages=int(page_size >= 64))
     for mma in ("1", "0"):
-        monkeypatch.setenv("QSA_AITER_FP8_MMA", mma)
+        monkeypatch.setenv("QSA_AITER_E4M3_MMA", mma)
         problem = describe_call(*batch.args(), **batch.kwargs(), phase="prefill", max_query_len=rows)
         logits = torch.full((batch.q.shape[0], problem.num_columns), POISON, device=batch.q.device)
         visible = torch.full((batch.q.shape[0],), -5, dtype=torch.int32, device=batch.q.device)
@@ -43,14 +43,14 @@ def test_keys_major_tiles(monkeypatch, rng, cache, page_size, heads, stack_heads
                          batch.compress_ratio, 1.0 / math.sqrt(batch.q.shape[2]), batch.k_scale)
         plan = tiled.SPEC.plan(problem, Platform.of(batch.q.device), config=cfg)
         assert plan.constexprs["KEYS_MAJOR"] and plan.constexprs["PER_HEAD"] == (not stack_heads)
-        assert plan.constexprs["FP8_DOT"] == (cache == "fp8" and mma == "1")
+        assert plan.constexprs["E4M3_MMA"] == (cache == "fp8" and mma == "1")
         plan.launch(*args.kernel_args())
         ref_logits, ref_visible = reference_paged_mqa_logits(*batch.args(), k_scale=batch.k_scale)
         # The registry's choice (q-major tiles) decodes: the allowance for e4m3 MMAs is this plan's own.
-        atol = e4m3_atol(batch.args(), TOL, **batch.kwargs()) if (
-            plan.constexprs["FP8_DOT"] and DEVICE == "cuda") else TOL
+        atol = e4m3_mma_atol(batch.args(), TOL, **batch.kwargs()) if (
+            plan.constexprs["E4M3_MMA"] and DEVICE == "cuda") else TOL
         assert_matches_reference(logits.cpu(), visible.cpu(), ref_logits.cpu(), ref_visible.cpu(), rtol=TOL,
                                  atol=atol if isinstance(atol, float) else atol.cpu(),
                                  label=f"{cache}/page{page_size}/mma{mma}")
-        if cache in ("16bit", "fp8_fnuz", "fp4"):
+        if cache in ("bf16", "fp8_fnuz", "fp4"):
             break  # the MMA switch only changes the e4m3fn path here

@@ -105,7 +105,7 @@ root, n, barrier = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 (barrier / f"ready-{n}").touch()
 while not (barrier / "go").exists():  # all start compiling together
     time.sleep(0.01)
-matrix = w.Matrix(kernels=("expand", "cache_writer"), caches=("bf16", "fp8_e4m3fn"), page_sizes=(16,),
+matrix = w.Matrix(kernels=("expand", "cache_writer"), caches=("bf16", "fp8"), page_sizes=(16,),
                   index_dtypes=("int32",))
 report = w.warmup("gfx950", root=root, matrix=matrix, progress=False)
 store = Store(Path(root), "gfx950")
@@ -153,7 +153,7 @@ def test_eight_processes_warming_one_directory_compile_each_variant_once(tmp_pat
 # GPU: a fresh process after warm-up compiles nothing
 # ---------------------------------------------------------------------------------------------------------------
 
-GPU_MATRIX = ["--caches", "bf16,fp8_e4m3fn", "--page-sizes", "64"]
+GPU_MATRIX = ["--caches", "bf16,fp8", "--page-sizes", "64"]
 
 # Scores (every phase: tiled, stacked, rowwise), writes a cache (bf16 and fp8), selects (top-k fused with the
 # expansion) and runs block top-k and expansion alone, for 1, 9 and 16 requests; counts Triton compiles (cache hits
@@ -187,12 +187,12 @@ def timed(name, call):
     return result
 
 error = 0.0
-for cache in ("16bit", "fp8"):
+for cache in ("bf16", "fp8"):
     for phase, (n, rows) in {"verify": (9, 4), "draft": (16, 1), "decode": (1, 1), "prefill": (1, 300)}.items():
         batch = make_batch([8192] * n, rows, page_size=64, cache=cache, device="cuda")
         logits, visible = timed(f"score {cache} {phase}", lambda: qsa_aiter.qsa_paged_mqa_logits(
             *batch.args(), **batch.kwargs(), phase=phase, max_query_len=rows))
-        if cache == "16bit" and phase == "verify":
+        if cache == "bf16" and phase == "verify":
             want, _ = reference_paged_mqa_logits(*batch.args(), **batch.kwargs())
             ok = torch.arange(want.shape[1], device="cuda")[None, :] < visible[:, None].long()
             error = float((logits - want).abs()[ok].max())
@@ -210,7 +210,7 @@ long_visible = torch.tensor([70000, 69000], dtype=torch.int32, device="cuda")
 timed("topk long rows", lambda: qsa_aiter.qsa_block_topk(long_logits, long_visible, 512))
 # Where measurements send decode to the stacked scorer, the row-wise one still serves with the switch off.
 os.environ["ATOM_QSA_STACKED_DECODE_SCORER"] = "0"
-for cache in ("16bit", "fp8"):
+for cache in ("bf16", "fp8"):
     batch = make_batch([8192], 1, page_size=64, cache=cache, device="cuda")
     timed(f"score {cache} decode, stacked off", lambda: qsa_aiter.qsa_paged_mqa_logits(
         *batch.args(), **batch.kwargs(), phase="decode", max_query_len=1))

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from qsa_aiter.runtime import jit
-from qsa_aiter.tools import build, inventory
 from qsa_aiter.runtime.jit import manifest, paths, launching as runtime
 from qsa_aiter.runtime.jit import store as jit_store
 from qsa_aiter.runtime.jit.manifest import Entry, FileRecord

@@ -1,0 +1,268 @@
+"""The registries of the op families (the mechanism is ``runtime/dispatch.py``): what each family's candidates are,
+how they are ordered, and the host-side problem each decides from.
+
+- ``SCORING`` (``qsa_paged_mqa_logits``): every scoring kernel (``kernels.scoring.SPECS``, ranked per phase by their
+  specs), ATOM's FlyDSL and AITER's scorers on ROCm, the torch reference. The table ``(kv_dtype, page_size, phase)
+  -> order``; page sizes outside it get the universal candidates. Forced by ``QSA_AITER_BACKEND``.
+- ``TOPK`` (the block top-k step of ``qsa_block_topk`` and ``qsa_select_paged_tokens``): AITER's HIP top-k on ROCm
+  (where the AITER path is asked for), the Triton top-k, the torch path. Forced by ``QSA_AITER_TOPK_BACKEND``.
+- ``EXPAND`` (``qsa_expand_block_indices``, and selection's expansion after a top-k that does not fuse it): the
+  Triton expansion, the torch path.
+- ``WRITER`` (``qsa_write_index_cache``): the Triton writer, the torch reference writer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.cache import reference as cache_reference
+from ..kernels.cache import writer
+from ..kernels.platform import Platform
+from ..kernels.scoring import SPECS as SCORING_SPECS
+from ..kernels.scoring.base import KV_DTYPES
+from ..kernels.scoring.problem import PHASES, ScoreProblem
+from ..kernels.scoring.reference import reference_paged_mqa_logits
+from ..kernels.selection import expand, topk
+from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
+from . import rocm
+from .dispatch import ANY_PHASE, Candidate, Registry, plan_for, register, spec_candidate
+
+BLOCK_SIZES = (16, 64)
+
+def _serves_all(problem, platform, settings) -> list[str]:
+    return []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scoring
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _launch_scorer(spec):
+    def launch(problem: ScoreProblem, args, settings) -> None:
+        plan_for(spec, problem, Platform.of(args.device), settings).launch(*args.kernel_args())
+
+    return launch
+
+
+def _launch_torch_scorer(problem: ScoreProblem, args, settings) -> None:
+    logits, visible = reference_paged_mqa_logits(
+        args.q, args.k_cache, args.page_table, args.token_to_request, args.query_positions, args.context_lens,
+        args.compress_ratio, 1.0 / args.scale, args.num_columns, k_scale=args.k_scale,
+    )
+    args.logits.copy_(logits)
+    args.visible.copy_(visible)
+
+
+_SCORING_CANDIDATES = tuple(spec_candidate(spec, _launch_scorer(spec)) for spec in SCORING_SPECS) + (
+    Candidate("torch", "torch reference (CPU, or last resort)", _serves_all, _launch_torch_scorer,
+              dict.fromkeys(PHASES, 90), universal=True),
+    rocm.AITER_SCORING,
+    rocm.FLYDSL_SCORING,
+)
+
+
+def _scoring_broken_key(problem: ScoreProblem) -> tuple:
+    return (problem.device_type, str(problem.cache_dtype), problem.block_size, problem.num_heads, problem.head_dim,
+            problem.compress_ratio)
+
+
+def _scoring_order(problem: ScoreProblem) -> tuple[tuple[str, ...], str]:
+    key = (problem.kv_dtype, problem.block_size, problem.phase)
+    if key in SCORING_TABLE:
+        return SCORING_TABLE[key], f"registry row {key}"
+    return SCORING_FALLBACK_ORDER, f"no registry row for {key}: universal fallback order"
+
+
+SCORING = register(Registry("scoring", "qsa_paged_mqa_logits", _SCORING_CANDIDATES,
+                            broken_key=_scoring_broken_key, forced_setting="backend", order_of=_scoring_order))
+#: The scoring table. Every kv dtype and block size the project ships has a row per phase.
+SCORING_TABLE: dict[tuple[str, int, str], tuple[str, ...]] = {
+    (kv, bs, phase): SCORING.ranked(phase) for kv in KV_DTYPES for bs in BLOCK_SIZES for phase in PHASES
+}
+#: For page sizes outside the table: the universal candidates.
+SCORING_FALLBACK_ORDER = SCORING.ranked(None)
+#: The scoring candidates that are this project's kernels.
+SCORER_KERNELS = frozenset(c.name for c in _SCORING_CANDIDATES if c.spec is not None)
+#: The scoring candidates that wrap ROCm libraries rather than this project's kernels.
+ROCM_CANDIDATES = ("aiter", "flydsl")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block top-k
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopkProblem:
+    """A block top-k step, from host facts: ``rows`` rows of fp32 logits ``columns`` wide on ``device_type``,
+    ``block_topk`` groups kept per row; ``fused``: the step also expands its groups to tokens (selection)."""
+
+    device_type: str
+    rows: int
+    columns: int
+    block_topk: int
+    fused: bool = False
+
+    def summary(self) -> str:
+        fused = ", expansion fused" if self.fused else ""
+        return f"rows={self.rows} columns={self.columns} block_topk={self.block_topk} device={self.device_type}{fused}"
+
+
+@dataclass(frozen=True)
+class TopkArgs:
+    """The tensors of a top-k step: fp32 ``logits [rows, columns]`` (last dim contiguous), int32 ``visible [rows]``,
+    int32 ``groups [rows, block_topk]`` (the output); ``expand_into`` = (query_positions, context_lens,
+    token_to_request, tokens_out, compress_ratio, token_topk) where the expansion follows (``fused``)."""
+
+    logits: torch.Tensor
+    visible: torch.Tensor
+    groups: torch.Tensor
+    block_topk: int
+    expand_into: tuple | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.logits.device
+
+
+def _launch_triton_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
+    topk.launch(args.logits, args.visible, args.groups, args.block_topk, expand_into=args.expand_into)
+
+
+def _launch_torch_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
+    torch_block_topk(args.logits, args.visible, args.block_topk, args.groups)
+    if args.expand_into is not None:
+        positions, context_lens, token_to_request, tokens_out, ratio, token_topk = args.expand_into
+        torch_expand_block_indices(args.groups, positions, context_lens, token_to_request, ratio, token_topk,
+                                   tokens_out)
+
+
+def _launch_aiter_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
+    rocm.aiter_block_topk(args.logits, args.visible, args.block_topk, args.groups)
+    if args.expand_into is not None:
+        positions, context_lens, token_to_request, tokens_out, ratio, token_topk = args.expand_into
+        expand_tokens(args.groups, positions, context_lens, token_to_request, ratio, token_topk, tokens_out, settings)
+
+
+TOPK = register(Registry("topk", "block top-k", (
+    Candidate("aiter", "AITER's HIP top-k (aiter.ops.topk, stable), its groups sorted",
+              rocm.aiter_topk_candidate_reasons, _launch_aiter_topk, {ANY_PHASE: 10}),
+    spec_candidate(topk.SPEC, _launch_triton_topk, name="triton", ranks={ANY_PHASE: 20}),
+    Candidate("torch", "torch path (a stable sort; any device, graph-safe)", _serves_all, _launch_torch_topk,
+              {ANY_PHASE: 90}),
+), broken_key=lambda problem: (problem.device_type, problem.fused), forced_setting="topk_backend"))
+
+
+def topk_problem(logits: torch.Tensor, block_topk: int, fused: bool) -> TopkProblem:
+    """The ``TopkProblem`` of a top-k step over ``logits`` (no device access)."""
+    return TopkProblem(logits.device.type, logits.shape[0], logits.shape[1], block_topk, fused)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expansion
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpandProblem:
+    """An expansion of ``rows`` rows of ``groups`` selected groups each to tokens, on ``device_type``."""
+
+    device_type: str
+    rows: int
+    groups: int
+    compress_ratio: int
+    token_topk: int
+
+    def summary(self) -> str:
+        return (f"rows={self.rows} groups={self.groups} compress_ratio={self.compress_ratio} "
+                f"token_topk={self.token_topk} device={self.device_type}")
+
+
+@dataclass(frozen=True)
+class ExpandArgs:
+    """The tensors of an expansion: ``block_indices [rows, groups]`` int32/int64, ``query_positions`` and
+    ``token_to_request [rows]``, ``context_lens [requests]``, int32 ``out [rows, token_topk + R - 1]``."""
+
+    block_indices: torch.Tensor
+    query_positions: torch.Tensor
+    context_lens: torch.Tensor
+    token_to_request: torch.Tensor
+    out: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.block_indices.device
+
+
+EXPAND = register(Registry("expand", "expansion", (
+    spec_candidate(expand.SPEC, lambda problem, args, settings: expand.launch(
+        args.block_indices, args.query_positions, args.context_lens, args.token_to_request, args.out,
+        problem.compress_ratio, problem.token_topk), name="triton", ranks={ANY_PHASE: 20}),
+    Candidate("torch", "torch path (a vectorised scatter; any device, graph-safe)", _serves_all,
+              lambda problem, args, settings: torch_expand_block_indices(
+                  args.block_indices, args.query_positions, args.context_lens, args.token_to_request,
+                  problem.compress_ratio, problem.token_topk, args.out), {ANY_PHASE: 90}),
+), broken_key=lambda problem: (problem.device_type,)))
+
+
+def expand_tokens(block_indices, query_positions, context_lens, token_to_request, ratio: int, token_topk: int,
+                  out: torch.Tensor, settings=None) -> str:
+    """Expand validated ``block_indices`` into ``out`` through the ``EXPAND`` registry; returns who ran."""
+    problem = ExpandProblem(block_indices.device.type, block_indices.shape[0], block_indices.shape[1], ratio,
+                            token_topk)
+    args = ExpandArgs(block_indices, query_positions, context_lens, token_to_request, out)
+    return EXPAND.dispatch(problem, args, settings)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cache writer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WriteProblem:
+    """A cache write of ``tokens`` keys of ``head_dim`` into an index cache of format ``kind`` on ``device_type``."""
+
+    device_type: str
+    tokens: int
+    kind: str
+    head_dim: int
+
+    def summary(self) -> str:
+        return f"tokens={self.tokens} kv={self.kind} head_dim={self.head_dim} device={self.device_type}"
+
+
+@dataclass(frozen=True)
+class WriteArgs:
+    """The tensors of a cache write: ``keys [tokens, D]``, ``slot_mapping [tokens]``, the ``cache`` and its
+    ``k_scale`` (or None), as validated by ``qsa_write_index_cache``."""
+
+    keys: torch.Tensor
+    slot_mapping: torch.Tensor
+    cache: torch.Tensor
+    k_scale: torch.Tensor | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+
+def _launch_triton_writer(problem: WriteProblem, args: WriteArgs, settings) -> None:
+    from ..kernels.quant.dequant import kernel_view
+
+    pages, page_size = args.cache.shape[:2]
+    writer.launch(args.keys, args.slot_mapping, kernel_view(args.cache), kernel_view(args.k_scale),
+                  writer.kind_of(args.cache, problem.kind), problem.head_dim, pages * page_size)
+
+
+WRITER = register(Registry("writer", "qsa_write_index_cache", (
+    spec_candidate(writer.SPEC, _launch_triton_writer, name="triton", ranks={ANY_PHASE: 20}),
+    Candidate("torch", "torch reference writer (the same bytes; any device)", _serves_all,
+              lambda problem, args, settings: cache_reference.write_reference(args.keys, args.slot_mapping,
+                                                                              args.cache, args.k_scale),
+              {ANY_PHASE: 90}),
+), broken_key=lambda problem: (problem.device_type, problem.kind)))
+
