@@ -27,12 +27,13 @@ def triton_runs_on(device_type: str) -> bool:
     return device_type == "cuda" or (device_type == "cpu" and interpreting())
 
 
-#: The named build targets: (backend, NVIDIA compute capability or (0, 0), multiprocessors of the part the tuned
-#: rows were measured on: H200, MI300X, MI355X).
+#: The named build targets: (backend, NVIDIA compute capability or (0, 0), multiprocessors, shared memory (LDS) a
+#: block may use and shared memory per multiprocessor in bytes) of the part the tuned rows were measured on: H200
+#: (227 KB opt-in per block of 228 KB per SM), MI300X (64 KB LDS per CU), MI355X (160 KB LDS per CU).
 NAMED = {
-    "sm_90": ("cuda", (9, 0), 132),
-    "gfx942": ("hip", (0, 0), 304),
-    "gfx950": ("hip", (0, 0), 256),
+    "sm_90": ("cuda", (9, 0), 132, 227 * 1024, 228 * 1024),
+    "gfx942": ("hip", (0, 0), 304, 64 * 1024, 64 * 1024),
+    "gfx950": ("hip", (0, 0), 256, 160 * 1024, 160 * 1024),
 }
 #: Programs a launch aims at under the interpreter (it runs them one after another).
 INTERPRETER_PROGRAMS = 64
@@ -47,6 +48,10 @@ class Platform:
     capability: tuple[int, int]  # NVIDIA compute capability; (0, 0) for anything else
     multiprocessors: int  # SMs or CUs; 0 under the interpreter
     interpreter: bool
+    #: Bytes of shared memory one block may use, with the opt-in above 48 KB on NVIDIA (0: none, the CPU).
+    shared_memory_per_block: int = 0
+    #: Bytes of shared memory of one multiprocessor (what co-resident blocks share; 0: none, the CPU).
+    shared_memory_per_multiprocessor: int = 0
 
     @classmethod
     def of(cls, device: torch.device) -> "Platform":
@@ -61,8 +66,8 @@ class Platform:
         """The platform of build target ``arch`` (one of ``NAMED``), without its GPU."""
         if arch not in NAMED:
             raise ValueError(f"arch must be one of {', '.join(NAMED)}; got {arch!r}")
-        backend, capability, units = NAMED[arch]
-        return cls(arch, backend, capability, units, False)
+        backend, capability, units, per_block, per_multiprocessor = NAMED[arch]
+        return cls(arch, backend, capability, units, False, per_block, per_multiprocessor)
 
     @property
     def upcast(self) -> bool:
@@ -93,7 +98,12 @@ def _live(device_type: str, index: int | None, interpreter: bool) -> Platform:
     if device_type != "cuda":
         return Platform("cpu", "cpu", (0, 0), 0, interpreter)
     props = torch.cuda.get_device_properties(index)
+    # Older torch builds lack these two properties: 0 then (a plan that needs them does not serve).
+    per_block = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    per_multiprocessor = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
     if torch.version.hip is not None:
-        return Platform(props.gcnArchName.split(":")[0], "hip", (0, 0), props.multi_processor_count, interpreter)
+        return Platform(props.gcnArchName.split(":")[0], "hip", (0, 0), props.multi_processor_count, interpreter,
+                        per_block, per_multiprocessor)
     capability = (props.major, props.minor)
-    return Platform(f"sm_{props.major}{props.minor}", "cuda", capability, props.multi_processor_count, interpreter)
+    return Platform(f"sm_{props.major}{props.minor}", "cuda", capability, props.multi_processor_count, interpreter,
+                    per_block, per_multiprocessor)

@@ -5,7 +5,8 @@ how they are ordered, and the host-side problem each decides from.
   specs), ATOM's FlyDSL and AITER's scorers on ROCm, the torch reference. The table ``(kv_dtype, page_size, phase)
   -> order``; page sizes outside it get the universal candidates. Forced by ``QSA_AITER_BACKEND``.
 - ``TOPK`` (the block top-k step of ``qsa_block_topk`` and ``qsa_select_paged_tokens``): AITER's HIP top-k on ROCm
-  (where the AITER path is asked for), the Triton top-k, the torch path. Forced by ``QSA_AITER_TOPK_BACKEND``.
+  (where the AITER path is asked for), the Triton top-k, the native CUDA top-k (compiled by NVRTC, cached in the JIT
+  cache: ``native_block_topk``), the torch path. Forced by ``QSA_AITER_TOPK_BACKEND``.
 - ``EXPAND`` (``qsa_expand_block_indices``, and selection's expansion after a top-k that does not fuse it): the
   Triton expansion, the torch path.
 - ``WRITER`` (``qsa_write_index_cache``): the Triton writer, the torch reference writer.
@@ -24,9 +25,10 @@ from ..kernels.scoring import SPECS as SCORING_SPECS
 from ..kernels.scoring.base import KV_DTYPES
 from ..kernels.scoring.problem import PHASES, ScoreProblem
 from ..kernels.scoring.reference import reference_paged_mqa_logits
-from ..kernels.selection import expand, topk
+from ..kernels.selection import expand, native_topk, topk
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from . import rocm
+from .jit import native, nvrtc
 from .dispatch import ANY_PHASE, Candidate, Registry, plan_for, register, spec_candidate
 
 BLOCK_SIZES = (16, 64)
@@ -140,17 +142,90 @@ def _launch_torch_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
                                    tokens_out)
 
 
-def _launch_aiter_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
-    rocm.aiter_block_topk(args.logits, args.visible, args.block_topk, args.groups)
+def _expand_after(args: TopkArgs, settings) -> None:
+    """The expansion of a fused step whose top-k does not expand (a second launch, through ``EXPAND``)."""
     if args.expand_into is not None:
         positions, context_lens, token_to_request, tokens_out, ratio, token_topk = args.expand_into
         expand_tokens(args.groups, positions, context_lens, token_to_request, ratio, token_topk, tokens_out, settings)
+
+
+def _launch_aiter_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
+    rocm.aiter_block_topk(args.logits, args.visible, args.block_topk, args.groups)
+    _expand_after(args, settings)
+
+
+#: The compute capability the native top-k needs (what its kernels were written for: sm_80's shared-memory opt-in;
+#: the cluster kernels need sm_90 and are only planned there).
+NATIVE_MIN_CAPABILITY = (8, 0)
+
+
+def native_topk_reasons(problem: TopkProblem, platform: Platform, settings) -> list[str]:
+    """Why the native CUDA top-k does not serve ``problem`` (empty: it serves), from host facts only: GPU tensors of
+    a CUDA build of torch (not ROCm: hipRTC builds of the source are not made), compute capability 8.0+, NVRTC and
+    the CUDA driver library loadable, and a plan that fits the GPU's shared memory."""
+    found = []
+    if problem.device_type != "cuda":
+        found.append(f"needs CUDA GPU tensors (tensors are on {problem.device_type})")
+    if torch.version.hip is not None:
+        found.append("needs NVIDIA CUDA: this is a ROCm build of torch (the source is not built with hipRTC yet)")
+    elif torch.version.cuda is None:
+        found.append(f"needs a CUDA build of torch (torch {torch.__version__} has no CUDA)")
+    elif problem.device_type == "cuda" and (platform.backend != "cuda" or platform.capability < NATIVE_MIN_CAPABILITY):
+        found.append(f"needs an NVIDIA GPU of compute capability {NATIVE_MIN_CAPABILITY[0]}.{NATIVE_MIN_CAPABILITY[1]} "
+                     f"or newer (the device is {platform.arch})")
+    elif problem.device_type == "cuda":
+        shape = native_topk.plan_reason(problem.columns, problem.block_topk, platform)
+        if shape:
+            found.append(shape)
+    for reason in (nvrtc.unavailable_reason(), native.driver_reason()):
+        if reason:
+            found.append(reason)
+    return found
+
+
+def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
+                      settings=None, plan: native_topk.Plan | None = None) -> None:
+    """The native CUDA block top-k into ``out`` (int32 ``[tokens, block_topk]``, last dim contiguous) from fp32
+    ``logits [tokens, columns]`` (last dim contiguous, any row stride) and int32 ``visible [tokens]`` (read on the
+    device, clamped to ``[0, columns]``), on CUDA tensors; ``plan``: a ``native_topk.Plan`` instead of the one
+    ``choose_plan`` makes (tests, benchmarks). One launch on the current stream; the kernel is compiled into the JIT
+    cache, or loaded from it, at its first use in a process."""
+    rows, columns = logits.shape
+    if rows == 0:
+        return
+    device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+    platform = Platform.of(torch.device("cuda", device))
+    plan = plan or native_topk.choose_plan(rows, columns, block_topk, platform)
+    row_stride = logits.stride(0) if rows > 1 else max(columns, 1)
+    # float4 loads and bulk copies need every row to start 16-byte aligned
+    vectorised = logits.data_ptr() % 16 == 0 and (row_stride % 4 == 0 or rows == 1)
+    call = native_topk.launch_arguments(plan, rows, columns, row_stride, block_topk, vectorised)
+    variant = plan.variant
+    kernel = native.kernel_for(native_topk.source(), variant.name, variant.defines, device, platform.arch, settings,
+                               non_portable_cluster=variant.non_portable_cluster)
+    # The kernel reads visible[row] and writes rows block_topk apart: other layouts go through contiguous copies.
+    visible = visible if visible.stride(0) == 1 else visible.contiguous()
+    target = out if out.is_contiguous() else torch.empty(out.shape, dtype=torch.int32, device=out.device)
+    native.launch(kernel, call.grid, call.block, call.shared_bytes,
+                  (logits.data_ptr(), visible.data_ptr(), target.data_ptr()), call.scalars,
+                  torch.cuda.current_stream(device).cuda_stream)
+    if target is not out:
+        out.copy_(target)
+
+
+def _launch_native_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
+    native_block_topk(args.logits, args.visible, args.groups, args.block_topk, settings)
+    _expand_after(args, settings)
 
 
 TOPK = register(Registry("topk", "block top-k", (
     Candidate("aiter", "AITER's HIP top-k (aiter.ops.topk, stable), its groups sorted",
               rocm.aiter_topk_candidate_reasons, _launch_aiter_topk, {ANY_PHASE: 10}),
     spec_candidate(topk.SPEC, _launch_triton_topk, name="triton", ranks={ANY_PHASE: 20}),
+    # Ranked after Triton until it has run inside the package on a GPU: `auto` keeps the Triton top-k, and
+    # QSA_AITER_TOPK_BACKEND=native forces this one. A failed compile or launch marks it broken (the next runs).
+    Candidate("native", "native CUDA top-k (NVRTC-compiled radix select; one CTA or one cluster per row), then the "
+              "expansion", native_topk_reasons, _launch_native_topk, {ANY_PHASE: 30}),
     Candidate("torch", "torch path (a stable sort; any device, graph-safe)", _serves_all, _launch_torch_topk,
               {ANY_PHASE: 90}),
 ), broken_key=lambda problem: (problem.device_type, problem.fused), forced_setting="topk_backend"))

@@ -65,9 +65,10 @@ class QsaSettings(BaseSettings):
     topk_backend: str = Field(
         "auto",
         alias="QSA_AITER_TOPK_BACKEND",
-        description="`auto`, or the name of one top-k candidate (`triton`, `aiter`, `torch`; "
-        "`qsa_aiter.explain_selection` lists them) forced for the top-k step of selection. Checked at the first "
-        "top-k call; forcing a candidate that cannot serve the call is an error naming its reasons.",
+        description="`auto`, or the name of one top-k candidate (`triton`, `native`, `aiter`, `torch`; "
+        "`qsa_aiter.explain_selection` lists them) forced for the top-k step of selection. `native` is the CUDA "
+        "top-k compiled at run time by NVRTC, which `auto` does not choose yet. Checked at the first top-k call; "
+        "forcing a candidate that cannot serve the call is an error naming its reasons.",
     )
     strict: bool = Field(
         False,
@@ -98,14 +99,16 @@ class QsaSettings(BaseSettings):
     jit_dir: str = Field(
         "",
         alias="QSA_AITER_JIT_DIR",
-        description="Directory of the compiled-kernel cache (docs/jit_and_configs.md); empty: `jit/` of a source "
-        "checkout where it is writable, else `~/.cache/qsa_aiter/jit`.",
+        description="Directory of the compiled-kernel cache, Triton and native (NVRTC) entries alike "
+        "(docs/jit_and_configs.md); empty: `jit/` of a source checkout where it is writable, else "
+        "`~/.cache/qsa_aiter/jit`.",
     )
     rebuild: bool = Field(
         False,
         alias="QSA_AITER_REBUILD",
-        description="1 ignores the compiled kernels cached in the JIT directory: each variant is compiled again when "
-        "next launched or warmed up, and its entry replaced (once, however many processes ask for it).",
+        description="1 ignores the compiled kernels cached in the JIT directory (Triton and native entries): each "
+        "variant is compiled again when next launched or warmed up, and its entry replaced (once, however many "
+        "processes ask for it).",
     )
 
     @field_validator("stacked_decode_scorer", "strict", "e4m3_mma", "rocm_qsa_flydsl", "rebuild", mode="before")

@@ -86,17 +86,18 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="where the batch lives (default: cuda if available, else cpu)")
 
     from .aot import TARGETS
-    from .warmup import CACHES, INDEX_DTYPES, KERNELS
+    from .warmup import CACHES, INDEX_DTYPES, KERNELS, NATIVE_KERNELS
 
     wu = sub.add_parser("warmup", help="compile every kernel variant into the JIT cache (with a progress bar)",
                         description="Compile the variant matrix (the model's shapes x kernels x index-cache dtypes x "
                                     "page sizes x tile configs) into the JIT cache: for the present GPU by launching "
-                                    "each variant once, or for a named arch without a GPU. See "
+                                    "each variant once, or for a named arch without a GPU. The native kernels "
+                                    "(native_topk) are compiled by NVRTC, for NVIDIA targets only. See "
                                     "docs/jit_and_configs.md.")
     wu.add_argument("--arch", choices=tuple(TARGETS), default=None,
                     help="compile for this arch without a GPU (default: the present GPU's)")
-    wu.add_argument("--kernels", type=_choices(KERNELS), default=KERNELS,
-                    help=f"comma-separated subset of {','.join(KERNELS)} (default: all)")
+    wu.add_argument("--kernels", type=_choices(KERNELS + NATIVE_KERNELS), default=KERNELS + NATIVE_KERNELS,
+                    help=f"comma-separated subset of {','.join(KERNELS + NATIVE_KERNELS)} (default: all)")
     wu.add_argument("--caches", type=cache_formats, default=CACHES,
                     help=f"index-cache formats, comma-separated subset of {','.join(CACHES)} (default: all)")
     wu.add_argument("--page-sizes", type=_positive_list, default=None,
@@ -111,7 +112,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     jit = sub.add_parser("jit", help="list or clear the JIT cache")
     jit_sub = jit.add_subparsers(dest="jit_command", required=True, metavar="{list,clear}")
-    ls = jit_sub.add_parser("list", help="every cached variant: kernel, specialisation, compile time, date, status")
+    ls = jit_sub.add_parser("list", help="every cached variant: kernel, specialisation, compile time, date, status; "
+                                         "native entries with their registers and spills")
     ls.add_argument("--jit-dir", type=_cache_dir, default=None, help="cache directory (default as for warmup)")
     ls.add_argument("--no-verify", action="store_true", help="do not check the files' hashes")
     cl = jit_sub.add_parser("clear", help="remove the cached kernels (all, or one arch's)")

@@ -1,4 +1,5 @@
-"""Listing and clearing the JIT cache under a root (``python -m qsa_aiter jit list`` / ``jit clear``)."""
+"""Listing and clearing the JIT cache under a root (``python -m qsa_aiter jit list`` / ``jit clear``): the Triton
+entries (``triton-<version>/<arch>/``) and the native ones (``native/<arch>/``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from pathlib import Path
 
 import triton
 
+from ..kernels.selection import native_topk
+from ..runtime.jit import native, nvrtc
 from ..runtime.jit.store import Store
+
+#: The CUDA sources of the native kernels, by kernel name: a native entry built from another text is stale.
+NATIVE_SOURCES = {variant.name: native_topk.source for variant in native_topk.VARIANTS}
 
 
 def stores_in(root: Path) -> list[Store]:
@@ -19,12 +25,63 @@ def stores_in(root: Path) -> list[Store]:
     return found
 
 
+def native_stores_in(root: Path) -> list[native.NativeStore]:
+    """Every ``native/<arch>/`` directory under ``root``, as native stores (sorted)."""
+    base = Path(root) / native.NATIVE_DIR
+    if not base.is_dir():
+        return []
+    return [native.NativeStore(Path(root), arch_dir.name) for arch_dir in sorted(base.iterdir()) if arch_dir.is_dir()]
+
+
+def native_status(store: native.NativeStore, eid: str, record: native.NativeRecord, verify: bool,
+                  nvrtc_version: str | None) -> str:
+    """``ok``, or why a launch here would not use the entry: corrupt (its cubin checked where ``verify``), built
+    from another source of its kernel, or by another NVRTC than the one this process loads."""
+    problem = store.problem(eid, record) if verify else None
+    if problem:
+        return problem
+    source = NATIVE_SOURCES.get(record.kernel)
+    if source is None:
+        return "unknown kernel (not one of this version's native kernels)"
+    if record.source_sha256 != native.source_hash(source()):
+        return "stale: built from another source"
+    if nvrtc_version is not None and record.nvrtc_version != nvrtc_version:
+        return f"other NVRTC (this process compiles with {nvrtc_version})"
+    return "ok"
+
+
+def describe_native(root: Path, verify: bool = True) -> list[str]:
+    """The native entries under ``root``: per arch, every entry with its compile time, date, who built it, status,
+    and its kernel, NVRTC version, registers and spills."""
+    lines = []
+    present = None if nvrtc.unavailable_reason() else nvrtc.find().version_text
+    for store in native_stores_in(root):
+        ids = store.entry_ids()
+        size = sum(p.stat().st_size for p in store.dir.rglob("*") if p.is_file())
+        lines.append(f"native / {store.arch}: {len(ids)} entries, {size / 2**20:.1f} MiB")
+        for eid in ids:
+            try:
+                record = store.read(eid)
+            except ValueError as err:
+                lines.append(f"  {eid}  corrupt: {err}")
+                continue
+            if record is None:  # removed while listing
+                continue
+            status = native_status(store, eid, record, verify, present)
+            lines.append(f"  {eid}  {record.compile_seconds:7.2f} s  {record.date:%Y-%m-%d %H:%M:%S}  "
+                         f"{record.built_by:6}  {status}")
+            lines.append(f"      {record.summary()}")
+    return lines
+
+
 def describe(root: Path, verify: bool = True) -> str:
     """A listing of the cache under ``root``: per Triton version and arch, every entry with its kernel,
-    specialisation, compile time, date and status (``ok``, or why it would be rebuilt)."""
+    specialisation, compile time, date and status (``ok``, or why it would be rebuilt); then the native entries
+    (``describe_native``)."""
     lines = [f"JIT cache: {root}"]
     stores = stores_in(root)
-    if not stores:
+    natives = describe_native(root, verify)
+    if not stores and not natives:
         lines.append("  (empty)")
     for store in stores:
         manifest = store.read()
@@ -37,14 +94,14 @@ def describe(root: Path, verify: bool = True) -> str:
             lines.append(f"  {eid}  {entry.compile_seconds:7.2f} s  {entry.date:%Y-%m-%d %H:%M:%S}  "
                          f"{entry.built_by:6}  {status}")
             lines.append(f"      {entry.summary()}")
-    return "\n".join(lines)
+    return "\n".join(lines + natives)
 
 
 def clear(root: Path, arch: str | None = None) -> list[Path]:
-    """Remove the cached kernels under ``root`` (only ``arch``'s if given; every Triton version). Keeps the root
-    and its README. Returns the directories removed."""
+    """Remove the cached kernels under ``root`` (only ``arch``'s if given; every Triton version, and the native
+    entries). Keeps the root and its README. Returns the directories removed."""
     removed = []
-    for store in stores_in(root):
+    for store in [*stores_in(root), *native_stores_in(root)]:
         if arch is not None and store.arch != arch:
             continue
         shutil.rmtree(store.dir)

@@ -14,6 +14,11 @@ one request count of each kind Triton specialises on). Then:
   C launcher stubs Triton builds per argument signature are not made: the GPU machine builds them at first launch
   (into the same directory).
 
+The native kernels (``native_topk``: the CUDA top-k's variants, ``kernels/selection/native_topk.py``) are compiled
+by NVRTC into the cache's ``native/<arch>/`` directory: for the present NVIDIA GPU they are also loaded on it; for
+``sm_90`` named without its GPU they are compiled only. AMD targets get none (the source is not built with hipRTC
+yet), and the report says so.
+
 Several processes may warm one directory at once: each variant is compiled by one of them (a busy variant is put
 back to the end of the queue, then waited for).
 """
@@ -31,6 +36,7 @@ from ..runtime import dispatch, registries
 from ..kernels.platform import Platform, interpreting
 from ..kernels.scoring.problem import PHASES
 from ..kernels.scoring.base import ScorerSpec, example_problem, work_problem
+from ..kernels.selection import native_topk
 from ..kernels.selection.problem import SelectionProblem
 from ..runtime.settings import QsaSettings, get_settings
 from ..runtime import tuned
@@ -40,12 +46,16 @@ from ..runtime.jit.paths import jit_root
 from ..runtime.jit.launching import store_for
 from ..runtime.jit.store import Store, VariantBusy
 from ..runtime.jit.triton_compat import driver
+from ..runtime.jit import native, nvrtc
 from .work_points import COMPRESS_RATIO, HEAD_DIM, HEADS, TOKEN_TOPK, rows_per_request, warm_points
 
 #: Index-cache formats (docs/cache_formats.md): each scorer and the writer are built for each. q is bf16 except with
 #: an fp16 cache (a 16-bit cache has q's dtype: ``CacheFormat.query_dtype``).
 CACHES = tuple(CACHE_FORMATS)
+#: The Triton kernels (``catalog.SPECS``).
 KERNELS = tuple(catalog.BY_NAME)
+#: The native kernel families, compiled by NVRTC (every variant of each for the arch).
+NATIVE_KERNELS = ("native_topk",)
 INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 #: Triton specialises an integer argument by value (1, a multiple of 16, or neither): the selection kernels take the
 #: request count, so one count of each kind.
@@ -62,7 +72,7 @@ _LONG_LOGITS_WIDTH = 67072
 class Matrix:
     """The axes of a warm-up; the defaults are everything the model's serving path launches."""
 
-    kernels: tuple[str, ...] = KERNELS
+    kernels: tuple[str, ...] = KERNELS + NATIVE_KERNELS
     caches: tuple[str, ...] = CACHES
     page_sizes: tuple[int, ...] = registries.BLOCK_SIZES
     index_dtypes: tuple[str, ...] = tuple(INDEX_DTYPES)  # engines pass either (int64 slot mappings, positions)
@@ -77,7 +87,8 @@ class Matrix:
                 pass  # an unknown format: named below
             else:
                 object.__setattr__(self, "caches", tuple(names))
-        for name, allowed in (("kernels", KERNELS), ("caches", CACHES), ("index_dtypes", tuple(INDEX_DTYPES))):
+        for name, allowed in (("kernels", KERNELS + NATIVE_KERNELS), ("caches", CACHES),
+                              ("index_dtypes", tuple(INDEX_DTYPES))):
             values = getattr(self, name)
             if not isinstance(values, tuple) or not values or any(v not in allowed for v in values):
                 raise ValueError(f"{name} must be a non-empty tuple of {', '.join(allowed)}; got {values!r}")
@@ -101,7 +112,8 @@ class Launch:
 
 @dataclass
 class WarmupReport:
-    """What a warm-up did: variants (by entry id) compiled here, found already built, or failed (with the error)."""
+    """What a warm-up did: variants (by entry id) compiled here, found already built, or failed (with the error);
+    ``notes``: what was not built and why (native kernels on AMD targets, or without NVRTC)."""
 
     arch: str
     directory: str
@@ -109,13 +121,15 @@ class WarmupReport:
     found: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # label -> error
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         total = len(self.compiled) + len(self.found) + len(self.failed)
         line = (f"warm-up {self.arch}: {total} variants, {len(self.compiled)} compiled "
                 f"({sum(self.compiled.values()):.1f} s), {len(self.found)} already cached, {len(self.failed)} failed; "
                 f"{self.seconds:.1f} s; {self.directory}")
-        return "\n".join([line] + [f"  failed {label}: {error}" for label, error in self.failed.items()])
+        return "\n".join([line] + [f"  failed {label}: {error}" for label, error in self.failed.items()]
+                         + [f"  {note}" for note in self.notes])
 
 
 @dataclass
@@ -228,21 +242,24 @@ def warmup(arch: str | None = None, *, root=None, matrix: Matrix | None = None, 
     elif arch != present and arch not in TARGETS:
         raise ValueError(f"arch must be the present GPU's ({present or 'none here'}) or one of {', '.join(TARGETS)}; "
                          f"got {arch!r}")
-    if interpreting():
+    triton_kernels = [name for name in matrix.kernels if name in KERNELS]
+    if triton_kernels and interpreting():
         raise RuntimeError("warm-up needs a process without TRITON_INTERPRET=1: interpreted kernels are not compiled")
     start = time.perf_counter()
-    store = store_for(jit_root(settings) if root is None else root, arch, settings.rebuild)
+    root = jit_root(settings) if root is None else root
+    store = store_for(root, arch, settings.rebuild)
     if not store.writable():
         raise ValueError(f"root: the JIT cache directory {store.dir} is not writable")
-    report = WarmupReport(arch, str(store.dir))
+    native_dir = native.native_store(root, arch, settings.rebuild).dir
+    report = WarmupReport(arch, str(store.dir if triton_kernels else native_dir))
     on_gpu = arch == present
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        target = driver.active.get_current_target()
-    else:
-        target = TARGETS[arch]
-    queue = _unique(launches(matrix, arch, device, settings), target)
-    bar = tqdm(total=len(queue), desc=f"warm-up {arch}", unit="kernel", disable=not progress)
+    queue = []
+    if triton_kernels:
+        target = driver.active.get_current_target() if on_gpu else TARGETS[arch]
+        queue = _unique(launches(matrix, arch, device, settings), target)
+    natives = _native_variants(matrix, arch, device, report)
+    bar = tqdm(total=len(queue) + len(natives), desc=f"warm-up {arch}", unit="kernel", disable=not progress)
     deferred = []
     try:
         for spec, launch in queue:
@@ -250,10 +267,52 @@ def warmup(arch: str | None = None, *, root=None, matrix: Matrix | None = None, 
                 deferred.append((spec, launch))  # another process is compiling it: come back at the end
         for spec, launch in deferred:
             _warm_one(store, spec, launch, on_gpu, wait=True, report=report, bar=bar)
+        _warm_native(natives, root, arch, device if on_gpu else None, settings, report, bar)
     finally:
         bar.close()
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _native_variants(matrix: Matrix, arch: str, device: torch.device,
+                     report: WarmupReport) -> list[native_topk.Variant]:
+    """The native variants to build for ``arch`` (those its compute capability has), or none with a note saying
+    why (an AMD target; no NVRTC here)."""
+    if "native_topk" not in matrix.kernels:
+        return []
+    platform = Platform.of(device) if device.type == "cuda" else Platform.named(arch)
+    if platform.backend != "cuda":
+        report.notes.append(f"native_topk: not built for {arch}: the native kernels are CUDA only (AMD: hipRTC "
+                            "builds are future work)")
+        return []
+    reason = nvrtc.unavailable_reason()
+    if reason:
+        report.notes.append(f"native_topk: not built: {reason}")
+        return []
+    return list(native_topk.variants_for(platform))
+
+
+def _warm_native(variants: list[native_topk.Variant], root, arch: str, device: torch.device | None,
+                 settings: QsaSettings, report: WarmupReport, bar) -> None:
+    """Compile (or find) each native variant into ``root``'s ``native/<arch>/``; on ``device`` (the present GPU)
+    also load it there. Another process compiling a variant is waited for."""
+    store = native.native_store(root, arch, settings.rebuild)
+    for variant in variants:
+        label = f"native_topk {variant.name}"
+        try:
+            built = store.build(native_topk.source(), variant.name, variant.defines,
+                                built_by="launch" if device is not None else "target")
+            if device is not None:
+                native.load_cubin(built.cubin, variant.name, built.entry_id, device.index,
+                                  variant.non_portable_cluster)
+            if built.event.compiled:
+                report.compiled[built.entry_id] = built.event.seconds
+            else:
+                report.found.append(built.entry_id)
+        except Exception as err:  # a variant that does not build is reported, and the others still are
+            report.failed[label] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        bar.update(1)
+        bar.set_postfix(compiled=len(report.compiled), cached=len(report.found), refresh=False)
 
 
 def _warm_one(store: Store, spec, launch: Launch, on_gpu: bool, *, wait: bool, report: WarmupReport,

@@ -1,17 +1,22 @@
 """The op families' registries (``runtime/registries.py``) through the one dispatch mechanism: the top-k, expansion
-and writer candidates with their reasons, forcing by ``QSA_AITER_TOPK_BACKEND``, ``explain_selection``, and the
-fallback past a failing kernel (marked broken, or raised with ``QSA_AITER_STRICT=1``)."""
+and writer candidates with their reasons (the native top-k's on this machine included), forcing by
+``QSA_AITER_TOPK_BACKEND``, ``explain_selection``, and the fallback past a failing kernel (marked broken, or raised
+with ``QSA_AITER_STRICT=1``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 import qsa_aiter
 from qsa_aiter.kernels.cache import writer
+from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import expand, topk
 from qsa_aiter.kernels.selection.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.runtime import dispatch, registries
+from qsa_aiter.runtime.jit import native, nvrtc
 from qsa_aiter.runtime.settings import ConfigurationError
 from qsa_aiter.tools.workloads import make_batch
 
@@ -29,7 +34,7 @@ def _scores(rng):
 def test_every_family_has_a_universal_last_resort():
     for registry in (registries.SCORING, registries.TOPK, registries.EXPAND, registries.WRITER):
         assert registry.candidates["torch"].ranks and registry.candidates["torch"].spec is None
-    assert registries.TOPK.order(registries.TopkProblem("cpu", 1, 8, 2))[0] == ("aiter", "triton", "torch")
+    assert registries.TOPK.order(registries.TopkProblem("cpu", 1, 8, 2))[0] == ("aiter", "triton", "native", "torch")
 
 
 def test_explain_selection_reports_scoring_and_topk(rng):
@@ -40,6 +45,7 @@ def test_explain_selection_reports_scoring_and_topk(rng):
     assert "\nblock top-k: rows=3 " in report and "expansion fused" in report
     assert "* triton: serves" in report  # the interpreter runs the Triton kernels on this CPU machine
     assert "- aiter: used only when the AITER path is asked for" in report
+    assert "- native: needs CUDA GPU tensors (tensors are on cpu)" in report
     assert "- torch: serves, but an earlier candidate is preferred" in report
     with pytest.raises(ValueError, match="`token_topk`"):
         qsa_aiter.explain_selection(*args, 63, 4)
@@ -67,6 +73,108 @@ def test_topk_backend_errors(monkeypatch, rng):
     monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "aiter")  # forced where it cannot run: an error with its reasons
     with pytest.raises(ValueError, match="aiter: needs ROCm GPU tensors"):
         qsa_aiter.qsa_block_topk(logits, visible, 16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The native CUDA top-k
+# ---------------------------------------------------------------------------------------------------------------
+
+ON_CUDA_TORCH = torch.version.cuda is not None and torch.cuda.is_available()
+
+
+@pytest.mark.skipif(ON_CUDA_TORCH, reason="the reasons of a machine without a CUDA build of torch")
+def test_native_topk_reasons_on_this_machine():
+    on_cpu = registries.TOPK.reasons("native", registries.TopkProblem("cpu", 3, 200, 16))
+    assert on_cpu[0] == "needs CUDA GPU tensors (tensors are on cpu)"
+    on_gpu = registries.TOPK.reasons("native", registries.TopkProblem("cuda", 36, 32768, 512, fused=True))
+    assert "needs CUDA GPU tensors" not in " ".join(on_gpu)
+    if torch.version.hip is None:
+        assert f"needs a CUDA build of torch (torch {torch.__version__} has no CUDA)" in on_gpu
+    for reason in (nvrtc.unavailable_reason(), native.driver_reason()):
+        assert (reason in on_gpu) if reason else True
+    if native.driver_reason():
+        assert any("libcuda.so.1" in r for r in on_gpu)
+
+
+def test_native_topk_reasons_from_the_platform(monkeypatch):
+    """On a CUDA build of torch: the compute capability and the shared memory of the device decide."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    problem = registries.TopkProblem("cuda", 36, 32768, 512)
+    volta = dataclasses.replace(Platform.named("sm_90"), arch="sm_70", capability=(7, 0))
+    found = registries.native_topk_reasons(problem, volta, None)
+    assert "needs an NVIDIA GPU of compute capability 8.0 or newer (the device is sm_70)" in found
+    assert not any("torch" in r for r in found)
+    found = registries.native_topk_reasons(problem, Platform.named("sm_90"), None)
+    assert found == [r for r in (nvrtc.unavailable_reason(), native.driver_reason()) if r]
+    small = dataclasses.replace(Platform.named("sm_90"), shared_memory_per_block=4096)
+    assert any("bytes of shared memory per block" in r for r in registries.native_topk_reasons(problem, small, None))
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    assert registries.native_topk_reasons(problem, Platform.named("gfx950"), None)[0].startswith(
+        "needs NVIDIA CUDA: this is a ROCm build of torch")
+
+
+@pytest.mark.skipif(ON_CUDA_TORCH, reason="forcing where the native top-k cannot run")
+def test_forcing_the_native_topk_where_it_cannot_run_names_its_reasons(monkeypatch, rng):
+    logits, visible = _scores(rng)
+    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
+    with pytest.raises(ValueError, match=r"native: needs CUDA GPU tensors \(tensors are on cpu\)") as info:
+        qsa_aiter.qsa_block_topk(logits, visible, 16)
+    assert "forced by QSA_AITER_TOPK_BACKEND" in str(info.value) and "no candidate serves this call" in str(info.value)
+    with pytest.raises(ValueError, match="native: needs CUDA GPU tensors"):
+        qsa_aiter.qsa_select_paged_tokens(*_batch(rng), 64, 4)
+
+
+def _native_serving(monkeypatch, launch=None):
+    """The native candidate as if it served here (its reasons empty), with ``launch`` where given."""
+    candidate = registries.TOPK.candidates["native"]
+    changes = {"reasons": lambda problem, platform, settings: []}
+    if launch is not None:
+        changes["launch"] = launch
+    monkeypatch.setitem(registries.TOPK.candidates, "native", dataclasses.replace(candidate, **changes))
+    dispatch.clear_decisions()
+
+
+def test_native_serving_is_ranked_after_triton(monkeypatch, rng):
+    _native_serving(monkeypatch)
+    report = qsa_aiter.explain_selection(*_batch(rng), 64, 4)
+    assert "order aiter > triton > native > torch" in report
+    assert "* triton: serves" in report and "- native: serves, but an earlier candidate is preferred" in report
+
+
+def test_a_failing_native_topk_falls_back_and_is_marked_broken(monkeypatch, rng, caplog):
+    """With the Triton top-k broken, a native top-k that fails to compile is marked broken too and torch serves; when
+    forced, its error is raised."""
+    logits, visible = _scores(rng)
+    monkeypatch.setattr(topk, "launch", _failing)
+    _native_serving(monkeypatch, launch=lambda problem, args, settings: _failing())
+    with caplog.at_level("WARNING", logger="qsa_aiter"):
+        assert torch.equal(qsa_aiter.qsa_block_topk(logits, visible, 16), reference_block_topk(logits, visible, 16))
+    assert "topk kernel native failed" in caplog.text
+    report = registries.TOPK.explain(registries.TopkProblem("cpu", 3, 200, 16))
+    assert "- native: marked broken in this process: RuntimeError: simulated launch failure" in report
+    dispatch.clear_broken()
+    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
+    with pytest.raises(RuntimeError, match="simulated launch failure"):
+        qsa_aiter.qsa_block_topk(logits, visible, 16)
+
+
+def test_the_native_topk_expands_after_its_launch(monkeypatch, rng):
+    """A fused step through the native candidate: its top-k (``native_block_topk``, stood in for by the torch path
+    here), then the expansion through the ``EXPAND`` registry (two launches), equal to selection through the other
+    candidates."""
+    seen = []
+
+    def stand_in(logits, visible, out, block_topk, settings=None, plan=None):
+        seen.append(tuple(out.shape))
+        registries.torch_block_topk(logits, visible, block_topk, out)
+
+    args = _batch(rng)
+    want = qsa_aiter.qsa_select_paged_tokens(*args, 64, 4)
+    _native_serving(monkeypatch)
+    monkeypatch.setattr(registries, "native_block_topk", stand_in)
+    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
+    assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*args, 64, 4), want) and seen == [(3, 16)]
 
 
 def _failing(*args, **kwargs):

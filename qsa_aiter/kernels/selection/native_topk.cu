@@ -1,0 +1,1019 @@
+// native_topk.cu -- exact, deterministic block top-k for sparse-attention block selection.
+//
+// Contract (per row r of fp32 logits[rows, columns], row stride ld, last dim contiguous):
+//   n = clamp(visible[r], 0, columns)
+//   out[r, :] = the K best columns of [0, n) ranked by (-score, column), listed in ASCENDING
+//               column order, then -1 padding.  If n <= K: 0..n-1 then -1, scores not read.
+//   Columns >= n are never read.  -inf ranks last but counts; -0.0 == +0.0; no NaN in [0, n).
+//   out is int32 [rows, K], rows K apart.
+//
+// Method: radix select on order-preserving 32-bit keys
+//   key(x) = bits(x) == 0x80000000 ? 0x80000000 : (sign ? ~bits : bits | 0x80000000)
+// with digits of 11 + 11 + 10 bits (shared-memory histograms of 2048/2048/1024 bins; the
+// threshold bin is found inside the kernel with a block-wide suffix scan, select_bin).
+// The result is a threshold key T and a count e: a column is selected iff
+//   key > T, or key == T and it is among the first e columns (in column order) with key == T.
+// If after a pass the whole threshold bin is taken, we stop early with T = lowest key of the
+// bin and e = "all" (0xFFFFFFFF).  Atomics only ever count or OR bits (histograms, bitmap
+// marks, candidate slots whose order never reaches the output), so the output is bitwise
+// deterministic.  No host sync: `visible` is read on device, so a CUDA graph replays
+// correctly after `visible` is rewritten in place.
+//
+// Per row (or per cluster chunk) the stages are:
+//   pass 1   the only read of the row from global memory.  On sm_90 (TOPK_BULK) the row is
+//            streamed into shared memory with 1-D bulk copies (cp.async.bulk + one mbarrier per
+//            piece, up to 16 pieces) and converted to keys in place while later pieces are in
+//            flight; otherwise 4 float4 loads per thread are issued before use.  Histogram of
+//            the top 11 bits with plain shared atomics, except that a warp whose 128 keys all
+//            share one digit (runs of exact 0.0, constant rows) adds once (TOPK_HIST=3).
+//   fast path (TOPK_FAST, default): when the threshold bin b0 holds <= cand_cap keys,
+//     pass 2 reads every cached key once: digit > b0 -> set its bit in the column bitmap SB;
+//            digit == b0 -> append its column (u16) to the candidate list;
+//     passes 3/4 histogram the candidates only; candidates with key > T are marked in SB,
+//            ties (key == T) in a tie bitmap TB; the first e ties in column order move to SB
+//            via a block prefix popcount over TB;
+//     output: a block prefix popcount over SB gives each selected column its slot, so the
+//            columns come out in ascending order with no sort.
+//   full-scan path (fallback when the threshold bin is too big, e.g. heavy ties, or the row
+//     is not cached): passes 2/3 histogram the whole cached row (or re-read global memory);
+//     a final ordered pass over the row writes the selected columns using block-wide
+//     exclusive scans of packed per-thread counts (eq << 16 | gt).
+//
+// Kernels (all extern "C", launched with dynamic shared memory; the layouts and the plan that
+// sizes them are mirrored in native_topk.py beside this file):
+//   topk_rows_256 / topk_rows_512      one CTA per row (many rows).
+//       cached mode:  [H 2048 | scan 128 | res 8 | mbarriers 32 | SB nwcap | cand cand_cap/2 |
+//                      keys round4(columns)] words, nwcap = round4(ceil(columns/32)).
+//                     Candidate columns are u16 and the tie bitmap reuses H: a cached row holds
+//                     at most 65536 columns.
+//       uncached mode (rows too long for shared memory): later passes re-read global memory
+//                     (mostly L2 hits); keys of the threshold bin are compacted into a shared
+//                     buffer when they fit, so pass 3 reads shared memory.
+//   topk_cluster{2,4,8,16}_512 (sm_90+, TOPK_CLUSTERS)  one thread-block cluster of CL CTAs per
+//       row for few long rows.  Each CTA caches its chunk (round4(ceil(n/CL)) keys) and builds
+//       local histograms, then pushes its non-zero bins into the cluster-sum histogram of every
+//       CTA with remote reductions (red.shared::cluster, fire-and-forget, no remote loads); after
+//       a cluster barrier every CTA finds the same threshold bin from its own copy.  Per-CTA
+//       counts of (key > T, key == T) are pushed to the higher ranks the same way, giving each
+//       CTA its output offset and its rank among ties.
+//       layout: [H | S0 | S1 | S2 | scan | res | base | mbarriers] (7344 words) | SB | cand | keys.
+//       The cluster size is fixed at compile time (__cluster_dims__), so a plain launch works.
+//       Cluster-16 is a non-portable size: the launcher sets
+//       CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED before launching it.
+//
+// Portability: the warp size is a compile-time macro (TOPK_WARP_SIZE, default 32); HIP paths use
+// 64-bit ballots.  Clusters / DSMEM / mapa and the bulk copies are CUDA sm_90-only and sit behind
+// TOPK_CLUSTERS and TOPK_BULK.  Build selection: by default every kernel is built; with
+// -DTOPK_SINGLE -DTOPK_KERNEL_<name> only <name> is (one NVRTC program, one cache entry, per kernel).
+// No #include: builds with NVRTC (and, modulo the warp intrinsics, hipRTC) without headers.
+
+#ifndef TOPK_WARP_SIZE
+#define TOPK_WARP_SIZE 32
+#endif
+#define WS TOPK_WARP_SIZE
+
+#if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+#define TOPK_HIP 1
+#else
+#define TOPK_HIP 0
+#endif
+
+#ifndef TOPK_CLUSTERS
+#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define TOPK_CLUSTERS 1
+#else
+#define TOPK_CLUSTERS 0
+#endif
+#endif
+
+#define TOPK_ALL 0xFFFFFFFFu
+// TOPK_HIST: histogram of a quad of keys.  3 (default) = plain shared atomics, plus one add per
+// warp when all its keys share a digit (protects tie-heavy rows); 1 = plain atomics only.
+#ifndef TOPK_HIST
+#define TOPK_HIST 3
+#endif
+// TOPK_BULK: on sm_90 the cached row (chunk) is streamed into shared memory with 1-D bulk
+// copies (cp.async.bulk, TMA engine) in up to 16 pieces, each with its own mbarrier; pass 1
+// converts/histograms piece p while later pieces are still in flight.  0 = plain vector loads.
+#ifndef TOPK_BULK
+#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define TOPK_BULK 1
+#else
+#define TOPK_BULK 0
+#endif
+#endif
+#define TOPK_MAX_PIECES 16
+// TOPK_FAST: 1 = candidate-list / bitmap fast path when the threshold bin fits (default);
+// 0 = always the full-scan path (three radix passes over the cached keys + ordered scan pass).
+#ifndef TOPK_FAST
+#define TOPK_FAST 1
+#endif
+// shared-memory layout (32-bit words)
+#define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
+#define CL_FIXED_WORDS 7344    // H[2048] | S0[2048] | S1[2048] | S2[1024] | scan[128] | res[8] | base[8] | mbarriers[16 x u64] | cache...
+
+// ---------------------------------------------------------------------------------------
+// warp primitives
+#if TOPK_HIP
+typedef unsigned long long lanemask_t;
+__device__ __forceinline__ int warp_all(bool p) { return __all(p); }
+__device__ __forceinline__ int warp_any(bool p) { return __any(p); }
+__device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shfl(v, src); }
+__device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up(v, d); }
+#else
+typedef unsigned lanemask_t;
+#define FULLMASK 0xFFFFFFFFu
+__device__ __forceinline__ int warp_all(bool p) { return __all_sync(FULLMASK, p); }
+__device__ __forceinline__ int warp_any(bool p) { return __any_sync(FULLMASK, p); }
+__device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shfl_sync(FULLMASK, v, src); }
+__device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up_sync(FULLMASK, v, d); }
+#endif
+
+__device__ __forceinline__ unsigned f2key(float x) {
+    unsigned b = __float_as_uint(x);
+    if (b == 0x80000000u) b = 0u;  // -0 == +0
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// Which keys a radix pass looks at and which digit it histograms.
+struct PassCfg {
+    unsigned mask_hi, want_hi;  // key participates iff (key & mask_hi) == want_hi
+    int shift;
+    unsigned dmask;
+};
+
+// ---------------------------------------------------------------------------------------
+// Block-wide exclusive scan of one unsigned per thread; `total` gets the block sum.
+// `s` needs BLOCK/WS + 1 words.  Two consecutive calls must use different buffers
+// (ping-pong) unless a __syncthreads() separates the second call from the first's reads.
+template <int BLOCK>
+__device__ __forceinline__ unsigned block_excl_scan(unsigned v, unsigned& total, unsigned* s) {
+    constexpr int NW = BLOCK / WS;
+    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
+    unsigned x = v;
+#pragma unroll
+    for (int o = 1; o < WS; o <<= 1) {
+        unsigned y = shfl_up(x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == WS - 1) s[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned w = (lane < NW) ? s[lane] : 0u;
+        unsigned wi = w;
+#pragma unroll
+        for (int o = 1; o < NW; o <<= 1) {
+            unsigned y = shfl_up(wi, o);
+            if (lane >= o) wi += y;
+        }
+        if (lane < NW) s[lane] = wi - w;
+        if (lane == NW - 1) s[NW] = wi;
+    }
+    __syncthreads();
+    total = s[NW];
+    return s[warp] + x - v;
+}
+
+// Threshold-bin search.  Thread t owns bins NB-1-(t*PER+i), i.e. bins are walked from the top.
+// Given the per-bin counts `loc` of the owned bins and the rank `krem` (1-based) still to be
+// found, writes res[0] = bin b with above(b) < krem <= above(b) + H[b], res[1] = krem - above(b),
+// res[2] = H[b].  Ends with __syncthreads().
+template <int BLOCK, int NB>
+__device__ __forceinline__ void select_bin(const unsigned (&loc)[NB / BLOCK], unsigned krem,
+                                           unsigned* s_scan, unsigned* s_res) {
+    constexpr int PER = NB / BLOCK;
+    unsigned sum = 0;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) sum += loc[i];
+    unsigned tot;
+    unsigned above = block_excl_scan<BLOCK>(sum, tot, s_scan);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        unsigned c = loc[i];
+        if (above < krem && above + c >= krem) {
+            s_res[0] = NB - 1 - (threadIdx.x * PER + i);
+            s_res[1] = krem - above;
+            s_res[2] = c;
+        }
+        above += c;
+    }
+    __syncthreads();
+}
+
+// Histogram one quad of keys (nvalid of them valid).  Must be called by all lanes of the warp.
+// Tie-heavy inputs (runs of 0.0, constant rows) would serialize shared atomics on one bin:
+// when the whole warp holds 4 participating keys of one digit, lane 0 adds 4*WS at once.
+__device__ __forceinline__ void hist_quad(unsigned* H, const unsigned (&k)[4], int nvalid,
+                                          const PassCfg& c) {
+#if TOPK_HIST == 1
+    // plain: one shared atomic per participating key
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        if (i < nvalid && (k[i] & c.mask_hi) == c.want_hi) atomicAdd(&H[(k[i] >> c.shift) & c.dmask], 1u);
+    return;
+#else
+    {
+        bool m3[4];
+        unsigned d3[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            m3[i] = (i < nvalid) && ((k[i] & c.mask_hi) == c.want_hi);
+            d3[i] = (k[i] >> c.shift) & c.dmask;
+        }
+        const bool uni3 = m3[0] && m3[1] && m3[2] && m3[3] && d3[0] == d3[1] && d3[1] == d3[2] && d3[2] == d3[3];
+        const unsigned d03 = shfl_idx(d3[0], 0);
+        if (warp_all(uni3 && d3[0] == d03)) {  // e.g. runs of exact 0.0: one atomic per warp
+            if ((threadIdx.x % WS) == 0) atomicAdd(&H[d03], 4u * WS);
+            return;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (m3[i]) atomicAdd(&H[d3[i]], 1u);
+        return;
+    }
+#endif
+}
+
+// Load one quad of a global row segment.  Columns >= nvalid are not read.
+__device__ __forceinline__ void load_quad_g(const float* __restrict__ g, int col, int nvalid, bool vec,
+                                            float (&v)[4]) {
+    if (nvalid == 4 && vec) {
+        float4 t = __ldg(reinterpret_cast<const float4*>(g + col));
+        v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = (i < nvalid) ? __ldg(g + col + i) : 0.0f;
+    }
+}
+
+__device__ __forceinline__ int quad_valid(int len, int q) {
+    int r = len - 4 * q;
+    return r < 0 ? 0 : (r > 4 ? 4 : r);
+}
+
+// Pass 1: the only read of the row from global memory.  U quads per thread are loaded
+// before any is used (memory-level parallelism).  Keys optionally go to the smem cache.
+template <int BLOCK, int U>
+__device__ __forceinline__ void pass_first(const float* __restrict__ g, int len, bool vec,
+                                           unsigned* cache, unsigned* H) {
+    const PassCfg c = {0u, 0u, 21, 0x7FFu};
+    const int nq = (len + 3) >> 2;
+    for (int q0 = 0; q0 < nq; q0 += BLOCK * U) {
+        float v[U][4];
+        int nv[U];
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const int q = q0 + j * BLOCK + threadIdx.x;
+            nv[j] = quad_valid(len, q);
+            load_quad_g(g, 4 * q, nv[j], vec, v[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const int q = q0 + j * BLOCK + threadIdx.x;
+            unsigned k[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) k[i] = f2key(v[j][i]);
+            if (cache != nullptr && nv[j] > 0)
+                *reinterpret_cast<uint4*>(cache + 4 * q) = make_uint4(k[0], k[1], k[2], k[3]);
+            hist_quad(H, k, nv[j], c);
+        }
+    }
+}
+
+#if TOPK_BULK
+__device__ __forceinline__ unsigned smem_addr32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait0(unsigned bar) {
+    unsigned done = 0;
+    while (!done) {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar) : "memory");
+    }
+}
+__device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// Pass 1 through the bulk-copy engine.  Requires g and cache 16-byte aligned.  The full quads
+// arrive as floats in `cache` and are converted to keys in place (each quad has one owner).
+// The caller must __syncthreads() between zeroing H and calling this (the function itself
+// syncs once after the mbarrier setup).
+template <int BLOCK>
+__device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int len, unsigned* cache, unsigned* H,
+                                                unsigned long long* bars) {
+    const PassCfg c = {0u, 0u, 21, 0x7FFu};
+    const int nfull = len >> 2;
+    int piece_q = (nfull + TOPK_MAX_PIECES - 1) / TOPK_MAX_PIECES;
+    piece_q = piece_q < 512 ? 512 : piece_q;  // >= 8 KB per copy
+    const int npieces = (nfull + piece_q - 1) / piece_q;
+    const unsigned bar0 = smem_addr32(bars);
+    if (threadIdx.x == 0) {
+        for (int p = 0; p < npieces; ++p) mbar_init(bar0 + 8u * p, 1u);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        const unsigned dst0 = smem_addr32(cache);
+        for (int p = 0; p < npieces; ++p) {
+            const int q0 = p * piece_q;
+            const int nq = imin(piece_q, nfull - q0);
+            mbar_expect_tx(bar0 + 8u * p, 16u * nq);
+            bulk_g2s(dst0 + 16u * q0, g + 4 * q0, 16u * nq, bar0 + 8u * p);
+        }
+    }
+    __syncthreads();
+    for (int p = 0; p < npieces; ++p) {
+        const int q0 = p * piece_q;
+        const int q1 = imin(q0 + piece_q, nfull);
+        mbar_wait0(bar0 + 8u * p);
+        for (int qq = q0; qq < q1; qq += BLOCK) {
+            const int q = qq + threadIdx.x;
+            unsigned k[4] = {0u, 0u, 0u, 0u};
+            const int nv = q < q1 ? 4 : 0;
+            if (nv) {
+                uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
+                k[0] = f2key(__uint_as_float(t.x));
+                k[1] = f2key(__uint_as_float(t.y));
+                k[2] = f2key(__uint_as_float(t.z));
+                k[3] = f2key(__uint_as_float(t.w));
+                *reinterpret_cast<uint4*>(cache + 4 * q) = make_uint4(k[0], k[1], k[2], k[3]);
+            }
+            hist_quad(H, k, nv, c);
+        }
+    }
+    const int rem = len & 3;
+    if (rem && threadIdx.x == 0) {  // last partial quad: plain loads
+        for (int i = 0; i < 4; ++i) {
+            const unsigned kk = i < rem ? f2key(__ldg(g + 4 * nfull + i)) : 0u;
+            cache[4 * nfull + i] = kk;
+            if (i < rem) atomicAdd(&H[kk >> 21], 1u);
+        }
+    }
+}
+#endif
+
+// Passes 2/3: histogram the keys of the current prefix, reading either shared keys `s`
+// (cache or candidate buffer, padded to a multiple of 4) or the global row `g`.
+// If `cand` != nullptr, keys with the prefix are also appended (unordered; only counts
+// derived from them are ever used) to cand, with *s_ncand as the fill counter.
+template <int BLOCK, int U>
+__device__ __forceinline__ void pass_count(const float* __restrict__ g, const unsigned* s, int len, bool vec,
+                                           unsigned* H, const PassCfg& c, unsigned* cand, unsigned* s_ncand) {
+    const int nq = (len + 3) >> 2;
+    const int lane = threadIdx.x % WS;
+    for (int q0 = 0; q0 < nq; q0 += BLOCK * U) {
+        unsigned k[U][4];
+        int nv[U];
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            const int q = q0 + j * BLOCK + threadIdx.x;
+            nv[j] = quad_valid(len, q);
+            if (s != nullptr) {
+                if (nv[j] > 0) {
+                    uint4 t = *reinterpret_cast<const uint4*>(s + 4 * q);
+                    k[j][0] = t.x; k[j][1] = t.y; k[j][2] = t.z; k[j][3] = t.w;
+                } else {
+                    k[j][0] = k[j][1] = k[j][2] = k[j][3] = 0u;
+                }
+            } else {
+                float v[4];
+                load_quad_g(g, 4 * q, nv[j], vec, v);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) k[j][i] = f2key(v[i]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            hist_quad(H, k[j], nv[j], c);
+            if (cand != nullptr) {
+                unsigned mc = 0;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) mc += (i < nv[j] && (k[j][i] & c.mask_hi) == c.want_hi) ? 1u : 0u;
+                if (warp_any(mc != 0)) {
+                    unsigned x = mc;
+#pragma unroll
+                    for (int o = 1; o < WS; o <<= 1) {
+                        unsigned y = shfl_up(x, o);
+                        if (lane >= o) x += y;
+                    }
+                    unsigned base = 0;
+                    if (lane == WS - 1) base = atomicAdd(s_ncand, x);
+                    base = shfl_idx(base, WS - 1);
+                    unsigned pos = base + x - mc;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        if (i < nv[j] && (k[j][i] & c.mask_hi) == c.want_hi) cand[pos++] = k[j][i];
+                }
+            }
+        }
+    }
+}
+
+// Ordered output pass over columns [0, len) of a segment whose first column is `col0`.
+// Each thread owns EU consecutive quads of a tile of BLOCK*EU quads; a block scan of packed
+// (eq << 16 | gt) counts (<= 4*EU*BLOCK per tile < 65536) gives every element its number of
+// preceding key>T and key==T elements.  base_gt/base_eq: counts before this segment.
+template <int BLOCK, int EU>
+__device__ __forceinline__ void pass_emit(const float* __restrict__ g, const unsigned* s, int len, bool vec,
+                                          int col0, unsigned T, unsigned e, unsigned base_gt,
+                                          unsigned base_eq, int* __restrict__ orow, unsigned K,
+                                          unsigned* s_scan) {
+    constexpr int NW = BLOCK / WS;
+    const int nq = (len + 3) >> 2;
+    int parity = 0;
+    for (int q0 = 0; q0 < nq; q0 += BLOCK * EU) {
+        if (base_gt + umin(base_eq, e) >= K) break;  // block-uniform
+        unsigned k[EU][4];
+        int nv[EU];
+        unsigned cgt = 0, ceq = 0;
+#pragma unroll
+        for (int j = 0; j < EU; ++j) {
+            const int q = q0 + threadIdx.x * EU + j;
+            nv[j] = quad_valid(len, q);
+            if (s != nullptr) {
+                if (nv[j] > 0) {
+                    uint4 t = *reinterpret_cast<const uint4*>(s + 4 * q);
+                    k[j][0] = t.x; k[j][1] = t.y; k[j][2] = t.z; k[j][3] = t.w;
+                } else {
+                    k[j][0] = k[j][1] = k[j][2] = k[j][3] = 0u;
+                }
+            } else {
+                float v[4];
+                load_quad_g(g, 4 * q, nv[j], vec, v);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) k[j][i] = f2key(v[i]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < EU; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (i < nv[j]) {
+                    cgt += k[j][i] > T ? 1u : 0u;
+                    ceq += k[j][i] == T ? 1u : 0u;
+                }
+            }
+        unsigned tot;
+        const unsigned ex = block_excl_scan<BLOCK>((ceq << 16) | cgt, tot, s_scan + parity * (NW + 1));
+        parity ^= 1;
+        unsigned gt = base_gt + (ex & 0xFFFFu);
+        unsigned eq = base_eq + (ex >> 16);
+        if (cgt | ceq) {
+#pragma unroll
+            for (int j = 0; j < EU; ++j) {
+                const int q = q0 + threadIdx.x * EU + j;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    if (i < nv[j]) {
+                        const unsigned kk = k[j][i];
+                        if (kk > T) {
+                            orow[gt + umin(eq, e)] = col0 + 4 * q + i;
+                            ++gt;
+                        } else if (kk == T) {
+                            if (eq < e) orow[gt + eq] = col0 + 4 * q + i;
+                            ++eq;
+                        }
+                    }
+                }
+            }
+        }
+        base_gt += tot & 0xFFFFu;
+        base_eq += tot >> 16;
+    }
+}
+
+// Rows with n <= K: 0..n-1 then -1 (scores never read).
+__device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K, int first, int stride) {
+    for (int i = first; i < K; i += stride) orow[i] = i < n ? i : -1;
+}
+
+// ---------------------------------------------------------------------------------------
+// Fast path (cached keys, threshold bin of pass 1 small enough for the candidate list).
+// Pass 2 reads every key once: keys whose top digit is above the threshold bin b0 (or in it,
+// when the whole bin is taken) are certainly selected and are marked in the column bitmap SB;
+// the columns (16-bit, segment-relative) of keys in b0 go to the candidate list.  Passes 3/4
+// histogram the candidates only.  Selected candidates are marked in SB, exact ties (key == T)
+// in TB; the first e ties in column order are moved to SB by a prefix popcount over TB, and a
+// prefix popcount over SB gives every selected column its output slot, in column order.
+template <int BLOCK>
+__device__ __forceinline__ void pass_classify(const unsigned* cache, int len, unsigned b0, bool exhausted,
+                                              unsigned* SB, unsigned short* cand, unsigned* s_ncand) {
+    const unsigned thr = exhausted ? b0 : b0 + 1u;  // mark top digit >= thr
+    const int nq = (len + 3) >> 2;
+#pragma unroll 2
+    for (int q = threadIdx.x; q < nq; q += BLOCK) {
+        const uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
+        const unsigned kk[4] = {t.x, t.y, t.z, t.w};
+        const int nv = quad_valid(len, q);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (i < nv) {
+                const unsigned d = kk[i] >> 21;
+                const int col = 4 * q + i;
+                if (d >= thr) {
+                    atomicOr(&SB[col >> 5], 1u << (col & 31));
+                } else if (d == b0) {  // only reached when !exhausted
+                    const unsigned slot = atomicAdd(s_ncand, 1u);
+                    cand[slot] = (unsigned short)col;
+                }
+            }
+        }
+    }
+}
+
+template <int BLOCK>
+__device__ __forceinline__ void cand_hist(const unsigned* cache, const unsigned short* cand, int ncand,
+                                          unsigned* H, const PassCfg& c) {
+    for (int i = threadIdx.x; i < ncand; i += BLOCK) {
+        const unsigned k = cache[cand[i]];
+        if ((k & c.mask_hi) == c.want_hi) atomicAdd(&H[(k >> c.shift) & c.dmask], 1u);
+    }
+}
+
+template <int BLOCK>
+__device__ __forceinline__ void cand_mark(const unsigned* cache, const unsigned short* cand, int ncand,
+                                          unsigned T, unsigned e, unsigned* SB, unsigned* TB) {
+    for (int i = threadIdx.x; i < ncand; i += BLOCK) {
+        const unsigned col = cand[i];
+        const unsigned k = cache[col];
+        if (k > T || (k == T && e == TOPK_ALL))
+            atomicOr(&SB[col >> 5], 1u << (col & 31));
+        else if (k == T)
+            atomicOr(&TB[col >> 5], 1u << (col & 31));
+    }
+}
+
+// Sum of popcounts of this thread's consecutive words [w0, w1).
+__device__ __forceinline__ unsigned popc_words(const unsigned* B, int w0, int w1) {
+    unsigned c = 0;
+    for (int w = w0; w < w1; ++w) c += __popc(B[w]);
+    return c;
+}
+
+// Writes the columns of SB (after moving the first e - base_eq ties of TB into it) to
+// orow[base_gt + min(base_eq, e) + rank], in column order.  Thread t owns words [t*W, t*W+W).
+template <int BLOCK>
+__device__ __forceinline__ void bitmap_emit(unsigned* SB, const unsigned* TB, int nw, unsigned e, unsigned base_gt,
+                                            unsigned base_eq, bool ties, int col0, int* __restrict__ orow,
+                                            unsigned* s_scan) {
+    const int W = (nw + BLOCK - 1) / BLOCK;
+    const int w0 = imin(nw, threadIdx.x * W), w1 = imin(nw, w0 + W);
+    unsigned tot;
+    if (ties) {  // block-uniform
+        unsigned r = base_eq + block_excl_scan<BLOCK>(popc_words(TB, w0, w1), tot, s_scan);
+        for (int w = w0; w < w1 && r < e; ++w) {
+            unsigned b = TB[w], add = 0;
+            while (b && r < e) {
+                const unsigned lsb = b & (0u - b);
+                add |= lsb;
+                b ^= lsb;
+                ++r;
+            }
+            SB[w] |= add;  // this thread owns word w
+        }
+    }
+    unsigned pos = base_gt + umin(base_eq, e) + block_excl_scan<BLOCK>(popc_words(SB, w0, w1), tot, s_scan + 64);
+    for (int w = w0; w < w1; ++w) {
+        unsigned b = SB[w];
+        while (b) {
+            const int bit = __ffs(b) - 1;
+            orow[pos++] = col0 + 32 * w + bit;
+            b &= b - 1u;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// One CTA per row.
+template <int BLOCK, int U>
+__device__ __forceinline__ void row_topk(const float* __restrict__ logits, const int* __restrict__ visible,
+                                         int* __restrict__ out, int rows, int columns, int ld, int K,
+                                         int buf_cap, int cached, int vec_ok, int cand_cap) {
+    extern __shared__ __align__(16) unsigned smem_row[];
+    unsigned* H = smem_row;              // 2048
+    unsigned* s_scan = smem_row + 2048;  // 2 x 64
+    unsigned* s_res = smem_row + 2176;   // 8: [0..2] select_bin result, [7] candidate count
+    // fast-path areas (cached mode): SB bitmap (nwcap words), candidate columns (cand_cap x u16)
+    const int nwcap = cached ? ((((buf_cap + 31) >> 5) + 3) & ~3) : 0;
+    unsigned* SB = smem_row + ROW_FIXED_WORDS;
+    unsigned short* cand = reinterpret_cast<unsigned short*>(SB + nwcap);
+    unsigned* buf = SB + nwcap + (cand_cap >> 1);
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    int n = visible[row];
+    n = n < 0 ? 0 : (n > columns ? columns : n);
+    int* orow = out + (long long)row * K;
+    if (n <= K) {
+        write_short(orow, n, K, threadIdx.x, BLOCK);
+        return;
+    }
+    const float* g = logits + (long long)row * ld;
+    const bool vec = vec_ok != 0;
+    const unsigned* src = cached ? buf : nullptr;  // source of keys for later passes
+
+    for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;
+    for (int i = threadIdx.x; i < nwcap; i += BLOCK) SB[i] = 0u;
+    if (threadIdx.x == 0) s_res[7] = 0u;
+    __syncthreads();
+#if TOPK_BULK
+    if (cached && vec)
+        pass_first_bulk<BLOCK>(g, n, buf, H, reinterpret_cast<unsigned long long*>(smem_row + 2184));
+    else
+#endif
+        pass_first<BLOCK, U>(g, n, vec, cached ? buf : nullptr, H);
+    __syncthreads();
+
+    unsigned T, e;
+    {
+        unsigned loc[2048 / BLOCK];
+#pragma unroll
+        for (int i = 0; i < 2048 / BLOCK; ++i) loc[i] = H[2047 - (threadIdx.x * (2048 / BLOCK) + i)];
+        select_bin<BLOCK, 2048>(loc, (unsigned)K, s_scan, s_res);
+    }
+    const unsigned b0 = s_res[0], krem1 = s_res[1], cnt1 = s_res[2];
+#if TOPK_FAST
+    if (cached && (cnt1 == krem1 || cnt1 <= (unsigned)cand_cap)) {
+        const bool exhausted1 = cnt1 == krem1;
+        pass_classify<BLOCK>(buf, n, b0, exhausted1, SB, cand, s_res + 7);
+        __syncthreads();
+        const int nw = (n + 31) >> 5;
+        unsigned T = 0, e = TOPK_ALL;
+        if (!exhausted1) {
+            const int ncand = (int)s_res[7];
+            for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;
+            __syncthreads();
+            const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
+            cand_hist<BLOCK>(buf, cand, ncand, H, c1);
+            __syncthreads();
+            {
+                unsigned loc[2048 / BLOCK];
+#pragma unroll
+                for (int i = 0; i < 2048 / BLOCK; ++i) loc[i] = H[2047 - (threadIdx.x * (2048 / BLOCK) + i)];
+                select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
+            }
+            const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
+            const unsigned prefix = (b0 << 21) | (b1 << 10);
+            if (cnt2 == krem2) {
+                T = prefix;
+            } else {
+                for (int i = threadIdx.x; i < 1024; i += BLOCK) H[i] = 0u;
+                __syncthreads();
+                const PassCfg c2 = {0xFFFFFC00u, prefix, 0, 0x3FFu};
+                cand_hist<BLOCK>(buf, cand, ncand, H, c2);
+                __syncthreads();
+                {
+                    unsigned loc[1024 / BLOCK];
+#pragma unroll
+                    for (int i = 0; i < 1024 / BLOCK; ++i) loc[i] = H[1023 - (threadIdx.x * (1024 / BLOCK) + i)];
+                    select_bin<BLOCK, 1024>(loc, krem2, s_scan, s_res);
+                }
+                T = prefix | s_res[0];
+                e = s_res[1];
+            }
+            for (int i = threadIdx.x; i < nw; i += BLOCK) H[i] = 0u;  // H becomes the tie bitmap TB
+            __syncthreads();
+            cand_mark<BLOCK>(buf, cand, ncand, T, e, SB, H);
+            __syncthreads();
+        }
+        bitmap_emit<BLOCK>(SB, H, nw, e, 0u, 0u, e != TOPK_ALL, 0, orow, s_scan);
+        return;
+    }
+#endif
+    if (cnt1 == krem1) {
+        T = b0 << 21;
+        e = TOPK_ALL;
+    } else {
+        for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;
+        __syncthreads();
+        const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
+        const bool compact = !cached && cnt1 <= (unsigned)buf_cap;
+        pass_count<BLOCK, U>(g, src, n, vec, H, c1, compact ? buf : nullptr, s_res + 7);
+        __syncthreads();
+        {
+            unsigned loc[2048 / BLOCK];
+#pragma unroll
+            for (int i = 0; i < 2048 / BLOCK; ++i) loc[i] = H[2047 - (threadIdx.x * (2048 / BLOCK) + i)];
+            select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
+        }
+        const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
+        const unsigned prefix = (b0 << 21) | (b1 << 10);
+        if (cnt2 == krem2) {
+            T = prefix;
+            e = TOPK_ALL;
+        } else {
+            const unsigned ncand = s_res[7];
+            for (int i = threadIdx.x; i < 1024; i += BLOCK) H[i] = 0u;
+            __syncthreads();
+            const PassCfg c2 = {0xFFFFFC00u, prefix, 0, 0x3FFu};
+            if (compact)
+                pass_count<BLOCK, U>(g, buf, (int)ncand, vec, H, c2, nullptr, nullptr);
+            else
+                pass_count<BLOCK, U>(g, src, n, vec, H, c2, nullptr, nullptr);
+            __syncthreads();
+            {
+                unsigned loc[1024 / BLOCK];
+#pragma unroll
+                for (int i = 0; i < 1024 / BLOCK; ++i) loc[i] = H[1023 - (threadIdx.x * (1024 / BLOCK) + i)];
+                select_bin<BLOCK, 1024>(loc, krem2, s_scan, s_res);
+            }
+            T = prefix | s_res[0];
+            e = s_res[1];
+        }
+    }
+    pass_emit<BLOCK, 4>(g, src, n, vec, 0, T, e, 0u, 0u, orow, (unsigned)K, s_scan);
+}
+
+#define TOPK_ROW_PARAMS                                                                          \
+    const float *__restrict__ logits, const int *__restrict__ visible, int *__restrict__ out, int rows, \
+        int columns, int ld, int K, int buf_cap, int cached, int vec_ok, int cand_cap
+#define TOPK_ROW_ARGS logits, visible, out, rows, columns, ld, K, buf_cap, cached, vec_ok, cand_cap
+
+#if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_256)
+extern "C" __global__ void __launch_bounds__(256, 4) topk_rows_256(TOPK_ROW_PARAMS) {
+    row_topk<256, 4>(TOPK_ROW_ARGS);
+}
+#endif
+#if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_512)
+extern "C" __global__ void __launch_bounds__(512, 2) topk_rows_512(TOPK_ROW_PARAMS) {
+    row_topk<512, 4>(TOPK_ROW_ARGS);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------
+// One thread-block cluster of CL CTAs per row (sm_90+).
+#if TOPK_CLUSTERS
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// Full cluster barrier with release/acquire semantics: every shared-memory write and remote
+// reduction issued by any thread of the cluster before it is visible to all threads after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// 32-bit shared::cta address of a generic pointer to shared memory.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+// shared::cluster address of the same variable in CTA `r`.
+__device__ __forceinline__ unsigned mapa_u32(unsigned a, unsigned r) {
+    unsigned o;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(r));
+    return o;
+}
+// Fire-and-forget atomic add into another CTA's shared memory (no round trip).
+__device__ __forceinline__ void red_add_cluster(unsigned a, unsigned v) {
+    asm volatile("red.relaxed.cluster.shared::cluster.add.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+}
+
+// Push the non-zero bins of the local histogram H[0, NB) into S[0, NB) of every CTA of the
+// cluster (including this one).  Sums are order-independent, so this stays deterministic.
+template <int BLOCK, int NB, int CL>
+__device__ __forceinline__ void push_hist(const unsigned* H, unsigned* S) {
+    const unsigned base = smem_u32(S);
+    for (int b = threadIdx.x; b < NB; b += BLOCK) {
+        const unsigned v = H[b];
+        if (v) {
+#pragma unroll
+            for (int r = 0; r < CL; ++r) red_add_cluster(mapa_u32(base + 4u * b, (unsigned)r), v);
+        }
+    }
+}
+
+template <int BLOCK, int NB>
+__device__ __forceinline__ void load_loc(const unsigned* S, unsigned (&loc)[NB / BLOCK]) {
+    constexpr int PER = NB / BLOCK;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) loc[i] = S[NB - 1 - (threadIdx.x * PER + i)];
+}
+
+// One cluster of CL CTAs per row.  Shared memory (words): H[2048] local histogram,
+// S0[2048] / S1[2048] / S2[1024] cluster-summed histograms of passes 1-3 (filled by remote
+// reductions from every CTA), scan[128], res[8], base[8], then the chunk's key cache.
+// Cluster barriers: (0) zeroing done before any remote push, (1)-(3) after each pass's pushes,
+// (4) after the per-CTA (gt, eq) counts were pushed to higher ranks.  No remote loads.
+template <int BLOCK, int U, int CL>
+__device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, const int* __restrict__ visible,
+                                             int* __restrict__ out, int rows, int columns, int ld, int K,
+                                             int vec_ok, int cap, int cand_cap) {
+    extern __shared__ __align__(16) unsigned smem_cl[];
+    unsigned* H = smem_cl;
+    unsigned* S0 = smem_cl + 2048;
+    unsigned* S1 = smem_cl + 4096;
+    unsigned* S2 = smem_cl + 6144;
+    unsigned* s_scan = smem_cl + 7168;  // 2 x 64
+    unsigned* s_res = smem_cl + 7296;   // 8
+    unsigned* s_base = smem_cl + 7304;  // 8: [0] gt before this chunk, [1] eq before this chunk
+    // fast-path areas: SB bitmap of the chunk (nwcap words), candidate columns (cand_cap x u16)
+    const int nwcap = (((cap + 31) >> 5) + 3) & ~3;
+    unsigned* SB = smem_cl + CL_FIXED_WORDS;
+    unsigned short* cand = reinterpret_cast<unsigned short*>(SB + nwcap);
+    unsigned* cache = SB + nwcap + (cand_cap >> 1);
+    const int row = blockIdx.x / CL;  // whole cluster shares the row (cluster dims (CL,1,1))
+    const unsigned rank = cluster_rank();
+    if (row >= rows) return;
+    int n = visible[row];
+    n = n < 0 ? 0 : (n > columns ? columns : n);
+    int* orow = out + (long long)row * K;
+    if (n <= K) {  // uniform over the cluster: no DSMEM traffic, CTAs may leave independently
+        write_short(orow, n, K, (int)rank * BLOCK + threadIdx.x, CL * BLOCK);
+        return;
+    }
+    const int chunk = (((n + CL - 1) / CL) + 3) & ~3;
+    const int start = imin(n, (int)rank * chunk);
+    const int end = imin(n, start + chunk);
+    const int len = end - start;
+    const float* g = logits + (long long)row * ld + start;
+    const bool vec = vec_ok != 0;
+
+    for (int i = threadIdx.x; i < CL_FIXED_WORDS + nwcap; i += BLOCK) smem_cl[i] = 0u;
+    cluster_sync();  // (0)
+#if TOPK_BULK
+    if (vec)
+        pass_first_bulk<BLOCK>(g, len, cache, H, reinterpret_cast<unsigned long long*>(smem_cl + 7312));
+    else
+#endif
+        pass_first<BLOCK, U>(g, len, vec, cache, H);
+    __syncthreads();
+    push_hist<BLOCK, 2048, CL>(H, S0);
+    cluster_sync();  // (1)
+    unsigned T, e;
+    {
+        unsigned loc[2048 / BLOCK];
+        load_loc<BLOCK, 2048>(S0, loc);
+        select_bin<BLOCK, 2048>(loc, (unsigned)K, s_scan, s_res);
+    }
+    const unsigned b0 = s_res[0], krem1 = s_res[1], cnt1 = s_res[2];
+#if TOPK_FAST
+    // cnt1 is the cluster-wide count, so this branch is uniform over the cluster
+    if (cnt1 == krem1 || cnt1 <= (unsigned)cand_cap) {
+        const bool exhausted1 = cnt1 == krem1;
+        pass_classify<BLOCK>(cache, len, b0, exhausted1, SB, cand, s_res + 7);
+        __syncthreads();
+        const int nw = (len + 31) >> 5;
+        T = 0;
+        e = TOPK_ALL;
+        if (!exhausted1) {
+            const int ncand = (int)s_res[7];
+            for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;
+            __syncthreads();
+            const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
+            cand_hist<BLOCK>(cache, cand, ncand, H, c1);
+            __syncthreads();
+            push_hist<BLOCK, 2048, CL>(H, S1);
+            cluster_sync();  // (2)
+            {
+                unsigned loc[2048 / BLOCK];
+                load_loc<BLOCK, 2048>(S1, loc);
+                select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
+            }
+            const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
+            const unsigned prefix = (b0 << 21) | (b1 << 10);
+            if (cnt2 == krem2) {
+                T = prefix;
+            } else {
+                for (int i = threadIdx.x; i < 1024; i += BLOCK) H[i] = 0u;
+                __syncthreads();
+                const PassCfg c2 = {0xFFFFFC00u, prefix, 0, 0x3FFu};
+                cand_hist<BLOCK>(cache, cand, ncand, H, c2);
+                __syncthreads();
+                push_hist<BLOCK, 1024, CL>(H, S2);
+                cluster_sync();  // (3)
+                {
+                    unsigned loc[1024 / BLOCK];
+                    load_loc<BLOCK, 1024>(S2, loc);
+                    select_bin<BLOCK, 1024>(loc, krem2, s_scan, s_res);
+                }
+                T = prefix | s_res[0];
+                e = s_res[1];
+            }
+            for (int i = threadIdx.x; i < nw; i += BLOCK) H[i] = 0u;  // H becomes the tie bitmap TB
+            __syncthreads();
+            cand_mark<BLOCK>(cache, cand, ncand, T, e, SB, H);
+            __syncthreads();
+        }
+        {
+            const int W = (nw + BLOCK - 1) / BLOCK;
+            const int w0 = imin(nw, threadIdx.x * W), w1 = imin(nw, w0 + W);
+            unsigned tgt, teq;
+            block_excl_scan<BLOCK>(popc_words(SB, w0, w1), tgt, s_scan);
+            block_excl_scan<BLOCK>(exhausted1 ? 0u : popc_words(H, w0, w1), teq, s_scan + 64);
+            const unsigned r = rank + 1 + threadIdx.x;
+            if (r < (unsigned)CL) {
+                const unsigned a = smem_u32(s_base);
+                if (tgt) red_add_cluster(mapa_u32(a, r), tgt);
+                if (teq) red_add_cluster(mapa_u32(a + 4u, r), teq);
+            }
+        }
+        cluster_sync();  // (4) after this no CTA touches another CTA's shared memory
+        bitmap_emit<BLOCK>(SB, H, nw, e, s_base[0], s_base[1], e != TOPK_ALL, start, orow, s_scan);
+        return;
+    }
+#endif
+    if (cnt1 == krem1) {
+        T = b0 << 21;
+        e = TOPK_ALL;
+    } else {
+        for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;
+        __syncthreads();
+        const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
+        pass_count<BLOCK, U>(g, cache, len, vec, H, c1, nullptr, nullptr);
+        __syncthreads();
+        push_hist<BLOCK, 2048, CL>(H, S1);
+        cluster_sync();  // (2)
+        {
+            unsigned loc[2048 / BLOCK];
+            load_loc<BLOCK, 2048>(S1, loc);
+            select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
+        }
+        const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
+        const unsigned prefix = (b0 << 21) | (b1 << 10);
+        if (cnt2 == krem2) {
+            T = prefix;
+            e = TOPK_ALL;
+        } else {
+            for (int i = threadIdx.x; i < 1024; i += BLOCK) H[i] = 0u;
+            __syncthreads();
+            const PassCfg c2 = {0xFFFFFC00u, prefix, 0, 0x3FFu};
+            pass_count<BLOCK, U>(g, cache, len, vec, H, c2, nullptr, nullptr);
+            __syncthreads();
+            push_hist<BLOCK, 1024, CL>(H, S2);
+            cluster_sync();  // (3)
+            {
+                unsigned loc[1024 / BLOCK];
+                load_loc<BLOCK, 1024>(S2, loc);
+                select_bin<BLOCK, 1024>(loc, krem2, s_scan, s_res);
+            }
+            T = prefix | s_res[0];
+            e = s_res[1];
+        }
+    }
+    // local counts of key > T and key == T in this CTA's chunk, pushed to every higher rank
+    {
+        unsigned cgt = 0, ceq = 0;
+        const int nq = (len + 3) >> 2;
+        for (int q = threadIdx.x; q < nq; q += BLOCK) {
+            const int nv = quad_valid(len, q);
+            uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
+            const unsigned kk[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (i < nv) {
+                    cgt += kk[i] > T ? 1u : 0u;
+                    ceq += kk[i] == T ? 1u : 0u;
+                }
+        }
+        unsigned tgt, teq;
+        block_excl_scan<BLOCK>(cgt, tgt, s_scan);
+        block_excl_scan<BLOCK>(ceq, teq, s_scan + 64);
+        const unsigned r = rank + 1 + threadIdx.x;
+        if (r < (unsigned)CL) {
+            const unsigned a = smem_u32(s_base);
+            if (tgt) red_add_cluster(mapa_u32(a, r), tgt);
+            if (teq) red_add_cluster(mapa_u32(a + 4u, r), teq);
+        }
+    }
+    cluster_sync();  // (4) after this no CTA touches another CTA's shared memory
+    pass_emit<BLOCK, 4>(g, cache, len, vec, start, T, e, s_base[0], s_base[1], orow, (unsigned)K, s_scan);
+}
+
+#define TOPK_CL_PARAMS                                                                           \
+    const float *__restrict__ logits, const int *__restrict__ visible, int *__restrict__ out, int rows, \
+        int columns, int ld, int K, int vec_ok, int cap, int cand_cap
+#define TOPK_CL_ARGS logits, visible, out, rows, columns, ld, K, vec_ok, cap, cand_cap
+
+#if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster2_512)
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(512, 2) topk_cluster2_512(TOPK_CL_PARAMS) {
+    cluster_topk<512, 4, 2>(TOPK_CL_ARGS);
+}
+#endif
+#if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster4_512)
+extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(512, 2) topk_cluster4_512(TOPK_CL_PARAMS) {
+    cluster_topk<512, 4, 4>(TOPK_CL_ARGS);
+}
+#endif
+#if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster8_512)
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512, 2) topk_cluster8_512(TOPK_CL_PARAMS) {
+    cluster_topk<512, 4, 8>(TOPK_CL_ARGS);
+}
+#endif
+#if !defined(TOPK_NO_CLUSTER16) && (!defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster16_512))
+extern "C" __global__ void __cluster_dims__(16, 1, 1) __launch_bounds__(512, 2) topk_cluster16_512(TOPK_CL_PARAMS) {
+    cluster_topk<512, 4, 16>(TOPK_CL_ARGS);
+}
+#endif
+#endif  // TOPK_CLUSTERS

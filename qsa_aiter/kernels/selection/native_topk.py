@@ -1,0 +1,289 @@
+"""The native block top-k (``native_topk.cu`` beside this file): what its kernels serve and how they are launched,
+declared once, in pure Python (no compiler, no driver: ``runtime/jit/nvrtc.py`` compiles, ``runtime/jit/native.py``
+caches, loads and launches, ``runtime/registries.py`` makes it the ``native`` top-k candidate).
+
+The kernels (CUDA C++, compiled at run time by NVRTC) compute what the Triton top-k computes: per row the
+``block_topk`` best columns of ``[0, clamp(visible, 0, columns))`` by ``(-score, column)``, in ascending column order,
+then ``-1``; a row with ``visible <= block_topk`` takes ``0 .. visible-1`` without reading a score. The method (a
+radix select with shared-memory histograms, one CTA per row or one thread-block cluster per row) is described at the
+top of the ``.cu`` file.
+
+- ``VARIANTS``: the kernels, each one NVRTC program (``-DTOPK_SINGLE -DTOPK_KERNEL_<name>``) and one JIT-cache entry
+  per arch; the cluster kernels exist from compute capability 9.0 (``variants_for``).
+- ``choose_plan(rows, columns, block_topk, platform)``: which kernel, and how its shared memory is laid out
+  (``Plan``), from the platform's multiprocessors, compute capability and shared-memory limits.
+- ``launch_arguments(plan, ...)``: the launch (``NativeLaunch``): kernel name, grid, block, dynamic shared bytes and
+  the kernel's arguments by name with their C types, in the kernel's parameter order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from ..platform import Platform
+
+#: The CUDA source of the kernels.
+SOURCE_PATH = Path(__file__).with_name("native_topk.cu")
+
+#: Fixed part of a row kernel's shared memory: H[2048] | scan[128] | res[8] | mbarriers[16 x u64] (``ROW_FIXED_WORDS``
+#: in the source).
+ROW_FIXED_BYTES = 2216 * 4
+#: Fixed part of a cluster kernel's shared memory: H | S0 | S1 (2048 each) | S2[1024] | scan[128] | res[8] | base[8] |
+#: mbarriers[16 x u64] (``CL_FIXED_WORDS``).
+CLUSTER_FIXED_BYTES = 7344 * 4
+#: Keys the uncached row kernel can compact into shared memory (its threshold bin's keys; a multiple of 4).
+UNCACHED_BUFFER = 16384
+#: Fast-path candidate list (u16 columns): this many entries, fewer where that keeps a CTA at two per multiprocessor,
+#: never fewer than ``MIN_CANDIDATES`` (a threshold bin holding more takes the full-scan path, exact but slower).
+MAX_CANDIDATES, MIN_CANDIDATES = 4096, 1024
+#: Columns a cached row or cluster chunk may hold: candidate columns are u16 and the tie bitmap reuses the 2048-word
+#: histogram.
+MAX_CACHED_COLUMNS = 65536
+#: The cluster path: rows at least this wide, few enough that one CTA per row would leave half the multiprocessors
+#: idle (``2 * rows <= multiprocessors``).
+CLUSTER_MIN_COLUMNS = 8192
+#: Cluster sizes ``choose_plan`` considers, largest first. Cluster 16 (a non-portable size) is a variant a caller may
+#: name in a plan (``cluster_plan(16, ...)``), but no automatic choice: it was no faster than 8 for one row and slower
+#: for several.
+CLUSTER_SIZES = (8, 4, 2)
+#: Row kernels: 256 threads (4 CTAs per SM) for rows up to this many columns, 512 (2 per SM) above.
+ROWS_256_MAX_COLUMNS = 12288
+#: Shared memory a CTA may use and still fit twice on a multiprocessor: half of it less 2 KB (the 1 KB the hardware
+#: reserves per block and 1 KB of margin): 112 KB on an H200, the limit its plans were verified with.
+TWO_PER_SM_MARGIN = 2 * 1024
+#: Every launch argument after the three pointers is a C ``int``: the kernels compute row offsets in 64 bits, but
+#: columns, the row stride and block_topk must be below 2**31.
+INT_LIMIT = 2**31
+
+#: The kernels' parameters, in order (``TOPK_ROW_PARAMS`` / ``TOPK_CL_PARAMS`` in the source): the pointers with their
+#: C types, then the scalars.
+POINTERS = (("logits", "const float*"), ("visible", "const int*"), ("out", "int*"))
+ROW_SCALARS = ("rows", "columns", "ld", "K", "buf_cap", "cached", "vec_ok", "cand_cap")
+CLUSTER_SCALARS = ("rows", "columns", "ld", "K", "vec_ok", "cap", "cand_cap")
+
+
+@lru_cache(maxsize=1)
+def source() -> str:
+    """The kernels' CUDA source (read once per process)."""
+    return SOURCE_PATH.read_text()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel of the source: its ``extern "C"`` name, threads per CTA, CTAs per cluster (1: one CTA per row) and
+    the CTAs per multiprocessor its ``__launch_bounds__`` promise (which caps its registers)."""
+
+    name: str
+    threads: int
+    cluster: int
+    blocks_per_multiprocessor: int
+
+    @property
+    def defines(self) -> tuple[str, ...]:
+        """The ``-D`` macros of its NVRTC program: build this kernel only."""
+        return ("TOPK_SINGLE", f"TOPK_KERNEL_{self.name}")
+
+    @property
+    def min_capability(self) -> tuple[int, int]:
+        """The compute capability it needs: thread-block clusters and bulk copies exist from sm_90."""
+        return (9, 0) if self.cluster > 1 else (8, 0)
+
+    @property
+    def non_portable_cluster(self) -> bool:
+        """Clusters of more than 8 CTAs need ``CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED``."""
+        return self.cluster > 8
+
+    @property
+    def max_registers(self) -> int:
+        """Registers per thread its launch bounds allow (a 64K-register file shared by the promised CTAs)."""
+        return 65536 // (self.threads * self.blocks_per_multiprocessor)
+
+
+VARIANTS = (
+    Variant("topk_rows_256", 256, 1, 4),
+    Variant("topk_rows_512", 512, 1, 2),
+    Variant("topk_cluster2_512", 512, 2, 2),
+    Variant("topk_cluster4_512", 512, 4, 2),
+    Variant("topk_cluster8_512", 512, 8, 2),
+    Variant("topk_cluster16_512", 512, 16, 2),
+)
+BY_NAME = {variant.name: variant for variant in VARIANTS}
+
+
+def variants_for(platform: Platform) -> tuple[Variant, ...]:
+    """The variants that exist for ``platform`` (an NVIDIA one; none for others)."""
+    if platform.backend != "cuda":
+        return ()
+    return tuple(v for v in VARIANTS if platform.capability >= v.min_capability)
+
+
+def _round4(count: int) -> int:
+    return (count + 3) // 4 * 4
+
+
+def _bitmap_words(columns: int) -> int:
+    """Words of the column bitmap SB of a cached row or chunk (``nwcap`` in the source)."""
+    return _round4(-(-columns // 32))
+
+
+def two_per_multiprocessor_bytes(platform: Platform) -> int:
+    """The most shared memory a CTA may use and still fit twice on one of ``platform``'s multiprocessors."""
+    return platform.shared_memory_per_multiprocessor // 2 - TWO_PER_SM_MARGIN
+
+
+def _candidates(fixed_bytes: int, cached_columns: int, platform: Platform) -> int:
+    """Fast-path candidate-list entries (a multiple of 8): ``MAX_CANDIDATES`` unless that pushes a CTA that would
+    otherwise fit twice per multiprocessor over the limit; then as many as keep it there, at least
+    ``MIN_CANDIDATES``."""
+    base = fixed_bytes + 4 * (_bitmap_words(cached_columns) + cached_columns)
+    limit = two_per_multiprocessor_bytes(platform)
+    if base + 2 * MAX_CANDIDATES <= limit or base + 2 * MIN_CANDIDATES > limit:
+        return MAX_CANDIDATES
+    return max(MIN_CANDIDATES, (limit - base) // 2 // 8 * 8)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one launch runs: ``variant``; ``cached``: the row (or chunk) is kept in shared memory as keys;
+    ``buffer``: the keys one CTA caches (a row, or a cluster's chunk), or the uncached kernel's compaction buffer;
+    ``candidates``: the fast-path candidate list (0: none)."""
+
+    variant: Variant
+    cached: bool
+    buffer: int
+    candidates: int
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of one CTA (the layouts of the source's header)."""
+        if self.variant.cluster > 1:
+            return CLUSTER_FIXED_BYTES + 4 * (_bitmap_words(self.buffer) + self.candidates // 2 + self.buffer)
+        bitmap = _bitmap_words(self.buffer) if self.cached else 0
+        return ROW_FIXED_BYTES + 4 * (bitmap + self.candidates // 2 + self.buffer)
+
+    def describe(self) -> str:
+        mode = "cached" if self.cached else f"uncached, {self.buffer}-key buffer"
+        return (f"{self.variant.name} ({mode}, {self.candidates} candidates, {self.shared_bytes} B shared memory "
+                "per CTA)")
+
+
+def rows_plan(threads: int, columns: int, platform: Platform, cached: bool = True,
+              buffer: int | None = None) -> Plan:
+    """The one-CTA-per-row plan of ``threads`` (256 or 512) for rows of ``columns``: cached (the whole row in shared
+    memory, ``buffer`` keys, default the row rounded up to 4) or uncached (``buffer``: the compaction buffer, default
+    ``UNCACHED_BUFFER`` keys or as many as fit)."""
+    variant = BY_NAME[f"topk_rows_{threads}"]
+    if cached:
+        cap = _round4(columns) if buffer is None else buffer
+        return Plan(variant, True, cap, _candidates(ROW_FIXED_BYTES, cap, platform))
+    if buffer is None:  # UNCACHED_BUFFER keys, fewer where the platform's shared memory is smaller (any size works)
+        buffer = min(UNCACHED_BUFFER, max(0, (platform.shared_memory_per_block - ROW_FIXED_BYTES) // 16 * 4))
+    return Plan(variant, False, buffer, 0)
+
+
+def cluster_plan(cluster: int, columns: int, platform: Platform) -> Plan:
+    """The plan of one ``cluster``-CTA cluster per row (2, 4, 8 or 16): each CTA caches ``ceil(columns / cluster)``
+    keys (rounded up to 4)."""
+    cap = _round4(-(-columns // cluster))
+    return Plan(BY_NAME[f"topk_cluster{cluster}_512"], True, cap, _candidates(CLUSTER_FIXED_BYTES, cap, platform))
+
+
+def trivial_plan() -> Plan:
+    """The plan when every row has at most ``block_topk`` columns: each row writes ``0 .. visible-1`` and ``-1``
+    (no score read, no buffers)."""
+    return Plan(BY_NAME["topk_rows_256"], False, 0, 0)
+
+
+def _fits(plan: Plan, platform: Platform) -> bool:
+    return plan.shared_bytes <= platform.shared_memory_per_block and (
+        not plan.cached or plan.buffer <= MAX_CACHED_COLUMNS)
+
+
+@lru_cache(maxsize=512)  # a launch asks for it every call; it depends on these arguments only
+def choose_plan(rows: int, columns: int, block_topk: int, platform: Platform,
+                cluster_sizes: tuple[int, ...] = CLUSTER_SIZES) -> Plan:
+    """The launch plan for ``rows`` rows of ``columns`` fp32 logits, ``block_topk`` kept per row, on ``platform``.
+
+    - ``columns <= block_topk``: the trivial plan (no row reads a score).
+    - **Cluster** (compute capability 9.0+, ``2 * rows <= multiprocessors``, ``columns >= CLUSTER_MIN_COLUMNS``): one
+      row per cluster, the largest size of ``cluster_sizes`` whose CTA fits the per-block shared-memory limit and whose
+      grid (``rows * size`` CTAs) fits in one wave (two CTAs per multiprocessor where the CTA fits twice, else one).
+    - **Rows** otherwise: one CTA per row, 256 threads up to ``ROWS_256_MAX_COLUMNS`` columns, else 512; the row cached
+      in shared memory where it fits (the per-block limit, and ``MAX_CACHED_COLUMNS``), else the uncached 512-thread
+      kernel (later passes re-read the row, mostly from L2).
+
+    Raises ``ValueError`` where not even the uncached kernel fits the platform's shared memory (``plan_reason``)."""
+    reason = plan_reason(columns, block_topk, platform)
+    if reason:
+        raise ValueError(reason)
+    if columns <= block_topk:
+        return trivial_plan()
+    if (platform.capability >= (9, 0) and 2 * rows <= platform.multiprocessors
+            and columns >= CLUSTER_MIN_COLUMNS):
+        for size in cluster_sizes:
+            plan = cluster_plan(size, columns, platform)
+            if not _fits(plan, platform):
+                continue
+            per_multiprocessor = 2 if plan.shared_bytes <= two_per_multiprocessor_bytes(platform) else 1
+            if rows * size <= platform.multiprocessors * per_multiprocessor:
+                return plan
+    plan = rows_plan(256 if columns <= ROWS_256_MAX_COLUMNS else 512, columns, platform)
+    if _fits(plan, platform):
+        return plan
+    return rows_plan(512, columns, platform, cached=False)
+
+
+def plan_reason(columns: int, block_topk: int, platform: Platform) -> str | None:
+    """Why no plan serves rows of ``columns`` keeping ``block_topk`` on ``platform`` (None: one does): the C ``int``
+    arguments, and the fixed shared memory of a row kernel (the smallest plan: uncached, no buffer)."""
+    if columns >= INT_LIMIT or block_topk >= INT_LIMIT:
+        return f"needs columns and block_topk below 2**31 (got {columns} and {block_topk})"
+    need = ROW_FIXED_BYTES
+    if platform.shared_memory_per_block < need:
+        return (f"needs {need} bytes of shared memory per block ({platform.arch} allows "
+                f"{platform.shared_memory_per_block})")
+    return None
+
+
+@dataclass(frozen=True)
+class NativeLaunch:
+    """One launch of a native kernel: ``kernel`` (its ``extern "C"`` name), ``grid`` and ``block`` (x, y, z),
+    ``shared_bytes`` of dynamic shared memory, and its arguments in the kernel's parameter order: ``pointers``
+    (``(name, C type)``, the caller passes the addresses) then ``scalars`` (``(name, C type, value)``)."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int
+    pointers: tuple[tuple[str, str], ...]
+    scalars: tuple[tuple[str, str, int], ...]
+
+    def scalar(self, name: str) -> int:
+        """The value of scalar argument ``name``."""
+        return next(value for arg, _, value in self.scalars if arg == name)
+
+
+def launch_arguments(plan: Plan, rows: int, columns: int, row_stride: int, block_topk: int,
+                     vectorised: bool) -> NativeLaunch:
+    """The launch of ``plan`` over ``rows`` rows of ``columns`` fp32 logits ``row_stride`` elements apart (last dim
+    contiguous), writing int32 ``[rows, block_topk]`` (rows ``block_topk`` apart). ``vectorised``: the logits' base
+    is 16-byte aligned and every row starts 16-byte aligned (``row_stride % 4 == 0``, or one row): float4 loads and
+    bulk copies. One CTA per row, or ``cluster`` CTAs per row."""
+    if rows < 1 or rows * plan.variant.cluster >= INT_LIMIT:
+        raise ValueError(f"rows must be in [1, 2**31 / CTAs per row); got {rows}")
+    if row_stride >= INT_LIMIT or columns >= INT_LIMIT or block_topk >= INT_LIMIT:
+        raise ValueError(f"the row stride, columns and block_topk must be below 2**31 (got {row_stride}, {columns}, "
+                         f"{block_topk})")
+    variant = plan.variant
+    common = {"rows": rows, "columns": columns, "ld": row_stride, "K": block_topk, "vec_ok": int(vectorised),
+              "cand_cap": plan.candidates}
+    if variant.cluster > 1:
+        values = {**common, "cap": plan.buffer}
+        names = CLUSTER_SCALARS
+    else:
+        values = {**common, "buf_cap": plan.buffer, "cached": int(plan.cached)}
+        names = ROW_SCALARS
+    return NativeLaunch(variant.name, (rows * variant.cluster, 1, 1), (variant.threads, 1, 1), plan.shared_bytes,
+                        POINTERS, tuple((name, "int", values[name]) for name in names))
