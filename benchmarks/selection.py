@@ -1,4 +1,4 @@
-"""Selection beside scoring alone, and the Triton block top-k beside ``torch.topk`` plus a sort, on a GPU.
+"""Selection beside scoring alone, and every top-k candidate alone beside ``torch.topk`` plus a sort, on a GPU.
 
     python benchmarks/selection.py [--points 9x4@64K-128K,4x4@262K,...] [--page 64] [--cache bf16] [--replays 30]
 
@@ -6,8 +6,10 @@ The default points are those of the selection targets (docs/selection.md).
 
 Each call is timed with the benchmark's CUDA-graph replay (``qsa_aiter.tools.timing.time_graph``: compilation before the
 capture, median over ``--replays``). Scoring reads the keys from HBM (the caches are larger than L2); the top-k
-steps read logits that scoring has just written, as they do inside ``qsa_select_paged_tokens``. Ratios: selection /
-scoring, and (torch.topk + sort) / Triton top-k.
+steps read logits that scoring has just written, as they do inside ``qsa_select_paged_tokens``. Each candidate of the
+top-k registry that serves the point (``triton``, ``native``, ``torch``, ...; ``registries.TOPK``) is timed alone
+through its own launch and checked equal to ``torch_block_topk`` on the timed inputs; the candidates that do not
+serve are listed with their reasons. Ratios: selection / scoring, and (torch.topk + sort) / the fastest candidate.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import argparse
 
 import torch
 
-import qsa_aiter
 from qsa_aiter.kernels.selection.reference import torch_block_topk
+from qsa_aiter.runtime import registries
+from qsa_aiter.runtime.settings import get_settings
 from qsa_aiter.tools.cli_args import RenamedOption, cache_format
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
@@ -41,8 +44,9 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=30)
     a = ap.parse_args()
     wanted = a.points.split(",")
-    print("point,cache,page,scoring_us,selection_us,selection_over_scoring,triton_topk_us,torch_topk_sort_us,"
+    print("point,cache,page,scoring_us,selection_us,selection_over_scoring,topk_candidate,topk_us,torch_topk_sort_us,"
           "topk_speedup")
+    settings = get_settings()
     for point in work_points():
         if point.name not in wanted:
             continue
@@ -51,17 +55,31 @@ def main() -> None:
         block_topk = groups.shape[1]
         scoring = time_graph(inputs.score, 1, a.replays)
         selection = time_graph(inputs.select, 1, a.replays)
-        triton_topk = time_graph(lambda: qsa_aiter.qsa_block_topk(logits, visible, block_topk, out=groups),
-                                 1, a.replays)
         torch_topk = time_graph(lambda: torch_topk_then_sort(logits, visible, block_topk), 1, a.replays)
-        # The timed kernels' results on these inputs: the Triton top-k equals the torch path exactly.
         expected = torch.empty_like(groups)
         torch_block_topk(logits, visible, block_topk, expected)
-        if not torch.equal(groups, expected):
-            raise SystemExit(f"{point.name}: the Triton top-k differs from torch_block_topk")
-        print(f"{point.name},{a.cache},{a.page},{scoring:.2f},{selection:.2f},{selection / scoring:.2f},"
-              f"{triton_topk:.2f},{torch_topk:.2f},{torch_topk / triton_topk:.2f}")
-
+        problem = registries.topk_problem(logits, block_topk, fused=False)
+        args = registries.TopkArgs(logits, visible, groups, block_topk)
+        times = {}
+        for name, candidate in registries.TOPK.candidates.items():
+            forced = settings.model_copy(update={"topk_backend": name})  # as QSA_AITER_TOPK_BACKEND=<name> asks it
+            reasons = registries.TOPK.reasons(name, problem, forced)
+            if reasons:
+                print(f"# {point.name}: {name} does not serve: {'; '.join(reasons)}")
+                continue
+            launch = lambda candidate=candidate, forced=forced: candidate.launch(problem, args, forced)  # noqa: E731
+            try:
+                times[name] = time_graph(launch, 1, a.replays)
+            except Exception as err:  # noqa: BLE001 (a candidate that fails here is reported, the others still run)
+                print(f"# {point.name}: {name} failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+                continue
+            # The timed kernel's result on these inputs: every candidate equals the torch path exactly.
+            if not torch.equal(groups, expected):
+                raise SystemExit(f"{point.name}: the {name} top-k differs from torch_block_topk")
+        fastest = min(times.values()) if times else float("nan")
+        for name, us in times.items():
+            print(f"{point.name},{a.cache},{a.page},{scoring:.2f},{selection:.2f},{selection / scoring:.2f},{name},"
+                  f"{us:.2f},{torch_topk:.2f},{torch_topk / fastest:.2f}")
 
 if __name__ == "__main__":
     main()
