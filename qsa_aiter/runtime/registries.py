@@ -183,6 +183,15 @@ def native_topk_reasons(problem: TopkProblem, platform: Platform, settings) -> l
     return found
 
 
+def _native_candidate_reasons(problem: TopkProblem, platform: Platform, settings) -> list[str]:
+    """The native candidate's reasons: its host facts, and, until it has run inside the package on a GPU (its `gpu`
+    tests and the selection benchmark), that it serves only when asked for by name."""
+    found = native_topk_reasons(problem, platform, settings)
+    if settings.topk_backend != "native":
+        found.append("opt-in until proven on a GPU inside the package (QSA_AITER_TOPK_BACKEND=native)")
+    return found
+
+
 def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
                       settings=None, plan: native_topk.Plan | None = None) -> None:
     """The native CUDA block top-k into ``out`` (int32 ``[tokens, block_topk]``, last dim contiguous) from fp32
@@ -222,10 +231,10 @@ TOPK = register(Registry("topk", "block top-k", (
     Candidate("aiter", "AITER's HIP top-k (aiter.ops.topk, stable), its groups sorted",
               rocm.aiter_topk_candidate_reasons, _launch_aiter_topk, {ANY_PHASE: 10}),
     spec_candidate(topk.SPEC, _launch_triton_topk, name="triton", ranks={ANY_PHASE: 20}),
-    # Ranked after Triton until it has run inside the package on a GPU: `auto` keeps the Triton top-k, and
-    # QSA_AITER_TOPK_BACKEND=native forces this one. A failed compile or launch marks it broken (the next runs).
+    # Opt-in and ranked after Triton until it has run inside the package on a GPU: `auto` keeps the Triton top-k
+    # (also where it fails), QSA_AITER_TOPK_BACKEND=native forces this one. A failed compile or launch marks it broken.
     Candidate("native", "native CUDA top-k (NVRTC-compiled radix select; one CTA or one cluster per row), then the "
-              "expansion", native_topk_reasons, _launch_native_topk, {ANY_PHASE: 30}),
+              "expansion", _native_candidate_reasons, _launch_native_topk, {ANY_PHASE: 30}),
     Candidate("torch", "torch path (a stable sort; any device, graph-safe)", _serves_all, _launch_torch_topk,
               {ANY_PHASE: 90}),
 ), broken_key=lambda problem: (problem.device_type, problem.fused), forced_setting="topk_backend"))

@@ -125,6 +125,17 @@ def test_forcing_the_native_topk_where_it_cannot_run_names_its_reasons(monkeypat
         qsa_aiter.qsa_select_paged_tokens(*_batch(rng), 64, 4)
 
 
+def test_the_native_topk_serves_only_when_asked_for(monkeypatch):
+    """Until it has run inside the package on a GPU, the native top-k is opt-in: where its host facts say it can
+    run, ``auto`` passes it over (even after the Triton top-k failed) and ``QSA_AITER_TOPK_BACKEND=native`` takes it."""
+    monkeypatch.setattr(registries, "native_topk_reasons", lambda problem, platform, settings: [])
+    problem = registries.TopkProblem("cuda", 36, 32768, 512)
+    assert registries.TOPK.reasons("native", problem) == [
+        "opt-in until proven on a GPU inside the package (QSA_AITER_TOPK_BACKEND=native)"]
+    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
+    assert registries.TOPK.reasons("native", problem) == []
+
+
 def _native_serving(monkeypatch, launch=None):
     """The native candidate as if it served here (its reasons empty), with ``launch`` where given."""
     candidate = registries.TOPK.candidates["native"]

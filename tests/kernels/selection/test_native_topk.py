@@ -498,10 +498,12 @@ def test_selection_through_native_in_a_cuda_graph(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_explain_selection_shows_native_serving_but_not_chosen():
+def test_explain_selection_shows_native_opt_in_and_forced(monkeypatch):
     from qsa_aiter.tools.workloads import make_batch
 
     batch = make_batch([65536] * 9, 4, page_size=64, device="cuda", generator=torch.Generator().manual_seed(1))
     report = qsa_aiter.explain_selection(*batch.args()[:6], 2048, 4, max_query_len=4)
     assert "* triton: serves" in report
-    assert "- native: serves, but an earlier candidate is preferred" in report
+    assert "- native: opt-in until proven on a GPU inside the package (QSA_AITER_TOPK_BACKEND=native)" in report
+    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
+    assert "* native: serves" in qsa_aiter.explain_selection(*batch.args()[:6], 2048, 4, max_query_len=4)
