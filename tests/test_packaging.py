@@ -39,6 +39,11 @@ def test_a_built_wheel_ships_the_tuned_tables_and_stays_unwritten(tmp_path):
                     str(wheel)], check=True)
     installed = _files(site)
     assert "qsa_aiter/kernels/selection/native_topk.cu" in installed  # the native kernels compile from it at run time
+    assert "qsa_aiter/py.typed" in installed  # type checkers read the package's hints
+    info = next(site.glob("qsa_aiter-*.dist-info"))
+    metadata = (info / "METADATA").read_text()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    assert (info / "licenses" / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]),
                PYTHONDONTWRITEBYTECODE="1", HOME=str(tmp_path / "home"))
     env.pop("TRITON_INTERPRET", None)  # the CPU call takes the torch path: no compiled kernel to cache
