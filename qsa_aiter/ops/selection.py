@@ -15,10 +15,13 @@ in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 
+from ..kernels.scoring.problem import ScoreProblem
 from ..runtime import registries, replay
 from ..runtime.arguments import (
     check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument,
@@ -26,6 +29,7 @@ from ..runtime.arguments import (
 from ..runtime.registries import TOPK, TopkArgs, expand_tokens, topk_problem
 from ..runtime.settings import get_settings
 from . import selection_plans as plans
+from .declarations import argument_binder
 from .scoring import describe_call, score_validated
 from .traced import through_custom_op
 
@@ -145,6 +149,35 @@ def selection_problem(q, compressed_k_cache, page_table, token_to_request, query
     return dataclasses.replace(problem, num_columns=max_columns)  # nothing else in it depends on the columns
 
 
+@dataclass(frozen=True)
+class ValidatedSelection:
+    """A validated ``qsa_select_paged_tokens`` call: its scoring ``problem`` (columns fixed by ``max_seq_len``),
+    ``ratio`` (R), ``token_topk``, ``out`` (the caller's or a new int32 ``[tokens, token_topk + R - 1]``), the
+    logits ``workspace`` bound in bytes and the rows of one chunk of logits within it."""
+
+    problem: ScoreProblem
+    ratio: int
+    token_topk: int
+    out: torch.Tensor
+    workspace: int
+    chunk_rows: int
+
+
+def validate_selection_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+                            token_topk, compress_ratio, out, logits_workspace_bytes, max_seq_len, k_scale, phase,
+                            max_query_len) -> ValidatedSelection:
+    """Check every argument of a ``qsa_select_paged_tokens`` call, given by name as the op declares them (the op and
+    ``explain_selection`` share it); raises before anything is written."""
+    op = "qsa_select_paged_tokens"
+    ratio, budget = check_topk_budget(op, compress_ratio, token_topk)
+    workspace = check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
+    problem = selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+                                ratio, max_seq_len, k_scale=k_scale, phase=phase, max_query_len=max_query_len)
+    result = check_index_out(op, out, (problem.num_tokens, budget + ratio - 1), q.device, "q")
+    rows = max(1, min(problem.num_tokens, workspace // (4 * max(problem.num_columns, 1))))
+    return ValidatedSelection(problem, ratio, budget, result, workspace, rows)
+
+
 @through_custom_op
 def qsa_select_paged_tokens(
     q: torch.Tensor,
@@ -175,18 +208,14 @@ def qsa_select_paged_tokens(
     settings = get_settings()
 
     def first_call():
-        op = "qsa_select_paged_tokens"
-        ratio, budget = check_topk_budget(op, compress_ratio, token_topk)
-        workspace = check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
-        problem = selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions,
-                                    context_lens, ratio, max_seq_len, k_scale=k_scale, phase=phase,
-                                    max_query_len=max_query_len)
+        call = validate_selection_call(q, compressed_k_cache, page_table, token_to_request, query_positions,
+                                       context_lens, token_topk, compress_ratio, out, logits_workspace_bytes,
+                                       max_seq_len, k_scale, phase, max_query_len)
+        problem, ratio, budget, result, rows = call.problem, call.ratio, call.token_topk, call.out, call.chunk_rows
         tokens, columns = problem.num_tokens, problem.num_columns
-        result = check_index_out(op, out, (tokens, budget + ratio - 1), q.device, "q")
         if tokens == 0:
             return result, None
         block_topk = budget // ratio
-        rows = max(1, min(tokens, workspace // (4 * max(columns, 1))))
         logits = torch.empty((rows, columns), dtype=torch.float32, device=q.device)
         groups = torch.empty((rows, block_topk), dtype=torch.int32, device=q.device)
         for r0 in range(0, tokens, rows):
@@ -211,23 +240,23 @@ def qsa_select_paged_tokens(
         (token_topk, compress_ratio, logits_workspace_bytes, max_seq_len, phase, max_query_len), first_call)
 
 
-def explain_selection(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, token_topk,
-                      compress_ratio=4, out=None, logits_workspace_bytes=DEFAULT_LOGITS_WORKSPACE_BYTES,
-                      max_seq_len=None, *, k_scale=None, phase=None, max_query_len=None) -> str:
-    """Which kernels a ``qsa_select_paged_tokens`` call with these arguments would run, and why: the scoring
-    decision (with its launch plan) and the top-k decision, each with every candidate's reasons."""
-    op = "qsa_select_paged_tokens"
-    ratio, budget = check_topk_budget(op, compress_ratio, token_topk)
-    workspace = check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
-    problem = selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                                ratio, max_seq_len, k_scale=k_scale, phase=phase, max_query_len=max_query_len)
-    check_index_out(op, out, (problem.num_tokens, budget + ratio - 1), q.device, "q")
-    rows = max(1, min(problem.num_tokens, workspace // (4 * max(problem.num_columns, 1))))
+def explain_selection(*args, **kwargs) -> str:
+    """Which kernels ``qsa_select_paged_tokens(*args, **kwargs)`` would run, and why: the scoring decision (with its
+    launch plan) and the top-k decision, each with every candidate's reasons. Takes the op's arguments (its
+    signature, below), validated as the op validates them."""
+    call = validate_selection_call(**_bind_selection(args, kwargs))
+    problem, rows = call.problem, call.chunk_rows
     chunks = -(-problem.num_tokens // rows) if problem.num_tokens else 0
-    topk_step = registries.TopkProblem(q.device.type, rows, problem.num_columns, budget // ratio, fused=True)
+    topk_step = registries.TopkProblem(problem.device_type, rows, problem.num_columns, call.token_topk // call.ratio,
+                                       fused=True)
     return "\n".join([
-        f"{op}: {problem.num_tokens} rows in {chunks} chunk(s) of at most {rows} rows (logits workspace {workspace} "
-        "bytes)",
+        f"qsa_select_paged_tokens: {problem.num_tokens} rows in {chunks} chunk(s) of at most {rows} rows (logits "
+        f"workspace {call.workspace} bytes)",
         registries.SCORING.explain(dataclasses.replace(problem, num_tokens=min(rows, problem.num_tokens))),
         TOPK.explain(topk_step),
     ])
+
+
+# Typed like the op it explains, whose signature is the one declaration of its arguments and defaults.
+explain_selection.__signature__ = inspect.signature(qsa_select_paged_tokens).replace(return_annotation=str)
+_bind_selection = argument_binder(inspect.signature(qsa_select_paged_tokens))

@@ -49,7 +49,7 @@ from ..settings import QsaSettings, get_settings
 from . import nvrtc as nvrtc_module
 from .manifest import file_sha256
 from .paths import jit_root, writable
-from .store import LOCK_TIMEOUT_S, Event, VariantBusy
+from .store import LOCK_TIMEOUT_S, Event, acquire_compile_lock
 
 FORMAT = 1
 #: The directory under the JIT root that holds the native entries (``<root>/native/<arch>/``).
@@ -257,31 +257,25 @@ class NativeStore:
         found = self._usable(eid)
         if found is not None:
             return self._found(eid, *found)
-        if not self.writable():
+        persist = self.writable()
+        lock = None
+        if persist:
+            lock = acquire_compile_lock(self.lock(eid), eid, wait, self.dir)
+        else:
             log_once(logging.WARNING, ("native-readonly", str(self.dir)),
                      f"native JIT cache {self.dir} is not writable: new native kernels are compiled in memory only")
-            compiled = nvrtc_module.compile_cubin(source, self.arch, options, name=f"{kernel}.cu", nvrtc=nvrtc)
-            record = self._record(eid, kernel, source, options, compiled, built_by)
-            event = Event(eid, kernel, True, compiled.seconds)
-            self.events.append(event)
-            return Built(eid, record, compiled.cubin, event)
-        lock = self.lock(eid)
         try:
-            lock.acquire(timeout=LOCK_TIMEOUT_S if wait else 0)
-        except filelock.Timeout:
-            if not wait:
-                raise VariantBusy(eid) from None
-            raise
-        try:
-            found = self._usable(eid)  # another process may have built it while this one waited
+            found = self._usable(eid) if persist else None  # another process may have built it meanwhile
             if found is not None:
                 return self._found(eid, *found)
             compiled = nvrtc_module.compile_cubin(source, self.arch, options, name=f"{kernel}.cu", nvrtc=nvrtc)
             record = self._record(eid, kernel, source, options, compiled, built_by)
-            _write_atomically(self.cubin_path(eid), compiled.cubin)
-            _write_atomically(self.record_path(eid), record.model_dump_json(indent=1).encode())
+            if persist:
+                _write_atomically(self.cubin_path(eid), compiled.cubin)
+                _write_atomically(self.record_path(eid), record.model_dump_json(indent=1).encode())
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
         event = Event(eid, kernel, True, compiled.seconds)
         self.events.append(event)
         return Built(eid, record, compiled.cubin, event)

@@ -71,6 +71,21 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
 
 
+
+def acquire_compile_lock(lock: filelock.BaseFileLock, eid: str, wait: bool, directory: Path):
+    """``lock`` (entry ``eid``'s compile lock in ``directory``) once taken, or None when it was not had after
+    ``LOCK_TIMEOUT_S`` (logged once: the caller compiles without it, as a stale lock must not stop a launch);
+    ``VariantBusy`` when another process holds it and not ``wait``. Triton and native entries take it alike."""
+    try:
+        lock.acquire(timeout=LOCK_TIMEOUT_S if wait else 0)
+    except filelock.Timeout:
+        if not wait:
+            raise VariantBusy(eid) from None
+        log_once(logging.WARNING, ("jit-lock", str(directory), eid),
+                 f"waited {LOCK_TIMEOUT_S:.0f} s for {eid}'s compile lock; compiling it without the lock")
+        return None
+    return lock
+
 class Store:
     """The cache of one root, Triton version and GPU arch: its manifest, locks and Triton's files.
 
@@ -227,15 +242,7 @@ class Store:
         """Take the variant's lock, then look again: ``(lock, entry)`` where ``entry`` is a usable build (nothing to
         compile), or None (compile; a corrupt or stale build is removed first, with a warning). ``lock`` is None
         when it was not had after ``LOCK_TIMEOUT_S``; ``VariantBusy`` when it is held and not ``wait``."""
-        lock = self.variant_lock(eid)
-        try:
-            lock.acquire(timeout=LOCK_TIMEOUT_S if wait else 0)
-        except filelock.Timeout:
-            if not wait:
-                raise VariantBusy(eid) from None
-            log_once(logging.WARNING, ("jit-lock", str(self.dir), eid),
-                     f"waited {LOCK_TIMEOUT_S:.0f} s for {eid}'s compile lock; compiling it without the lock")
-            lock = None
+        lock = acquire_compile_lock(self.variant_lock(eid), eid, wait, self.dir)
         entry = self.read().entries.get(eid)
         if entry is None:
             return lock, None
