@@ -24,8 +24,8 @@ from qsa_aiter.tools.workloads import make_batch
 KERNELS = tuple(spec.name for spec in SPECS)
 #: What a test may force through ``QSA_AITER_BACKEND``: every candidate, plus ``auto`` (the registry decides).
 BACKENDS = KERNELS + ("torch", "auto")
-#: The kernel the registry prefers for each phase when every candidate can serve (SPEC section 4): the first scoring
-#: kernel of the phase's order.
+#: The kernel the registry prefers for each phase when every candidate can serve (README.md's kernel table): the
+#: first scoring kernel of the phase's order.
 PREFERRED = {phase: next(n for n in registries.SCORING_TABLE[("bf16", 64, phase)] if n in KERNELS) for phase in PHASES}
 
 

@@ -1,4 +1,4 @@
-"""GPU checks: the SPEC section 7 work points, caches and outputs beyond 32-bit offsets, CUDA-graph capture.
+"""GPU checks: the work points of docs/benchmarks.md, caches and outputs beyond 32-bit offsets, CUDA-graph capture.
 
 Run with ``python3 -m pytest tests -m gpu`` on a machine with a GPU (no ``TRITON_INTERPRET``). Every kernel is forced
 in turn (and the automatic choice), and compared with the torch reference run on the same GPU in fp32. The kernels
@@ -89,7 +89,7 @@ def check_gpu_call(args: tuple, *, label: str = "", repeat: bool = False, **kwar
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# SPEC section 7 work points
+# The work points (docs/benchmarks.md)
 # ---------------------------------------------------------------------------------------------------------------
 
 

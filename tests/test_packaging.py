@@ -9,6 +9,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 from qsa_aiter.runtime import tuned
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +45,9 @@ def test_a_built_wheel_ships_the_tuned_tables_and_stays_unwritten(tmp_path):
     info = next(site.glob("qsa_aiter-*.dist-info"))
     metadata = (info / "METADATA").read_text()
     assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    urls = dict(line.removeprefix("Project-URL: ").split(", ", 1) for line in metadata.splitlines()
+                if line.startswith("Project-URL: "))
+    assert set(urls) == set(PROJECT_URLS) and all(url.startswith(REPOSITORY) for url in urls.values()), urls
     assert (info / "licenses" / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), sysconfig.get_paths()["purelib"]]),
                PYTHONDONTWRITEBYTECODE="1", HOME=str(tmp_path / "home"))
@@ -55,3 +60,22 @@ def test_a_built_wheel_ships_the_tuned_tables_and_stays_unwritten(tmp_path):
     assert int(rows) == shipped > 0
     assert not Path(jit_root).is_relative_to(site), jit_root  # compiled kernels go to the user's cache
     assert _files(site) == installed, "using the wheel wrote into the installed package"
+
+
+#: Where the repository lives; the project's URLs point into it.
+REPOSITORY = "https://github.com/qsa-aiter/qsa_aiter"
+PROJECT_URLS = ("Homepage", "Documentation", "Changelog", "Issues")
+
+
+def test_the_project_urls_point_into_the_repository():
+    """A package index shows these links: the repository, its docs, its changelog and its issues, and the docs and
+    changelog links name paths that this checkout has."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the wheel's metadata is checked on every version above
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    assert set(urls) == set(PROJECT_URLS)
+    assert urls["Homepage"] == REPOSITORY and urls["Issues"] == f"{REPOSITORY}/issues"
+    for name in ("Documentation", "Changelog"):
+        prefix, _, path = urls[name].partition("/main/")
+        assert prefix in (f"{REPOSITORY}/tree", f"{REPOSITORY}/blob") and path, urls[name]
+        assert (ROOT / path).exists(), f"{name} names {path}, which the repository does not have"
+    assert urls["Documentation"].endswith("/docs") and urls["Changelog"].endswith("/CHANGELOG.md")

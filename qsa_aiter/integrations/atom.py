@@ -29,6 +29,13 @@ the public op's keyword-only extras but ``out`` (``k_scale`` for quantised cache
 hints) and passes them on. Calls
 go through the ``torch.ops.qsa_aiter`` custom ops, so the engine's ``torch.compile`` and CUDA graphs see opaque ops.
 
+Page size: ``compressed_k_cache`` is ``[pages, page_size, 1, D]`` with ``page_size`` compressed key groups per page,
+that is ``page_size * compress_ratio`` tokens (ATOM's 64-token KV block is a page of 16 groups at R 4). The engines
+count a block in tokens (``block_size``), so the scoring and selection drop-ins also take a keyword-only
+``block_size`` (tokens): it must be a multiple of ``compress_ratio`` and equal the cache's ``page_size *
+compress_ratio``, else ``ValueError`` naming ``block_size``; it changes nothing else. ``page_size_of_block`` converts
+a block size for allocating the cache (``qsa_aiter.allocate_index_cache``).
+
 The engine's signatures were read from ROCm/ATOM's ``atom/model_ops/qwen4_exp/ops/qsa.py``; ATOM is not installable
 in this project's CI, so the tests patch a stand-in module with those signatures. ``install()`` checks the real
 module's signatures against these before patching and refuses (``TypeError``) if they differ.
@@ -67,6 +74,33 @@ def _capacity(op: str, compressed_k_cache, page_table) -> int:
     return page_table.shape[1] * compressed_k_cache.shape[1]
 
 
+def page_size_of_block(block_size: int, compress_ratio: int = 4, op: str = "page_size_of_block") -> int:
+    """The index cache's ``page_size`` (compressed key groups per page) of an engine KV block of ``block_size``
+    tokens: ``block_size // compress_ratio``. ``ValueError`` naming ``block_size`` unless it is a positive multiple
+    of ``compress_ratio`` (a block that splits a compressed group has no page size)."""
+    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
+    tokens = check_int("block_size", block_size, minimum=1, op=op)
+    if tokens % ratio:
+        fail_argument(ValueError, "block_size", f"a multiple of compress_ratio ({ratio}): tokens per KV block, "
+                      f"{ratio} to a compressed key group", tokens, op)
+    return tokens // ratio
+
+
+def _check_block_size(op: str, block_size: int | None, compress_ratio, compressed_k_cache) -> None:
+    """A given ``block_size`` (tokens) must be the cache's page in tokens: ``page_size * compress_ratio``."""
+    if block_size is None:
+        return
+    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
+    page_size = page_size_of_block(block_size, ratio, op)
+    if not isinstance(compressed_k_cache, torch.Tensor) or compressed_k_cache.dim() != 4:
+        return  # the op names the malformed cache
+    cache_groups = compressed_k_cache.shape[1]
+    if page_size != cache_groups:
+        fail_argument(ValueError, "block_size",
+                      f"{cache_groups * ratio} tokens, the page of compressed_k_cache ({cache_groups} compressed "
+                      f"key groups x compress_ratio {ratio})", f"{block_size} ({page_size} groups per page)", op)
+
+
 def _bucket(groups: int) -> int:
     return 1 << (max(groups, 1) - 1).bit_length()
 
@@ -86,23 +120,26 @@ def drop_in(public: Callable) -> Callable[[Callable], Callable]:
     """Make the engine op of ``public``'s name from ``body(call, **engine_only)``.
 
     The drop-in's signature is derived, not written: ``public``'s positional parameters (the engine's, in its order
-    and with its defaults), then ``body``'s own parameters after ``call`` (those only the engine has, such as
-    ``output_width``; positional, after the others), then ``public``'s keyword-only parameters but ``out``
+    and with its defaults), then ``body``'s own positional parameters after ``call`` (those only the engine has,
+    such as ``output_width``; positional, after the others), then ``public``'s keyword-only parameters but ``out``
     (qsa_aiter's extras: ``k_scale``, ``phase``, ``max_query_len``; ``out`` only where the engine takes it
-    positionally). ``body`` gets the public op's arguments by name in ``call`` (defaults filled in; it may change
-    them and pass them on with ``**call``) and the engine-only ones as its own parameters.
+    positionally), then ``body``'s keyword-only parameters (the drop-in's own extras, such as ``block_size``).
+    ``body`` gets the public op's arguments by name in ``call`` (defaults filled in; it may change them and pass
+    them on with ``**call``) and its own ones as its parameters.
     """
 
     def make(body: Callable) -> Callable:
         public_parameters = inspect.signature(public).parameters.values()
         body_signature = inspect.signature(body)
-        engine_only = [p.replace(kind=p.POSITIONAL_OR_KEYWORD) for p in list(body_signature.parameters.values())[1:]]
+        own = list(body_signature.parameters.values())[1:]
+        engine_only = [p.replace(kind=p.POSITIONAL_OR_KEYWORD) for p in own if p.kind != p.KEYWORD_ONLY]
+        extras = [p for p in own if p.kind == p.KEYWORD_ONLY]
         signature = inspect.Signature(
             [p for p in public_parameters if p.kind == p.POSITIONAL_OR_KEYWORD] + engine_only
-            + [p for p in public_parameters if p.kind == p.KEYWORD_ONLY and p.name != "out"],
+            + [p for p in public_parameters if p.kind == p.KEYWORD_ONLY and p.name != "out"] + extras,
             return_annotation=body_signature.return_annotation)
         bind = argument_binder(signature)
-        engine_names = tuple(p.name for p in engine_only)
+        engine_names = tuple(p.name for p in own)
 
         def engine_op(*args, **kwargs):
             call = bind(args, kwargs)
@@ -116,14 +153,17 @@ def drop_in(public: Callable) -> Callable[[Callable], Callable]:
 
 
 @drop_in(custom_ops.qsa_paged_mqa_logits)
-def qsa_paged_mqa_logits(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+def qsa_paged_mqa_logits(call: Call, *, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's scoring op: fp32 logits ``[tokens, columns]`` (columns ``[0, visible)`` written) and int32
     ``visible_groups`` ``[tokens]``; ``row_starts`` (int ``[tokens]``), when given, is filled with zeros.
 
-    Shapes and dtypes as ``qsa_aiter.qsa_paged_mqa_logits``; ``max_columns`` is clamped to ``[1, width * page_size]``
-    as the engine does.
+    Shapes and dtypes as ``qsa_aiter.qsa_paged_mqa_logits`` (``page_size`` of ``compressed_k_cache`` counts
+    compressed key groups); ``max_columns`` is clamped to ``[1, width * page_size]`` as the engine does.
+    ``block_size``: optional, the engine's KV block in tokens, checked against the cache's ``page_size *
+    compress_ratio`` (``ValueError`` naming it otherwise).
     """
     op = "qsa_paged_mqa_logits"
+    _check_block_size(op, block_size, call["compress_ratio"], call["compressed_k_cache"])
     if call["max_columns"] is not None:
         capacity = _capacity(op, call["compressed_k_cache"], call["page_table"])
         call["max_columns"] = max(1, min(capacity, check_int("max_columns", call["max_columns"], minimum=0, op=op)))
@@ -131,16 +171,18 @@ def qsa_paged_mqa_logits(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @drop_in(custom_ops.qsa_select_paged_tokens)
-def qsa_select_paged_tokens(call: Call) -> torch.Tensor:
+def qsa_select_paged_tokens(call: Call, *, block_size: int | None = None) -> torch.Tensor:
     """The engine's selection op: int32 ``[tokens, width]`` token indices (``-1`` padded), ``width`` from
     ``engine_widths`` (``token_topk + R - 1`` unless the capacity or ``max_seq_len`` bounds it).
 
-    ``out``: optional int32 ``[tokens, >= width]`` (last dim contiguous); the result is then ``out[:, :width]``.
-    Other arguments as ``qsa_aiter.qsa_select_paged_tokens``.
+    ``out``: optional int32 ``[tokens, >= width]`` (last dim contiguous); the result is then ``out`` itself when it
+    is ``width`` wide, else ``out[:, :width]``. ``block_size``: optional, the engine's KV block in tokens, checked
+    against the cache's ``page_size * compress_ratio``. Other arguments as ``qsa_aiter.qsa_select_paged_tokens``.
     """
     op = "qsa_select_paged_tokens"
     q, out, max_seq_len = call["q"], call["out"], call["max_seq_len"]
     ratio, topk = check_topk_budget(op, call["compress_ratio"], call["token_topk"])
+    _check_block_size(op, block_size, ratio, call["compressed_k_cache"])
     if max_seq_len is not None:
         max_seq_len = check_int("max_seq_len", max_seq_len, minimum=1, op=op)
     check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), op=op)
@@ -155,16 +197,17 @@ def qsa_select_paged_tokens(call: Call) -> torch.Tensor:
             fail_argument(ValueError, "out", f"int32 [{tokens}, >= {width}] with a contiguous last dim",
                           f"shape {tuple(out.shape)}, strides {out.stride()}", op)
         if out.shape[1] >= full:
-            target = out[:, :full]
+            # No view is made where `out` is exactly as wide: the common call costs no extra tensor.
+            target = out if out.shape[1] == full else out[:, :full]
     # Our op scores `max_seq_len // R` columns: pass the engine's column count exactly.
     call.update(token_topk=topk, compress_ratio=ratio, out=target,
                 max_seq_len=None if max_seq_len is None else columns * ratio)
     result = custom_ops.qsa_select_paged_tokens(**call)
     if out is None:
-        return result[:, :width]
+        return result if width == full else result[:, :width]
     if target is None:  # `out` narrower than the full width: the dropped columns are all -1
         out[:, :width].copy_(result[:, :width])
-    return out[:, :width]
+    return out if out.shape[1] == width else out[:, :width]
 
 
 @drop_in(custom_ops.qsa_expand_block_indices)

@@ -19,15 +19,19 @@ itself in first place). ``torch.compile`` traces the wrapper and records the op 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ParamSpec, TypeVar
 
 import torch
 
 #: A call's arguments by parameter name (defaults filled in), as the fakes and the engine drop-ins receive them.
 Call = dict[str, Any]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def argument_binder(signature: inspect.Signature) -> Callable[[tuple, dict], Call]:
@@ -58,6 +62,46 @@ def argument_binder(signature: inspect.Signature) -> Callable[[tuple, dict], Cal
         return values
 
     return bind
+
+
+def taking_arguments_of(public: Callable[P, Any]) -> Callable[[Callable[[Call], R]], Callable[P, R]]:
+    """Decorate ``body(call) -> R`` into a function that takes ``public``'s arguments: its signature (names, order,
+    defaults, keyword-only ones; the return annotation is ``body``'s), for ``inspect.signature``, type checkers
+    (``ParamSpec``) and ``help()``. The call's arguments reach ``body`` by name, defaults filled in
+    (``argument_binder``). A call that ``public`` would not accept raises ``TypeError`` naming the function, what is
+    missing or not accepted, and ``public``'s parameters (``explain()`` with no arguments names the six it needs)."""
+
+    def make(body: Callable[[Call], R]) -> Callable[P, R]:
+        declared = inspect.signature(public)
+        bind = argument_binder(declared)
+
+        def taking(*args, **kwargs):
+            try:
+                call = bind(args, kwargs)
+            except TypeError as err:
+                raise _not_accepted(body.__name__, public.__name__, declared, args, kwargs, err) from None
+            return body(call)
+
+        functools.update_wrapper(taking, body)
+        taking.__signature__ = declared.replace(return_annotation=inspect.signature(body).return_annotation)
+        return taking
+
+    return make
+
+
+def _not_accepted(name: str, public: str, signature: inspect.Signature, args: tuple, kwargs: dict,
+                  err: TypeError) -> TypeError:
+    """The ``TypeError`` of a call of ``name`` (taking ``public``'s ``signature``) with ``args`` and ``kwargs`` that
+    the signature does not accept (``err``: what ``signature.bind`` said): every required parameter not given, or
+    ``err``'s reason."""
+    parameters = signature.parameters
+    positional = [p.name for p in parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    given = set(positional[: len(args)]) | set(kwargs)
+    missing = [p.name for p in parameters.values() if p.default is p.empty and p.name not in given]
+    reason = f"missing {', '.join(missing)}" if missing else str(err)
+    plain = signature.replace(parameters=[p.replace(annotation=p.empty) for p in parameters.values()],
+                              return_annotation=inspect.Signature.empty)
+    return TypeError(f"{name}() takes the arguments of {public}{plain}: {reason}")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from ..kernels.scoring.problem import ScoreProblem
 from ..runtime import registries, replay
 from ..runtime.arguments import validate_scoring_call
 from ..runtime.settings import get_settings
+from .declarations import Call, taking_arguments_of
 from .traced import through_custom_op
 
 
@@ -47,9 +48,10 @@ def qsa_paged_mqa_logits(
 
     Args:
         q: ``[tokens, heads, head_dim]`` bf16/fp16, contiguous.
-        compressed_k_cache: the paged index cache, contiguous (SPEC section 3): ``[pages, page_size, 1, head_dim]``
-            bf16/fp16 (same dtype as ``q``) or ``float8_e4m3fn``/``float8_e4m3fnuz``; or MXFP4
-            ``[pages, page_size, 1, head_dim // 2]`` ``float4_e2m1fn_x2``.
+        compressed_k_cache: the paged index cache, contiguous (docs/cache_formats.md): ``[pages, page_size, 1,
+            head_dim]`` bf16/fp16 (same dtype as ``q``) or ``float8_e4m3fn``/``float8_e4m3fnuz``; or MXFP4
+            ``[pages, page_size, 1, head_dim // 2]`` ``float4_e2m1fn_x2``. A page holds ``page_size`` compressed key
+            groups, ``page_size * compress_ratio`` tokens (an engine's ``block_size`` counts tokens).
         page_table: ``[requests, width]`` int32/int64; logical page ``c // page_size`` of request ``r`` is
             physical page ``page_table[r, c // page_size]``.
         token_to_request, query_positions: ``[tokens]`` int32/int64; ``-1`` marks a padded row.
@@ -152,11 +154,18 @@ def describe_call(q, compressed_k_cache, page_table, token_to_request, query_pos
                     compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len)[0]
 
 
-def explain(*args, **kwargs) -> str:
-    """Which kernel would serve ``qsa_paged_mqa_logits(*args, **kwargs)`` and why each other candidate does not."""
-    return registries.SCORING.explain(describe_call(*args, **kwargs))
+# Typed like the op they explain, whose signature is the one declaration of its arguments and defaults.
+@taking_arguments_of(qsa_paged_mqa_logits)
+def explain(call: Call) -> str:
+    """Which kernel a ``qsa_paged_mqa_logits`` call with these arguments would run, and why each other candidate
+    does not: the problem, where its phase came from, the registry row, the rule that chose, every candidate with
+    its reasons, and for a Triton kernel its launch plan (or why there is none). The arguments are validated as the
+    op validates them; nothing is launched or written."""
+    return registries.SCORING.explain(describe_call(**call))
 
 
-def selected_kernel(*args, **kwargs) -> str | None:
-    """Name of the kernel ``qsa_paged_mqa_logits(*args, **kwargs)`` would run (``None`` if none serves)."""
-    return registries.SCORING.select(describe_call(*args, **kwargs)).chosen
+@taking_arguments_of(qsa_paged_mqa_logits)
+def selected_kernel(call: Call) -> str | None:
+    """Name of the candidate a ``qsa_paged_mqa_logits`` call with these arguments would run (``None`` if none
+    serves); the arguments are validated as the op validates them."""
+    return registries.SCORING.select(describe_call(**call)).chosen

@@ -1,4 +1,4 @@
-"""Selection half of the indexer (SPEC section 2): block top-k, expansion, and ``qsa_select_paged_tokens``.
+"""Selection half of the indexer (docs/selection.md): block top-k, expansion, and ``qsa_select_paged_tokens``.
 
 - ``qsa_block_topk``: the ``block_topk`` best visible groups of each row, by ``(-score, index)``, listed in ascending
   order with ``-1`` after them; rows with ``visible <= block_topk`` take every visible group without reading a score.
@@ -15,7 +15,6 @@ in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ from ..runtime.arguments import (
 from ..runtime.registries import TOPK, TopkArgs, expand_tokens, topk_problem
 from ..runtime.settings import get_settings
 from . import selection_plans as plans
-from .declarations import argument_binder
+from .declarations import Call, taking_arguments_of
 from .scoring import describe_call, score_validated
 from .traced import through_custom_op
 
@@ -240,23 +239,21 @@ def qsa_select_paged_tokens(
         (token_topk, compress_ratio, logits_workspace_bytes, max_seq_len, phase, max_query_len), first_call)
 
 
-def explain_selection(*args, **kwargs) -> str:
-    """Which kernels ``qsa_select_paged_tokens(*args, **kwargs)`` would run, and why: the scoring decision (with its
-    launch plan) and the top-k decision, each with every candidate's reasons. Takes the op's arguments (its
-    signature, below), validated as the op validates them."""
-    call = validate_selection_call(**_bind_selection(args, kwargs))
-    problem, rows = call.problem, call.chunk_rows
+# Typed like the op it explains, whose signature is the one declaration of its arguments and defaults.
+@taking_arguments_of(qsa_select_paged_tokens)
+def explain_selection(call: Call) -> str:
+    """Which kernels a ``qsa_select_paged_tokens`` call with these arguments would run, and why: the scoring
+    decision (with its launch plan) and the top-k decision, each with every candidate's reasons. The arguments are
+    validated as the op validates them; nothing is launched or written."""
+    selection = validate_selection_call(**call)
+    problem, rows = selection.problem, selection.chunk_rows
     chunks = -(-problem.num_tokens // rows) if problem.num_tokens else 0
-    topk_step = registries.TopkProblem(problem.device_type, rows, problem.num_columns, call.token_topk // call.ratio,
-                                       fused=True)
+    topk_step = registries.TopkProblem(problem.device_type, rows, problem.num_columns,
+                                       selection.token_topk // selection.ratio, fused=True)
     return "\n".join([
         f"qsa_select_paged_tokens: {problem.num_tokens} rows in {chunks} chunk(s) of at most {rows} rows (logits "
-        f"workspace {call.workspace} bytes)",
+        f"workspace {selection.workspace} bytes)",
         registries.SCORING.explain(dataclasses.replace(problem, num_tokens=min(rows, problem.num_tokens))),
         TOPK.explain(topk_step),
     ])
 
-
-# Typed like the op it explains, whose signature is the one declaration of its arguments and defaults.
-explain_selection.__signature__ = inspect.signature(qsa_select_paged_tokens).replace(return_annotation=str)
-_bind_selection = argument_binder(inspect.signature(qsa_select_paged_tokens))

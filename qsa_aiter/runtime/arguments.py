@@ -57,7 +57,7 @@ def check_int(name, value, *, minimum, maximum=None, op="qsa_paged_mqa_logits") 
 
 
 def _check_k_scale(k_scale, kv: str, num_pages: int, page_size: int, head_dim: int, device) -> int:
-    """The scale tensor must match the cache (SPEC section 3). Returns its size in bytes."""
+    """The scale tensor must match the cache (docs/cache_formats.md). Returns its size in bytes."""
     layout = scale_layout(kv, num_pages, page_size, head_dim)
     if layout is None:
         if k_scale is not None:

@@ -28,6 +28,9 @@ from .settings import ConfigurationError, QsaSettings, get_settings
 
 #: The ``ranks`` key of a family whose order does not depend on a phase.
 ANY_PHASE = "any"
+#: What ``explain`` adds where a candidate without a launch plan serves: where the Triton kernels' plans are shown.
+NO_PLAN_HINT = ("the Triton kernels run on GPU tensors, or on CPU tensors in a process started with "
+                "TRITON_INTERPRET=1, where explain shows their plan")
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,12 @@ class Registry:
         self._decisions: dict[tuple, Decision] = {}
 
     @property
+    def shows_plans(self) -> bool:
+        """Whether ``explain`` ends with the chosen kernel's launch plan (a family whose kernels say how they read
+        the keys: scoring)."""
+        return any(hasattr(c.spec, "key_reading") for c in self.candidates.values() if c.spec is not None)
+
+    @property
     def forced_variable(self) -> str:
         return QsaSettings.model_fields[self.forced_setting].alias if self.forced_setting else ""
 
@@ -252,7 +261,8 @@ class Registry:
     def explain(self, problem) -> str:
         """The full report for ``problem``: every candidate in order, with its reasons, and for a kernel of this
         project the chosen kernel's launch plan (its config and where the config came from) and how it reads the
-        keys where the kernel says."""
+        keys where the kernel says; in a family that shows plans, a chosen candidate without one (the torch path, a
+        ROCm library) gets a ``plan: none (...)`` line saying why."""
         settings = get_settings()
         decision = self.select(problem, settings=settings)
         full = Decision(self, problem, decision.chosen, decision.order, forced=decision.forced,
@@ -265,6 +275,10 @@ class Registry:
                                            else "serves, but has no measured row at the bucket compared"])
         report = full.report()
         spec = self.candidates[decision.chosen].spec if decision.chosen else None
+        if decision.chosen and spec is None and self.shows_plans:
+            # Said outright, so that a report without a plan (the torch path on a CPU) is not taken for a cut one.
+            return report + (f"\n  plan: none ({decision.chosen} is not one of this project's Triton kernels; "
+                             f"{NO_PLAN_HINT})")
         if spec is None or not hasattr(spec, "key_reading"):
             return report
         platform = platform_of(problem)

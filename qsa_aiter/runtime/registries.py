@@ -92,6 +92,20 @@ SCORER_KERNELS = frozenset(c.name for c in _SCORING_CANDIDATES if c.spec is not 
 ROCM_CANDIDATES = ("aiter", "flydsl")
 
 
+def scoring_rank_table() -> str:
+    """Markdown rows of the scoring candidates' ranks per phase (lower runs first; empty: not a candidate in that
+    phase) and whether each is in the universal order of page sizes outside the table, from the candidates'
+    declarations, candidates by their mean rank: docs/architecture.md shows it (tests/test_readme.py checks that it
+    is there, as generated)."""
+    candidates = sorted(SCORING.candidates.values(), key=lambda c: (sum(c.ranks.values()) / len(c.ranks), c.name))
+    rows = ["| candidate | " + " | ".join(PHASES) + " | other page sizes |",
+            "|---|" + "---:|" * len(PHASES) + "---|"]
+    for c in candidates:
+        ranks = " | ".join(str(c.ranks[phase]) if phase in c.ranks else "" for phase in PHASES)
+        rows.append(f"| `{c.name}` | {ranks} | {'yes' if c.universal else ''} |")
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Block top-k
 # ---------------------------------------------------------------------------------------------------------------

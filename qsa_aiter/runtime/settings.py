@@ -9,6 +9,7 @@ value and what is allowed.
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from typing import Annotated, Literal
 
@@ -46,7 +47,8 @@ class QsaSettings(BaseSettings):
     stacked_decode_scorer: bool = Field(
         True,
         alias="ATOM_QSA_STACKED_DECODE_SCORER",
-        description="0 sends MTP verify and draft rows to the row-wise CUDA-core scorer instead of the stacked one.",
+        description="0 sends MTP verify and draft rows to the row-wise CUDA-core scorer instead of the stacked ones "
+        "(`stacked`, `keys_major`).",
     )
     rocm_qsa_flydsl: bool = Field(
         False,
@@ -79,7 +81,8 @@ class QsaSettings(BaseSettings):
         True,
         alias="QSA_AITER_E4M3_MMA",
         validation_alias=AliasChoices("QSA_AITER_E4M3_MMA", "QSA_AITER_FP8_MMA"),  # its former name (FORMER_NAMES)
-        description="1 lets the stacked scorer read e4m3fn and MXFP4 caches with e4m3 tensor-core MMAs (bf16 q split "
+        description="1 lets the stacked scorers (`stacked`, `keys_major`) read e4m3fn and MXFP4 caches with e4m3 "
+        "tensor-core MMAs (bf16 q split "
         "into two exact e4m3 terms; MXFP4 nibbles become exact e4m3 bytes, one MMA step per 32-element block; the "
         "tensor cores round inside their sums: up to 3.2e-4 of sum(|q||k|)/divisor measured on the H200 for fp8); 0 "
         "decodes the keys to bf16 in registers (exact fp32 sums, slower).",
@@ -143,9 +146,33 @@ class QsaSettings(BaseSettings):
     @classmethod
     def _directory(cls, value: object) -> object:
         text = str(value).strip()
-        if text and os.path.exists(os.path.expanduser(text)) and not os.path.isdir(os.path.expanduser(text)):
+        if not text:
+            return text
+        path = os.path.expanduser(text)
+        if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError("allowed: a directory, or a path where one can be created (this names a file)")
+        if not os.path.exists(path):
+            # An existing directory serves its cached kernels even when read-only; a missing one must be creatable.
+            blocker = _uncreatable_because(path)
+            if blocker:
+                raise ValueError(f"allowed: a directory, or a path where one can be created ({blocker})")
         return text
+
+
+def _uncreatable_because(path: str) -> str:
+    """Why directory ``path`` (which does not exist) cannot be created ('' when it can): its nearest existing ancestor
+    is a file, or no file can be made in it. A real probe, as permission bits say nothing for root, on a read-only
+    mount or under ``/proc``."""
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return f"{ancestor} is a file"
+    try:
+        with tempfile.NamedTemporaryFile(dir=ancestor, prefix=".qsa_aiter_probe"):
+            return ""
+    except OSError as err:
+        return f"it does not exist, and no file can be created in {ancestor}: {err.strerror or err}"
 
 
 ENV_NAMES = tuple(field.alias for field in QsaSettings.model_fields.values())

@@ -130,11 +130,35 @@ def bucket_distance(rows: int, context: int, problem) -> tuple[float, int, int]:
 TILE_FIELDS = tuple(_tile_columns())
 
 
+#: The columns every table's header names (a row must fill them); the others (tile fields, times, ``source``) may be
+#: left out of a header.
+REQUIRED_COLUMNS = tuple(name for name, item in TunedRow.model_fields.items() if item.is_required())
+
+
+def check_header(path: Path, columns: list[str] | None) -> None:
+    """``ValueError`` naming ``path`` unless ``columns`` (its header, None for an empty file) is a tuned table's: every
+    ``REQUIRED_COLUMNS`` name and no name that is not a ``TunedRow`` column. A file that is not such a CSV at all (a
+    one-line text file reads as a header without rows) is refused here rather than read as an empty table."""
+    if not columns:
+        raise ValueError(f"{path}: empty; a tuned table starts with a header line naming its columns "
+                         f"({', '.join(REQUIRED_COLUMNS)}, ...)")
+    names = [name.strip() for name in columns]
+    unknown = [name for name in names if name not in TunedRow.model_fields]
+    missing = [name for name in REQUIRED_COLUMNS if name not in names]
+    if unknown or missing:
+        found = (f"unknown column(s) {', '.join(repr(n) for n in unknown)}" if unknown else "") + (
+            "; " if unknown and missing else "") + (f"missing column(s) {', '.join(missing)}" if missing else "")
+        raise ValueError(f"{path}:1: not a tuned-table header: {found} (a header names {', '.join(REQUIRED_COLUMNS)} "
+                         "and any of the tile fields, us, default_us, source)")
+
+
 def read_table(path: Path) -> list[TunedRow]:
-    """The rows of one CSV file. A malformed row raises ``ValueError`` naming the file and line."""
+    """The rows of one CSV file. A file whose first line is not a tuned table's header, or a malformed row, raises
+    ``ValueError`` naming the file and line."""
     rows = []
     with open(path, newline="") as handle:
         reader = csv.DictReader(line for line in handle)
+        check_header(path, reader.fieldnames)
         for record in reader:
             line = reader.line_num
             values = {k.strip(): (v.strip() if isinstance(v, str) else v) for k, v in record.items() if k is not None}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime import dispatch, registries
-from .cli_args import RenamedOption, cache_formats, positive_int
+from .cli_args import PAGE_SIZE_MEANING, RenamedOption, cache_formats, positive_int
 from ..kernels.platform import Platform
 from ..kernels.quant.formats import CACHE_FORMATS
 from ..kernels.scoring import SPECS
@@ -169,12 +169,16 @@ def plot(rows: list[Row], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m qsa_aiter bench``."""
     parser = argparse.ArgumentParser(prog="python -m qsa_aiter bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out", help="output folder (CSV, PNG)")
-    parser.add_argument("--pages", default="64,16", help="page sizes, comma-separated")
+    parser.add_argument("--pages", default="64,16",
+                        help=f"page sizes, comma-separated (default 64,16); {PAGE_SIZE_MEANING}")
     parser.add_argument("--points", default="", help="substring filter on work-point names")
-    parser.add_argument("--replays", type=positive_int, default=50)
+    parser.add_argument("--replays", type=positive_int, default=50,
+                        help="CUDA-graph replays per timing, the median kept (default 50); with --eager, the replays "
+                             "of each op's GPU timing")
     parser.add_argument("--quick", action="store_true", help="skip the 16K-row prefill")
     parser.add_argument("--caches", type=cache_formats, default=("bf16",),
                         help=f"index-cache formats, comma-separated: {', '.join(CACHE_FORMATS)} (default bf16)")
@@ -182,9 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="",
                         help="kernels to time, comma-separated (default: every scoring kernel that serves the point)")
     parser.add_argument("--eager", action="store_true",
-                        help="host time of eager calls of each public op beside its GPU time (page 64, bf16; "
-                             "--points filters, default: the verify and prefill points)")
-    args = parser.parse_args(argv)
+                        help="host time of eager calls of each public op, with and without out=, beside its GPU "
+                             "time (page 64, bf16; --points filters, default: the verify and prefill points)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.eager:
         return eager_report(args.points, args.replays)
     if not torch.cuda.is_available():

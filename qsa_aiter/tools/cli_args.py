@@ -9,6 +9,11 @@ import warnings
 
 from ..kernels.quant.formats import CACHE_FORMATS, canonical_format
 
+#: What a page size is, for every option that asks for one: this library counts compressed key groups per page of
+#: the index cache, where vLLM and SGLang count tokens per KV block (ATOM's 64-token block is a page of 16 groups).
+PAGE_SIZE_MEANING = ("a page holds page_size compressed key groups of the index cache, i.e. page_size x "
+                     "compress_ratio tokens (an engine's block_size counts tokens)")
+
 
 def positive_int(text: str) -> int:
     """An integer >= 1; anything else is an argparse error that quotes the value."""

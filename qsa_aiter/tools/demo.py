@@ -191,7 +191,8 @@ def describe_mode(device: torch.device) -> str:
             "interpreter), reduced batch sizes")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m qsa_aiter demo``."""
     parser = argparse.ArgumentParser(
         prog="python -m qsa_aiter demo",
         description="Score an MTP-verify batch and a prefill chunk on this machine, check them against the reference "
@@ -202,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=cache_format, default="bf16", metavar="FORMAT",
                         help=f"index-cache format: {', '.join(CACHE_FORMATS)} (default bf16; fp4 is MXFP4); "
                              "quantised caches are written from the same keys with qsa_write_index_cache")
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
 
     use_gpu = torch.cuda.is_available() and not interpreting()
     device = torch.device("cuda") if use_gpu else torch.device("cpu")
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = opts.cache or "bf16"  # the former 16bit (None): a cache of the queries' dtype, bf16
     queries = str(CACHE_FORMATS[cache].query_dtype).removeprefix("torch.")
     print(f"{queries} queries, {cache} index cache, {HEADS} index heads, head_dim {HEAD_DIM}, compress ratio "
-          f"{RATIO}, page size {PAGE_SIZE} groups")
+          f"{RATIO}, page size {PAGE_SIZE} compressed key groups ({PAGE_SIZE * RATIO} tokens per page)")
     if torch.cuda.is_available() and interpreting():
         print("note: TRITON_INTERPRET=1 is set, so the demo runs on the CPU although a GPU is present")
     if interpreting():

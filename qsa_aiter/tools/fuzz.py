@@ -19,12 +19,19 @@ Paths (``--paths``):
   ``reference_block_topk`` on random logits with ties, ``-inf``, ``-0.0`` and visible counts outside ``[0, columns]``.
 - ``expand`` (``qsa_expand_block_indices``) and ``expand_torch``: against ``reference_expand_block_indices`` with
   group ids, positions, context lengths and request ids out of range.
+
+On the CPU the Triton kernels run only in Triton's interpreter, which a process must ask for before Triton's kernels
+are defined (``TRITON_INTERPRET=1`` when ``qsa_aiter`` is imported). The command line (``main``) therefore runs
+itself again in a child process with ``TRITON_INTERPRET=1`` where the tensors are on the CPU, the interpreter is off
+and a path runs Triton kernels (``TRITON_PATHS``), instead of fuzzing the torch path under the kernels' names. A
+path every case of which its kernel refused was not exercised at all: the command says so and exits non-zero.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,6 +56,9 @@ from .workloads import make_batch
 SCORING_PATHS = tuple(spec.name for spec in SCORING_SPECS) + ("torch", "auto")
 SELECTION_PATHS = ("topk", "topk_torch", "expand", "expand_torch")
 PATHS = SCORING_PATHS + SELECTION_PATHS
+#: The paths that run this project's Triton kernels (on CPU tensors only under the interpreter); the others run the
+#: torch paths.
+TRITON_PATHS = tuple(spec.name for spec in SCORING_SPECS) + ("auto", "topk", "expand")
 PAGE_SIZES = (1, 3, 5, 16, 33, 64, 100)
 #: Paths whose row scored alone must equal the row in the batch bitwise: every one (under the interpreter too, where
 #: ``run`` makes every ``tl.dot`` sum in one fixed order, as an MMA does).
@@ -337,9 +347,14 @@ class PathResult:
     refused: int = 0
     mismatches: list[str] = field(default_factory=list)
 
+    @property
+    def exercised(self) -> bool:
+        """Whether at least one case ran through the path and was checked (not every one refused)."""
+        return self.cases > self.refused
+
     def line(self) -> str:
         return (f"{self.path:>12}: {self.cases} cases, {self.refused} refused by the kernel's reasons, "
-                f"{len(self.mismatches)} mismatches")
+                f"{len(self.mismatches)} mismatches" + ("" if self.exercised else "  NOT EXERCISED"))
 
 
 def run(paths: tuple[str, ...], cases: int, seed: int, device: torch.device,
@@ -375,11 +390,14 @@ def _record(result: PathResult, check: Callable[[], str], label: str) -> None:
         result.mismatches.append(f"{result.path}: {label}\n  raised {type(err).__name__}: {err}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m qsa_aiter fuzz``."""
     parser = argparse.ArgumentParser(
         prog="python -m qsa_aiter fuzz",
         description="Fuzz the scoring, top-k and expansion ops against the torch oracles over random metadata "
-                    "(seeded; a mismatch prints the seed that replays it).")
+                    "(seeded; a mismatch prints the seed that replays it). Without a GPU the Triton kernels run in "
+                    "Triton's interpreter (the command runs itself again with TRITON_INTERPRET=1 where it is not "
+                    "set). Exits 1 on a mismatch, or when every case of a path was refused (nothing checked there).")
     parser.add_argument("--cases", type=positive_int, default=200, help="cases per path (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first case (default 0)")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), metavar="PATH",
@@ -387,12 +405,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the tensors live (default: cuda if available and not interpreting, else cpu)")
     parser.add_argument("--show", type=positive_int, default=5, help="mismatches printed per path (default 5)")
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def _run_interpreted(argv: list[str]) -> int:
+    """Run ``python -m qsa_aiter fuzz argv`` again in a child process with ``TRITON_INTERPRET=1`` (set before the
+    child imports Triton, as the interpreter needs); returns its exit status."""
+    print("note: the tensors are on the CPU and TRITON_INTERPRET is not set, so the Triton kernels would not run "
+          "here; running the fuzzer again with TRITON_INTERPRET=1 (Triton's interpreter)", file=sys.stderr,
+          flush=True)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, "-m", "qsa_aiter", "fuzz", *argv], env=env, check=False).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts = build_parser().parse_args(argv)
     if opts.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but no CUDA device is available", file=sys.stderr)
         return 2
     use_cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available() and not interpreting())
     device = torch.device("cuda" if use_cuda else "cpu")
+    if device.type == "cpu" and not interpreting() and any(path in TRITON_PATHS for path in opts.paths):
+        return _run_interpreted(argv)
     mode = "the Triton interpreter" if interpreting() else ("the GPU" if use_cuda else "the torch paths (CPU)")
     print(f"fuzzing {', '.join(opts.paths)} on {mode}: {opts.cases} cases from seed {opts.seed}")
     start = time.perf_counter()
@@ -403,4 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         print(result.line())
         for text in result.mismatches[: opts.show]:
             print("  " + text.replace("\n", "\n  "))
-    return 1 if any(r.mismatches for r in results) else 0
+    idle = [r.path for r in results if not r.exercised]
+    if idle:
+        print(f"error: every case of {', '.join(idle)} was refused by the kernel's reasons: nothing was checked "
+              "there (more --cases, or other --seed)", file=sys.stderr)
+    return 1 if idle or any(r.mismatches for r in results) else 0

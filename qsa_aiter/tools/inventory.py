@@ -4,6 +4,7 @@ entries (``triton-<version>/<arch>/``) and the native ones (``native/<arch>/``).
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import triton
@@ -94,19 +95,57 @@ def describe(root: Path, verify: bool = True) -> str:
             lines.append(f"  {eid}  {entry.compile_seconds:7.2f} s  {entry.date:%Y-%m-%d %H:%M:%S}  "
                          f"{entry.built_by:6}  {status}")
             lines.append(f"      {entry.summary()}")
+            lines.append(f"      arguments: {entry.argument_types()}")
     return "\n".join(lines + natives)
 
 
-def clear(root: Path, arch: str | None = None) -> list[Path]:
+@dataclass(frozen=True)
+class Removed:
+    """One cache directory ``clear`` removed: its ``path``, what it held (``label``: ``triton <version> / <arch>`` or
+    ``native / <arch>``), its ``entries`` and its ``bytes`` on disk."""
+
+    path: Path
+    label: str
+    entries: int
+    bytes: int
+
+    def line(self) -> str:
+        return f"removed {self.label}: {self.entries} entries, {_size(self.bytes)} ({self.path})"
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB" if count >= 2**20 else f"{count / 2**10:.1f} KiB"
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def clear(root: Path, arch: str | None = None) -> list[Removed]:
     """Remove the cached kernels under ``root`` (only ``arch``'s if given; every Triton version, and the native
-    entries). Keeps the root and its README. Returns the directories removed."""
+    entries). Keeps the root and its README. Returns what was removed, directory by directory."""
     removed = []
     for store in [*stores_in(root), *native_stores_in(root)]:
         if arch is not None and store.arch != arch:
             continue
+        if isinstance(store, Store):
+            label, entries = f"triton {store.triton_version} / {store.arch}", len(store.read().entries)
+        else:
+            label, entries = f"native / {store.arch}", len(store.entry_ids())
+        size = _bytes_under(store.dir)
         shutil.rmtree(store.dir)
-        removed.append(store.dir)
+        removed.append(Removed(store.dir, label, entries, size))
         parent = store.dir.parent
         if parent.is_dir() and not any(parent.iterdir()):
             parent.rmdir()
     return removed
+
+
+def removal_report(root: Path, arch: str | None, removed: list[Removed]) -> str:
+    """What ``jit clear`` prints: a line per directory removed and the total, or that there was nothing to
+    remove."""
+    if not removed:
+        return f"nothing to remove under {root}" + (f" for {arch}" if arch else "")
+    total = (f"removed {sum(r.entries for r in removed)} entries, {_size(sum(r.bytes for r in removed))} in "
+             f"{len(removed)} director{'y' if len(removed) == 1 else 'ies'} under {root}")
+    return "\n".join([r.line() for r in removed] + [total])

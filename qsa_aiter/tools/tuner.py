@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from ..kernels.catalog import spec_named, tunable_specs
 from ..kernels.quant.formats import CACHE_FORMATS
-from .cli_args import RenamedOption, cache_formats, positive_int
+from .cli_args import PAGE_SIZE_MEANING, RenamedOption, cache_formats, positive_int
 from .inputs import point_inputs
 from .testing import e4m3_mma_atol
 from .timing import time_launcher
@@ -301,23 +301,32 @@ def _parse_grid(items: list[str]) -> dict[str, tuple[int, ...]]:
     return grid
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m qsa_aiter tune``."""
     parser = argparse.ArgumentParser(prog="python -m qsa_aiter tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", default=",".join(KERNELS), help="kernels to tune, comma-separated")
     parser.add_argument("--caches", type=cache_formats, default=CACHES,
                         help=f"index-cache formats, comma-separated, among {', '.join(CACHE_FORMATS)} "
                              f"(default {','.join(CACHES)})")
     parser.add_argument("--kv", dest="caches", type=cache_formats, action=RenamedOption, renamed_to="--caches")
-    parser.add_argument("--pages", default="64,16", help="page sizes, comma-separated")
+    parser.add_argument("--pages", default="64,16",
+                        help=f"page sizes, comma-separated (default 64,16); {PAGE_SIZE_MEANING}")
     parser.add_argument("--points", default="", help="substrings of work-point names (default: the kernel's plan)")
     parser.add_argument("--grid", nargs="*", default=None, metavar="FIELD=V1,V2",
                         help="candidate axes instead of the kernel's grid (one kernel at a time)")
-    parser.add_argument("--replays", type=positive_int, default=20)
+    parser.add_argument("--replays", type=positive_int, default=20,
+                        help="CUDA-graph replays per timing of a config, the median kept (default 20)")
     parser.add_argument("--jobs", type=positive_int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
                         help="compile worker processes")
     parser.add_argument("--csv", default="", help="table to write the best row of each sweep into")
     parser.add_argument("--results", default="", help="CSV of every timing")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (compiles and sweeps); each sweep's result line is still printed")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     kernels = args.kernels.split(",")
     for name in kernels:

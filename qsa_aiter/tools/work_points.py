@@ -1,4 +1,4 @@
-"""The work points (SPEC section 7, docs/benchmarks.md), declared once for the benchmarks, the tuner and the warm-up.
+"""The work points (docs/benchmarks.md), declared once for the benchmarks, the tuner and the warm-up.
 
 A work point is a batch shape of the model's serving path: requests x query rows per request at a context length,
 in one phase. The benchmarks (``python -m qsa_aiter bench``, ``benchmarks/*.py``) and the tuner time the points
@@ -15,8 +15,8 @@ import torch
 
 K = 1024
 
-#: The model's index shapes (SPEC section 1): 4 index heads of head_dim 128, R = 4, and its token top-k budget
-#: (2048 tokens: 512 groups).
+#: The model's index shapes (README.md, "What the op computes"): 4 index heads of head_dim 128, R = 4, and its token
+#: top-k budget (2048 tokens: 512 groups).
 HEADS, HEAD_DIM, COMPRESS_RATIO, TOKEN_TOPK = 4, 128, 4, 2048
 
 
@@ -29,7 +29,8 @@ class WorkPoint:
     context_lens: tuple[int, ...]
     rows_per_request: int
     phase: str
-    # Targets (page 64, bf16) from the project's issue: a time ceiling in µs and/or a floor in % of copy bandwidth.
+    # The project's targets (page 64, bf16; docs/benchmarks.md): a time ceiling in µs and/or a floor in % of copy
+    # bandwidth.
     target_us: float | None = None
     target_pct: float | None = None
     #: The longest context the point's lengths are drawn under (a mixed point's range end); default their maximum.
@@ -54,9 +55,9 @@ def _mixed(lo: int, hi: int, n: int, seed: int) -> tuple[int, ...]:
     return tuple(int(x) for x in torch.randint(lo, hi + 1, (n,), generator=gen))
 
 
-#: Every work point, in the order the benchmarks print them. Targets from the project's issue. The SPEC's points
-#: are timed and warmed; 128x1@98K and prefill 4096@32K (points with targets) are timed only, and the 32K-row prefill
-#: (the engine's largest chunk) is warmed only.
+#: Every work point, in the order the benchmarks print them, with the project's targets (docs/benchmarks.md). The
+#: serving path's points are timed and warmed; 128x1@98K and prefill 4096@32K (points with targets) are timed only,
+#: and the 32K-row prefill (the engine's largest chunk) is warmed only.
 WORK_POINTS = (
     WorkPoint("9x4@64K-128K", tuple(64 * K + i * 8 * K for i in range(9)), 4, "verify", target_pct=80),
     WorkPoint("16x4@32K", (32 * K,) * 16, 4, "verify", target_us=9.5),

@@ -144,15 +144,19 @@ def test_the_drop_ins_keep_the_engines_parameters_and_defaults():
 
 def test_the_drop_ins_signatures_derive_from_the_public_ops():
     """The engine's positional parameters are the public op's (the expansion's ``output_width`` after them); the
-    keyword-only extras are the public op's but ``out``."""
+    keyword-only extras are the public op's but ``out``, then the drop-in's own ``block_size`` where a cache is
+    read."""
     for name in atom.OPS:
         public = inspect.signature(getattr(qsa_aiter, name)).parameters.values()
         ours = inspect.signature(getattr(atom, name)).parameters.values()
         positional = [p for p in public if p.kind == p.POSITIONAL_OR_KEYWORD]
         extras = [p for p in public if p.kind == p.KEYWORD_ONLY and p.name != "out"]
         engine_only = ["output_width"] if name == "qsa_expand_block_indices" else []
-        assert [p.name for p in ours] == [p.name for p in positional] + engine_only + [p.name for p in extras]
-        assert [p for p in ours if p.name not in engine_only] == positional + extras
+        own = [] if name == "qsa_expand_block_indices" else ["block_size"]
+        assert [p.name for p in ours] == ([p.name for p in positional] + engine_only + [p.name for p in extras]
+                                          + own)
+        assert [p for p in ours if p.name not in engine_only + own] == positional + extras
+        assert all(p.kind == p.KEYWORD_ONLY and p.default is None for p in ours if p.name in own)
 
 
 def test_the_drop_ins_reject_what_their_signatures_do_not_take(installed, rng):
@@ -251,6 +255,59 @@ def test_selection_out_wider_narrower_and_too_narrow(installed, rng):
     with pytest.raises(ValueError, match="`out`"):
         module.qsa_select_paged_tokens(*args[:6], 64, R, short)
     assert bool((short == -7).all()), "a rejected call writes nothing"
+
+
+def test_selection_returns_the_callers_out_and_no_extra_view(installed, rng):
+    """Where the width is the full ``token_topk + R - 1``, the result is ``out`` itself (or the op's own tensor):
+    no view is made per call."""
+    module, _ = installed
+    args = batch_of(rng).args()
+    tokens, full = args[0].shape[0], 64 + R - 1
+    out = torch.full((tokens, full), -7, dtype=torch.int32)
+    assert module.qsa_select_paged_tokens(*args[:6], 64, R, out) is out
+    assert torch.equal(out, expected_selection(args, 64))
+    fresh = module.qsa_select_paged_tokens(*args[:6], 64, R)
+    assert fresh._base is None and fresh.shape == (tokens, full) and torch.equal(fresh, out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine's block size (tokens) beside the cache's page size (compressed key groups)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size, ratio, page_size", [(64, 4, 16), (256, 4, 64), (64, 1, 64), (24, 8, 3)])
+def test_a_block_in_tokens_is_a_page_of_compressed_groups(block_size, ratio, page_size):
+    assert atom.page_size_of_block(block_size, ratio) == page_size
+
+
+@pytest.mark.parametrize("block_size, ratio, exc, message", [
+    (66, 4, ValueError, r"`block_size` must be a multiple of compress_ratio \(4\).*got 66"),
+    (0, 4, ValueError, r"`block_size` must be >= 1; got 0"),
+    (64.0, 4, TypeError, r"`block_size` must be an int"),
+    (64, 0, ValueError, r"`compress_ratio` must be >= 1"),
+])
+def test_a_block_size_that_is_no_page_is_refused(block_size, ratio, exc, message):
+    with pytest.raises(exc, match=message):
+        atom.page_size_of_block(block_size, ratio)
+
+
+def test_the_drop_ins_take_the_engines_block_size(installed, rng):
+    """``block_size`` (tokens per KV block, the engines' term) is checked against the cache's page (``page_size``
+    compressed groups x R) and changes nothing else; a block that disagrees, or splits a group, is named."""
+    module, consumer = installed
+    batch = batch_of(rng, page_size=16)
+    args = batch.args()
+    logits, visible = module.qsa_paged_mqa_logits(*args[:6], R, block_size=64)
+    assert_matches_reference(logits, visible, *qsa_aiter.reference_paged_mqa_logits(*args[:6], R))
+    picked = consumer.qsa_select_paged_tokens(*args[:6], 64, R, block_size=64)
+    assert torch.equal(picked, expected_selection(args, 64))
+    for call in (lambda b: module.qsa_paged_mqa_logits(*args[:6], R, block_size=b),
+                 lambda b: consumer.qsa_select_paged_tokens(*args[:6], 64, R, block_size=b)):
+        with pytest.raises(ValueError, match=r"`block_size` must be 64 tokens, the page of compressed_k_cache "
+                                             r"\(16 compressed key groups x compress_ratio 4\); got 16 \(4 groups"):
+            call(16)  # the page size in groups given as the block size: the engines' usual mix-up
+        with pytest.raises(ValueError, match=r"`block_size` must be a multiple of compress_ratio \(4\)"):
+            call(62)
 
 
 @pytest.mark.parametrize("output_width", [None, 20, 80])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -155,6 +156,30 @@ def test_explain_and_selected_kernel_validate_the_same_way(call, changes, exc, n
     for fn in (qsa_aiter.explain, qsa_aiter.selected_kernel, describe_call):
         with pytest.raises(exc, match=f"`{name}`"):
             fn(**kw)
+
+
+@pytest.mark.parametrize("name, op", [("explain", "qsa_paged_mqa_logits"), ("selected_kernel", "qsa_paged_mqa_logits"),
+                                      ("explain_selection", "qsa_select_paged_tokens")])
+def test_the_explainers_take_the_signature_of_their_op(name, op):
+    """``help()`` and ``inspect`` show the op's parameters, not ``*args, **kwargs``; a call without them names every
+    argument it lacks."""
+    explainer, public = getattr(qsa_aiter, name), getattr(qsa_aiter, op)
+    assert inspect.signature(explainer).parameters == inspect.signature(public).parameters
+    required = [p.name for p in inspect.signature(public).parameters.values() if p.default is p.empty]
+    with pytest.raises(TypeError) as info:
+        explainer()
+    message = str(info.value)
+    assert message.startswith(f"{name}() takes the arguments of {op}(q, compressed_k_cache, ")
+    assert message.endswith("missing " + ", ".join(required)), message
+    with pytest.raises(TypeError, match=f"{name}\\(\\) takes .*: got an unexpected keyword argument 'bogus'"):
+        explainer(*([None] * len(required)), bogus=1)
+
+
+def test_explain_takes_its_arguments_by_name(call):
+    by_position = qsa_aiter.explain(*(call[k] for k in ("q", "compressed_k_cache", "page_table", "token_to_request",
+                                                         "query_positions", "context_lens")), max_query_len=2)
+    assert qsa_aiter.explain(**dict(call, max_query_len=2)) == by_position
+    assert qsa_aiter.selected_kernel(**call) in by_position
 
 
 def test_the_valid_call_passes(call):

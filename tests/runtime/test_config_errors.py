@@ -1,6 +1,7 @@
 """Configuration errors are raised at the first call, never absorbed by the registry's fallback.
 
-A missing or malformed ``QSA_AITER_TUNED_CONFIG`` file, ``QSA_AITER_JIT_DIR`` naming a file and a bad
+A missing or malformed ``QSA_AITER_TUNED_CONFIG`` file (or one that is no tuned table at all),
+``QSA_AITER_JIT_DIR`` naming a file or a directory that can be neither found nor created, and a bad
 ``QSA_AITER_LOG_LEVEL`` raise ``ConfigurationError`` (a ``ValueError``) naming the variable, its value and the
 reason, on every path: the Triton kernels (on the GPU, or under the interpreter), the torch path, selection, the
 writer and the command line. No kernel is marked broken by them, so once the variable is fixed the preferred kernel
@@ -35,16 +36,24 @@ def _bad_files(tmp_path) -> dict[str, tuple[str, str]]:
     unknown.write_text(HEADER + "sm_90,bogus,bf16,64,4,128,36,98304,64,1\n")
     a_file = tmp_path / "a_file"
     a_file.write_text("")
+    hostname = tmp_path / "hostname"  # a one-line text file, such as /etc/hostname: a header without rows to csv
+    hostname.write_text("gpu-node-17\n")
     return {
         "missing tuned file": ("QSA_AITER_TUNED_CONFIG", str(tmp_path / "nowhere.csv"), "is not a file"),
         "malformed tuned row": ("QSA_AITER_TUNED_CONFIG", str(malformed), "malformed.csv:2: block_n"),
         "unknown kernel": ("QSA_AITER_TUNED_CONFIG", str(unknown), "unknown kernel 'bogus'"),
+        "not a tuned table": ("QSA_AITER_TUNED_CONFIG", str(hostname),
+                              "hostname:1: not a tuned-table header: unknown column(s) 'gpu-node-17'"),
         "jit dir is a file": ("QSA_AITER_JIT_DIR", str(a_file), "allowed: a directory"),
+        # /proc takes no new entries, even from root: the directory can be neither found nor made.
+        "jit dir cannot be created": ("QSA_AITER_JIT_DIR", "/proc/qsa_aiter_jit",
+                                      "it does not exist, and no file can be created in /proc"),
         "log level": ("QSA_AITER_LOG_LEVEL", "loud", "allowed: debug, info, warning, error"),
     }
 
 
-CASES = ("missing tuned file", "malformed tuned row", "unknown kernel", "jit dir is a file", "log level")
+CASES = ("missing tuned file", "malformed tuned row", "unknown kernel", "not a tuned table", "jit dir is a file",
+         "jit dir cannot be created", "log level")
 
 
 def _expect_configuration_error(call, variable: str, value: str, reason: str) -> None:
@@ -89,7 +98,7 @@ def _launch_args(args, hints):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["jit dir is a file", "log level"])
+@pytest.mark.parametrize("case", ["jit dir is a file", "jit dir cannot be created", "log level"])
 def test_the_writer_and_the_selection_steps_raise(monkeypatch, tmp_path, rng, case, device):
     variable, value, reason = _bad_files(tmp_path)[case]
     monkeypatch.setenv(variable, value)

@@ -11,6 +11,7 @@ import torch
 import qsa_aiter
 from qsa_aiter.kernels import platform as platform_module
 from qsa_aiter.runtime import dispatch, registries
+from qsa_aiter.runtime.dispatch import NO_PLAN_HINT
 from qsa_aiter.runtime.log import reset_log_once
 from qsa_aiter.runtime.settings import get_settings
 from qsa_aiter.kernels.platform import interpreting
@@ -46,7 +47,7 @@ def test_candidates_and_table():
                                         | set(registries.ROCM_CANDIDATES))
     for name, cand in registries.SCORING.candidates.items():
         assert cand.name == name and cand.description
-    assert registries.KV_DTYPES == ("bf16", "fp8", "fp4")  # SPEC section 4: every cache dtype has its rows
+    assert registries.KV_DTYPES == ("bf16", "fp8", "fp4")  # every cache dtype has its rows
     for kv in registries.KV_DTYPES:
         for block in (16, 64):
             for phase in PHASES:
@@ -349,6 +350,19 @@ def test_explain_names_the_choice_and_the_others_reasons(rng):
     assert "order flydsl > tiled > rowwise > aiter > torch" in text
     assert "- tiled: needs a power-of-two head_dim >= 16 (got 96)" in text
     assert "* rowwise: serves" in text
+
+
+def test_explain_says_why_the_torch_path_has_no_plan(monkeypatch, rng):
+    """Where the torch reference serves (CPU tensors without the interpreter, or forced) the report ends by saying
+    that there is no launch plan and where the Triton kernels' plans are shown, rather than just stopping."""
+    batch, hints = batch_for("verify", rng)
+    force_backend(monkeypatch, "torch")
+    text = qsa_aiter.explain(*batch.args(), **hints)
+    assert text.splitlines()[-1] == f"  plan: none (torch is not one of this project's Triton kernels; {NO_PLAN_HINT})"
+    assert "TRITON_INTERPRET=1" in NO_PLAN_HINT
+    # The top-k family prints no plans for any candidate: no such line there.
+    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "torch")
+    assert "plan:" not in registries.TOPK.explain(registries.TopkProblem("cpu", 3, 200, 16))
 
 
 # ---------------------------------------------------------------------------------------------------------------

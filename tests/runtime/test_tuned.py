@@ -78,6 +78,26 @@ def test_a_malformed_row_is_an_error_naming_file_and_line(tmp_path, row, message
         tuned.read_table(path)
 
 
+@pytest.mark.parametrize("text,message", [
+    ("", r"empty\.csv: empty; a tuned table starts with a header line naming its columns \(arch, kernel, "),
+    ("gpu-node-17\n", (r"empty\.csv:1: not a tuned-table header: unknown column\(s\) 'gpu-node-17'; missing "
+                       r"column\(s\) arch, kernel, kv_dtype, page_size, heads, head_dim, rows, context, measured")),
+    ("arch,kernel,kv_dtype,page_size,heads,head_dim,rows,context\n",
+     r"empty\.csv:1: not a tuned-table header: missing column\(s\) measured"),
+])
+def test_a_file_that_is_no_tuned_table_is_an_error(tmp_path, text, message):
+    """A file read as a table must start with a tuned table's header: a one-line text file (a header without rows to
+    ``csv``) or an empty file is refused rather than read as a table without rows."""
+    path = tmp_path / "empty.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        tuned.read_table(path)
+
+
+def test_a_header_without_rows_is_an_empty_table(tmp_path):
+    assert tuned.read_table(write_table(tmp_path, "none.csv")) == []
+
+
 def test_a_register_cap_is_an_nvidia_setting(tmp_path):
     """``max_registers`` (ptxas's ``maxnreg``) reaches the launch options of a row's config; on an AMD arch, whose
     backend has no such option, the row is an error naming the file and line."""

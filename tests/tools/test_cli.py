@@ -137,3 +137,72 @@ def test_demo_rejects_a_non_positive_iteration_count(capsys):
             demo_main(["--iters", value])
         assert exit_info.value.code == 2
         assert f"--iters: expected a positive integer; got '{value}'" in capsys.readouterr().err
+
+
+def _parsers():
+    """Every command's parser by name (``python -m qsa_aiter`` and its subcommands, the tools' own), with the
+    subcommands' parsers reached through the dispatcher's."""
+    from qsa_aiter.tools import bench, demo, fuzz, tuner
+    from qsa_aiter.tools.cli import _build_parser
+
+    found = {"bench": bench.build_parser(), "tune": tuner.build_parser(), "fuzz": fuzz.build_parser(),
+             "demo": demo.build_parser()}
+    pending = [("python -m qsa_aiter", _build_parser())]
+    while pending:
+        name, parser = pending.pop()
+        found.setdefault(name, parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending += [(f"{name} {sub}", p) for sub, p in action.choices.items() if p.add_help]
+    return found
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    parsers = _parsers()
+    assert {"bench", "tune", "fuzz", "demo", "python -m qsa_aiter explain", "python -m qsa_aiter warmup",
+            "python -m qsa_aiter jit list", "python -m qsa_aiter jit clear"} <= set(parsers)
+    silent = []
+    for name, parser in parsers.items():
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue  # a former option name (RenamedOption), --help
+            if isinstance(action, argparse._SubParsersAction):
+                silent += [f"{name} {a.dest}" for a in action._choices_actions if not a.help]
+            elif not action.help:
+                silent.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert not silent, f"options without help: {silent}"
+
+
+def test_every_page_size_option_says_it_counts_compressed_groups():
+    """vLLM and SGLang count a block in tokens; here a page counts compressed key groups: each option says so."""
+    asked = []
+    for name, parser in _parsers().items():
+        for action in parser._actions:
+            if any("page" in option for option in action.option_strings) and action.help != argparse.SUPPRESS:
+                asked.append(name)
+                assert "page_size compressed key groups" in action.help, (name, action.help)
+                assert "page_size x compress_ratio tokens" in action.help, (name, action.help)
+    assert sorted(asked) == ["bench", "python -m qsa_aiter explain", "python -m qsa_aiter warmup", "tune"]
+
+
+def test_the_demo_says_what_its_page_size_counts(monkeypatch, capsys):
+    from qsa_aiter.tools import demo
+
+    monkeypatch.setattr(demo, "run_phase", lambda *args: True)  # the header alone
+    assert demo_main([]) == 0
+    assert "page size 64 compressed key groups (256 tokens per page)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given", ["variable", "flag"])
+def test_warmup_into_a_directory_it_cannot_write_names_where_it_came_from(monkeypatch, capsys, given):
+    """An existing directory that takes no files (``/proc``, even for root) is a valid read-only cache, but warmup
+    writes into it: refused before any work, naming the variable or flag that chose it."""
+    if given == "variable":
+        monkeypatch.setenv("QSA_AITER_JIT_DIR", "/proc")
+        argv = ["warmup", "--arch", "sm_90", "--no-progress"]
+    else:
+        argv = ["warmup", "--arch", "sm_90", "--no-progress", "--jit-dir", "/proc"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    source = "environment variable QSA_AITER_JIT_DIR='/proc'" if given == "variable" else "--jit-dir"
+    assert f"error: the JIT cache directory /proc ({source}) is not writable: warmup compiles into it" in err

@@ -4,9 +4,15 @@ fuzz --cases N`` runs more (on the GPU where there is one)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from qsa_aiter.ops.scoring import describe_call
+from qsa_aiter.runtime import registries
 from qsa_aiter.tools import fuzz
 
 #: Cases per path in the suite: the kernels', fewer for ``auto`` (it runs one of them) and more for the cheap paths.
@@ -34,7 +40,7 @@ def test_cases_replay_from_their_seed():
 
 
 def test_the_draws_reach_the_edges():
-    """The metadata the issue lists is drawn: odd page sizes, int64 values past 2**31, bad and huge page ids,
+    """The metadata the fuzzer is there for is drawn: odd page sizes, int64 values past 2**31, bad and huge page ids,
     positions past the context, ties, every cache format."""
     cases = [fuzz.scoring_case(seed, torch.device("cpu")) for seed in range(150)]
     pages = {c.args[1].shape[1] for c in cases}
@@ -53,3 +59,35 @@ def test_the_command_line_reports_each_path(capsys):
     assert fuzz.main(["--cases", "2", "--paths", "torch", "expand", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "torch: 2 cases" in out and "expand: 2 cases" in out and "0 mismatches" in out
+
+
+def _refused_by(path: str) -> int:
+    """A seed whose scoring case ``path``'s kernel refuses (its reasons name the case's shape)."""
+    for seed in range(200):
+        case = fuzz.scoring_case(seed, torch.device("cpu"))
+        if registries.SCORING.reasons(path, describe_call(*case.args, **case.kwargs)):
+            return seed
+    raise AssertionError(f"no case of the first 200 seeds is refused by {path}")
+
+
+def test_a_path_that_checked_nothing_fails_the_command(capsys):
+    """A path whose every case its kernel refused was not exercised at all: the command says so and fails, rather
+    than reporting refusals and exiting 0."""
+    seed = _refused_by("stacked")
+    assert fuzz.main(["--cases", "1", "--paths", "stacked", "--seed", str(seed), "--device", "cpu"]) == 1
+    captured = capsys.readouterr()
+    assert "stacked: 1 cases, 1 refused by the kernel's reasons, 0 mismatches  NOT EXERCISED" in captured.out
+    assert "every case of stacked was refused by the kernel's reasons: nothing was checked there" in captured.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is what a machine without a GPU fuzzes on")
+def test_without_a_gpu_the_command_runs_the_kernels_in_the_interpreter():
+    """``python -m qsa_aiter fuzz`` in a process without TRITON_INTERPRET runs itself again under the interpreter:
+    the row-wise kernel (it serves every case) is checked, not refused."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    argv = [sys.executable, "-m", "qsa_aiter", "fuzz", "--cases", "1", "--paths", "rowwise", "expand"]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "running the fuzzer again with TRITON_INTERPRET=1" in result.stderr
+    assert "on the Triton interpreter" in result.stdout
+    assert "rowwise: 1 cases, 0 refused by the kernel's reasons, 0 mismatches" in result.stdout

@@ -66,7 +66,7 @@ def test_traffic_kernel_writes_the_scorers_cells(rng, cache, page_size, phase, r
 
 
 def _expected_visible(batch, num_columns: int) -> torch.Tensor:
-    """SPEC section 1's visible group count of every row."""
+    """The visible group count of every row (README.md, "What the op computes")."""
     r = batch.compress_ratio
     req = batch.token_to_request.cpu().to(torch.int64)
     pos = batch.query_positions.cpu().to(torch.int64)

@@ -1,5 +1,5 @@
 """The work points, declared once (``qsa_aiter/tools/work_points.py``): what the benchmarks and the tuner time, what
-the warm-up plans for (SPEC section 7), and the names the kernels' tuning plans and the scripts use."""
+the warm-up plans for (the serving path's points), and the names the kernels' tuning plans and the scripts use."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_the_timed_points_and_their_targets():
 
 
 def test_the_warmed_points_are_the_specs():
-    """SPEC section 7's points, as ``(requests, rows per request, longest context)``: a draft step is planned at
+    """The serving path's points, as ``(requests, rows per request, longest context)``: a draft step is planned at
     the decode points; the mixed point at its range's end."""
     def shapes(phase):
         return [(p.requests, p.rows_per_request, p.longest_context) for p in wp.warm_points(phase)]

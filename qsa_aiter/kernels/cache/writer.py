@@ -1,4 +1,5 @@
-"""Index-cache writer: quantise new keys and scatter them into a paged cache by slot (SPEC section 3).
+"""Index-cache writer: quantise new keys and scatter them into a paged cache by slot (layouts:
+docs/cache_formats.md).
 
 One program per new token: ``slot = page * P + offset`` (``-1``, or a slot outside the cache, writes nothing; a slot
 named twice is written by its last key). The encodings are done with integer arithmetic (no hardware fp8/fp4

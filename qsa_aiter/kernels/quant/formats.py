@@ -1,4 +1,4 @@
-"""Index-cache formats (SPEC section 3): their names, allocation, torch quantisers and the dequantiser.
+"""Index-cache formats (docs/cache_formats.md): their names, allocation, torch quantisers and the dequantiser.
 
 | format | cache | scale | kind |
 |---|---|---|---|

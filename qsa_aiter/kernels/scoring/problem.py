@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 PHASES = ("prefill", "verify", "draft", "decode")
-#: Above this many query rows a call without a phase hint is treated as prefill (SPEC section 4).
+#: Above this many query rows a call without a phase hint is treated as prefill (README, kernels and when each runs).
 MAX_DECODE_ROWS = 256
 #: The most tokens of context a call's columns may stand for (``num_columns * R``): the kernels clamp positions and
 #: context lengths to 32 bits, which changes no visible count only below it.
@@ -52,7 +52,7 @@ class ScoreProblem:
 
 def infer_phase(num_tokens: int, num_requests: int, max_query_len: int | None,
                 stacked_enabled: bool) -> tuple[str, str]:
-    """Phase from host-side facts (SPEC section 4). Returns ``(phase, why)``."""
+    """Phase from host-side facts (README, kernels and when each runs). Returns ``(phase, why)``."""
     if num_tokens > MAX_DECODE_ROWS:
         return "prefill", f"{num_tokens} rows > {MAX_DECODE_ROWS}"
     if max_query_len is not None:

@@ -3,13 +3,14 @@ manifest, and loaded from there by later processes without calling Triton's comp
 
 Modules, one concern each: ``paths`` (where the cache lives; what identifies a build), ``manifest`` (its records),
 ``store`` (one ``triton-<version>/<arch>/`` directory: locks, recording, placing entries in Triton's in-memory
-caches), ``routing`` (Triton's compiles routed into a store, its compile hooks), ``runtime`` (``load`` and ``scope``
-around launches), ``build`` (compiling for a named target without its GPU), ``inventory`` (listing, clearing).
-``nvrtc`` (NVRTC through ctypes: CUDA C++ to a CUBIN for a named arch) and ``native`` (the native entries under
-``<root>/native/<arch>/``, loaded and launched through the CUDA driver API) serve the native kernels.
-``aot`` (ahead-of-time builds) and ``warmup`` (the variant matrix) are used through their modules; Triton's private
-names are reached through ``triton_compat`` only. The public names are re-exported here; a test that replaces a
-module constant (``KERNEL_SOURCES``, ``CHECKOUT_JIT_DIR``) patches ``paths``, the module that reads it.
+caches), ``routing`` (Triton's compiles routed into a store, its compile hooks), ``launching`` (``load`` and ``scope``
+around launches). ``nvrtc`` (NVRTC through ctypes: CUDA C++ to a CUBIN for a named arch) and ``native`` (the native
+entries under ``<root>/native/<arch>/``, loaded and launched through the CUDA driver API) serve the native kernels.
+The offline tools on top of it are in ``qsa_aiter/tools``: ``build`` (compiling for a named target without its
+GPU), ``aot`` (ahead-of-time builds), ``warmup`` (the variant matrix) and ``inventory`` (``jit list`` / ``jit
+clear``). Triton's private names are reached through ``triton_compat`` only. The public names are re-exported here;
+a test that replaces a module constant (``KERNEL_SOURCES``, ``CHECKOUT_JIT_DIR``) patches ``paths``, the module that
+reads it.
 """
 
 from .manifest import Entry, EntryUnusable, FileRecord, Manifest

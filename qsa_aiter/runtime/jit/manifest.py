@@ -69,6 +69,12 @@ class Entry(BaseModel):
         parts += [f"{k}%16" for k, v in self.arguments.items() if v.endswith("%16") and not v.startswith("*")]
         return " ".join(parts)
 
+    def argument_types(self) -> str:
+        """``name:type`` of every other argument as Triton specialised it (``*bf16``, ``*i64 unaligned``, ``i32%16``
+        ...): what tells apart two variants whose constexprs and options are the same (a bf16 and an fp16 cache,
+        int32 and int64 metadata)."""
+        return " ".join(f"{k}:{v.replace(' ', '-')}" for k, v in self.arguments.items())
+
 
 class Manifest(BaseModel):
     """What one ``triton-<version>/<arch>/`` directory holds."""

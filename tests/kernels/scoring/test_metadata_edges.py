@@ -1,6 +1,6 @@
 """Metadata at the edges of its dtype, and device-side values no host check can see.
 
-int32 and int64 metadata are honoured over their whole range (SPEC section 1): positions, context lengths, request
+int32 and int64 metadata are honoured over their whole range (the visibility rule): positions, context lengths, request
 and page ids past 2**31 are never truncated, and a page id past the cache is a bad page. Values that live on the
 device (visible counts, positions, context lengths, request and group ids) cannot be validated on the host, so every
 kernel clamps them: each is run far out of range here and compared with the torch path and the oracle.

@@ -16,7 +16,7 @@ NINF = float("-inf")
 
 
 def loop_reference(q, cache, table, t2r, pos, ctx, ratio, divisor, num_columns):
-    """SPEC section 1, written out with Python loops over floats."""
+    """The op's definition (README, what the op computes), written out with Python loops over floats."""
     q, cache = q.double().tolist(), cache.double().tolist()
     table, t2r, pos, ctx = table.tolist(), t2r.tolist(), pos.tolist(), ctx.tolist()
     pages, page_size = len(cache), (len(cache[0]) if cache else 0)

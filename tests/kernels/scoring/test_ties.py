@@ -1,4 +1,4 @@
-"""Exact ties break the same way on every path (SPEC sections 1 and 2).
+"""Exact ties break the same way on every path (the reference's rule: README, what the op computes).
 
 A (row, column) score must not depend on which other rows share the call or how the work is chunked, so identical
 keys score identically and a tie goes to the lower group: a row of identical keys selects groups ``0 .. k-1``, alone
