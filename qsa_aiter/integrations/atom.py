@@ -2,14 +2,15 @@
 
 ATOM (ROCm/ATOM) defines its QSA indexer ops in ``atom.model_ops.qwen4_exp.ops.qsa`` and its attention layer
 (``atom.model_ops.qwen4_exp.qsa_attention``) binds them with ``from ... import`` at import time. The three functions
-here take the engine's arguments, in the engine's order, with the engine's defaults and return shapes. The engine's
-positional parameters are those of ``qsa_aiter``'s public op of the same name (the expansion's ``output_width``
-aside), so each drop-in's signature is derived from the public one (``drop_in``) rather than written out again:
+here take the engine's arguments, in the engine's order, with the engine's defaults (one aside, below) and return
+shapes. The engine's positional parameters are those of ``qsa_aiter``'s public op of the same name (the expansion's
+``output_width`` aside), so each drop-in's signature is derived from the public one (``drop_in``) rather than written
+out again:
 
     qsa_paged_mqa_logits(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
                          compress_ratio=4, score_divisor=None, max_columns=None, row_starts=None)
     qsa_select_paged_tokens(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                            token_topk, compress_ratio=4, out=None, logits_workspace_bytes=128 << 20,
+                            token_topk, compress_ratio=4, out=None, logits_workspace_bytes=None,
                             max_seq_len=None)
     qsa_expand_block_indices(block_indices, query_positions, context_lens, token_to_request, compress_ratio,
                              token_topk, out=None, output_width=None)
@@ -23,6 +24,11 @@ Where the engine's semantics differ from ``qsa_aiter``'s public ops, these follo
   ``max_seq_len`` the width is constant, so a captured graph serves every context up to it.
 - ``out`` of ``qsa_select_paged_tokens`` may be wider than that width; the result is ``out[:, :width]``.
 - ``output_width`` of ``qsa_expand_block_indices`` narrows (or widens, with ``-1``) the expansion.
+
+One default differs from the engine's: ``logits_workspace_bytes`` of ``qsa_select_paged_tokens`` is None (the public
+op's), not 128 MiB, so a call that leaves it out chunks its rows by ``QSA_AITER_LOGITS_WORKSPACE_MB`` or by the bound
+sized from the GPU (docs/selection.md). The bound changes no result, only how many chunks the rows are scored in, so
+``install()`` accepts that default (``WORKSPACE_DEFAULTS``); a value the engine passes is passed on unchanged.
 
 Padded rows (``token_to_request == -1``) see nothing and select nothing (all ``-1``). Each function also accepts
 the public op's keyword-only extras but ``out`` (``k_scale`` for quantised caches, ``phase`` / ``max_query_len``
@@ -253,9 +259,15 @@ _DROP_INS = {"qsa_paged_mqa_logits": qsa_paged_mqa_logits, "qsa_select_paged_tok
              "qsa_expand_block_indices": qsa_expand_block_indices}
 
 
+#: Parameters whose default may differ from the engine's, by op: each bounds memory and changes no result. The
+#: drop-in's None sizes the logits workspace automatically where the engine's default is a fixed 128 MiB.
+WORKSPACE_DEFAULTS = {"qsa_select_paged_tokens": ("logits_workspace_bytes",)}
+
+
 def check_signature(name: str, engine_fn) -> None:
     """``TypeError`` unless the drop-in for ``name`` accepts every way the engine's ``engine_fn`` can be called:
-    the same positional parameters in the same order with the same defaults, and every keyword-only one."""
+    the same positional parameters in the same order with the same defaults (but those of ``WORKSPACE_DEFAULTS``),
+    and every keyword-only one."""
     ours = inspect.signature(_DROP_INS[name]).parameters
     theirs = inspect.signature(engine_fn).parameters
     positional = [p for p in ours.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
@@ -271,7 +283,7 @@ def check_signature(name: str, engine_fn) -> None:
             raise TypeError(f"{ENGINE_MODULE}.{name} takes keyword `{p.name}`, which the drop-in does not")
         else:
             mine = ours[p.name]
-        if p.default is not p.empty and mine.default != p.default:
+        if p.default is not p.empty and mine.default != p.default and p.name not in WORKSPACE_DEFAULTS.get(name, ()):
             raise TypeError(f"{ENGINE_MODULE}.{name}: `{p.name}` defaults to {p.default!r} in the engine, "
                             f"{mine.default!r} in the drop-in")
 

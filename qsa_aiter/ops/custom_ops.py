@@ -23,11 +23,11 @@ imported (``import qsa_aiter`` imports it); the generated schemas (``Tensor(aN!)
         Tensor token_to_request, SymInt compress_ratio, SymInt token_topk, Tensor(a6!) out) -> ()
     qsa_aiter::select_paged_tokens(Tensor q, Tensor compressed_k_cache, Tensor page_table,
         Tensor token_to_request, Tensor query_positions, Tensor context_lens, SymInt token_topk,
-        SymInt compress_ratio, SymInt logits_workspace_bytes, SymInt? max_seq_len, Tensor? k_scale, str? phase,
+        SymInt compress_ratio, SymInt? logits_workspace_bytes, SymInt? max_seq_len, Tensor? k_scale, str? phase,
         SymInt? max_query_len) -> Tensor
     qsa_aiter::select_paged_tokens_out(Tensor q, Tensor compressed_k_cache, Tensor page_table,
         Tensor token_to_request, Tensor query_positions, Tensor context_lens, SymInt token_topk,
-        SymInt compress_ratio, SymInt logits_workspace_bytes, SymInt? max_seq_len, Tensor? k_scale, str? phase,
+        SymInt compress_ratio, SymInt? logits_workspace_bytes, SymInt? max_seq_len, Tensor? k_scale, str? phase,
         SymInt? max_query_len, Tensor(a13!) out) -> ()
     qsa_aiter::write_index_cache(Tensor keys, Tensor slot_mapping, Tensor(a2!) cache, Tensor(a3!)? k_scale) -> ()
 
@@ -92,7 +92,8 @@ def _selection_fake(call: Call) -> torch.Tensor:
     """int32 ``[tokens, token_topk + R - 1]``."""
     op = "qsa_select_paged_tokens"
     ratio, topk = check_topk_budget(op, call["compress_ratio"], call["token_topk"])
-    check_int("logits_workspace_bytes", call["logits_workspace_bytes"], minimum=1, op=op)
+    if call["logits_workspace_bytes"] is not None:  # None: the bound is chosen when the op runs
+        check_int("logits_workspace_bytes", call["logits_workspace_bytes"], minimum=1, op=op)
     if _static(call):
         selection.selection_problem(call["q"], call["compressed_k_cache"], call["page_table"],
                                     call["token_to_request"], call["query_positions"], call["context_lens"], ratio,

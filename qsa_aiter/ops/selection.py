@@ -6,10 +6,12 @@
   torch path (a stable sort) elsewhere, AITER's HIP top-k when the AITER path is asked for on a ROCm GPU.
 - ``qsa_expand_block_indices``: groups back to tokens, plus each row's causal tail (``registries.EXPAND``).
 - ``qsa_select_paged_tokens``: scoring, then top-k and expansion in one launch, rows chunked so the fp32 logits stay
-  within ``logits_workspace_bytes``. ``explain_selection`` reports both decisions.
+  within the logits workspace bound: ``logits_workspace_bytes``, else ``QSA_AITER_LOGITS_WORKSPACE_MB``, else one
+  sized from the device once per device (``device_workspace_bound``). ``explain_selection`` reports both decisions
+  and the chunking, with where its bound came from.
 
-Every decision is made from shapes and host-side arguments; nothing reads device memory, so the ops can be captured
-in a CUDA graph.
+Every decision is made from shapes, host-side arguments and (for the workspace bound) the device's total memory, a
+host-side property read once per device; nothing reads device memory, so the ops can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..runtime.arguments import (
     check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument,
 )
 from ..runtime.registries import TOPK, TopkArgs, expand_tokens, topk_problem
-from ..runtime.settings import get_settings
+from ..runtime.settings import QsaSettings, get_settings
 from . import selection_plans as plans
 from .declarations import Call, taking_arguments_of
 from .scoring import describe_call, score_validated
@@ -128,8 +130,73 @@ def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch
 # ---------------------------------------------------------------------------------------------------------------
 
 
-#: ``qsa_select_paged_tokens``'s default bound on a chunk's fp32 logits.
-DEFAULT_LOGITS_WORKSPACE_BYTES = 128 << 20
+# The logits workspace bound: the argument, else QSA_AITER_LOGITS_WORKSPACE_MB, else sized from the device
+# (docs/selection.md, "Chunks of rows", says why these numbers).
+
+#: On a CUDA (or ROCm) GPU, the bound sized from the device is its total memory divided by this ...
+WORKSPACE_MEMORY_DIVISOR = 16
+#: ... and at most this: 2 GiB holds the fp32 logits of 16384 rows x 32768 columns (16K prefill rows at 128K tokens,
+#: R = 4) in one chunk.
+WORKSPACE_CAP_BYTES = 2 << 30
+#: The bound on the CPU (the interpreter) and any other device whose memory is not read.
+HOST_WORKSPACE_BYTES = 128 << 20
+
+
+@dataclass(frozen=True)
+class WorkspaceBound:
+    """A bound on one chunk's fp32 logits: ``nbytes``, and ``source``, where it came from (as ``explain_selection``
+    reports it)."""
+
+    nbytes: int
+    source: str
+
+
+_GIB = 1 << 30
+#: device -> its bound, sized on the first call that needs it (``device_workspace_bound``).
+_device_bounds: dict[torch.device, WorkspaceBound] = {}
+
+
+def device_workspace_bound(device: torch.device | str) -> WorkspaceBound:
+    """The logits workspace bound sized from ``device``, computed on its first use and kept for the process.
+
+    A CUDA (or ROCm) GPU: ``min(total_memory // WORKSPACE_MEMORY_DIVISOR, WORKSPACE_CAP_BYTES)``, its total memory
+    read from ``torch.cuda.get_device_properties`` (host data: no device work, no synchronisation). Not its free
+    memory: that depends on what the process allocated before the first call (a KV cache, the caching allocator's
+    reserve) and reading it costs a driver call, so the chunking would depend on call order. Any other device:
+    ``HOST_WORKSPACE_BYTES``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    bound = _device_bounds.get(device)
+    if bound is None:
+        bound = _device_bounds[device] = _sized_from(device)
+    return bound
+
+
+def _sized_from(device: torch.device) -> WorkspaceBound:
+    if device.type != "cuda":
+        return WorkspaceBound(HOST_WORKSPACE_BYTES, f"the fixed bound for {device.type} tensors "
+                                                    f"({HOST_WORKSPACE_BYTES >> 20} MiB)")
+    total = int(torch.cuda.get_device_properties(device).total_memory)
+    share = total // WORKSPACE_MEMORY_DIVISOR
+    nbytes = max(1, min(share, WORKSPACE_CAP_BYTES))
+    return WorkspaceBound(nbytes, f"sized from {device}: min({total} bytes total ({total / _GIB:.1f} GiB) / "
+                                  f"{WORKSPACE_MEMORY_DIVISOR} = {share}, cap {WORKSPACE_CAP_BYTES} "
+                                  f"({WORKSPACE_CAP_BYTES // _GIB} GiB))")
+
+
+def logits_workspace_bound(logits_workspace_bytes: int | None, device: torch.device, settings: QsaSettings,
+                           op: str = "qsa_select_paged_tokens") -> WorkspaceBound:
+    """The bound of a call on ``device``: ``logits_workspace_bytes`` when given (an int >= 1, else ``ValueError`` /
+    ``TypeError`` naming it), else ``QSA_AITER_LOGITS_WORKSPACE_MB`` when set to more than 0, else
+    ``device_workspace_bound(device)``."""
+    if logits_workspace_bytes is not None:
+        nbytes = check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
+        return WorkspaceBound(nbytes, "from the argument logits_workspace_bytes")
+    mebibytes = settings.logits_workspace_mb
+    if mebibytes:
+        return WorkspaceBound(mebibytes << 20, f"from QSA_AITER_LOGITS_WORKSPACE_MB={mebibytes}")
+    return device_workspace_bound(device)
 
 
 def selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, ratio: int,
@@ -152,29 +219,34 @@ def selection_problem(q, compressed_k_cache, page_table, token_to_request, query
 class ValidatedSelection:
     """A validated ``qsa_select_paged_tokens`` call: its scoring ``problem`` (columns fixed by ``max_seq_len``),
     ``ratio`` (R), ``token_topk``, ``out`` (the caller's or a new int32 ``[tokens, token_topk + R - 1]``), the
-    logits ``workspace`` bound in bytes and the rows of one chunk of logits within it."""
+    logits ``workspace`` bound in bytes with ``workspace_source`` (where it came from: ``WorkspaceBound.source``)
+    and the rows of one chunk of logits within it."""
 
     problem: ScoreProblem
     ratio: int
     token_topk: int
     out: torch.Tensor
     workspace: int
+    workspace_source: str
     chunk_rows: int
 
 
 def validate_selection_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
                             token_topk, compress_ratio, out, logits_workspace_bytes, max_seq_len, k_scale, phase,
-                            max_query_len) -> ValidatedSelection:
+                            max_query_len, settings: QsaSettings | None = None) -> ValidatedSelection:
     """Check every argument of a ``qsa_select_paged_tokens`` call, given by name as the op declares them (the op and
-    ``explain_selection`` share it); raises before anything is written."""
+    ``explain_selection`` share it), and bound its chunks (``logits_workspace_bound``, with ``settings`` or the
+    current ones); raises before anything is written."""
     op = "qsa_select_paged_tokens"
     ratio, budget = check_topk_budget(op, compress_ratio, token_topk)
-    workspace = check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
+    if logits_workspace_bytes is not None:  # named before any tensor is checked
+        check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
     problem = selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
                                 ratio, max_seq_len, k_scale=k_scale, phase=phase, max_query_len=max_query_len)
     result = check_index_out(op, out, (problem.num_tokens, budget + ratio - 1), q.device, "q")
-    rows = max(1, min(problem.num_tokens, workspace // (4 * max(problem.num_columns, 1))))
-    return ValidatedSelection(problem, ratio, budget, result, workspace, rows)
+    bound = logits_workspace_bound(logits_workspace_bytes, q.device, settings or get_settings(), op)
+    rows = max(1, min(problem.num_tokens, bound.nbytes // (4 * max(problem.num_columns, 1))))
+    return ValidatedSelection(problem, ratio, budget, result, bound.nbytes, bound.source, rows)
 
 
 @through_custom_op
@@ -188,7 +260,7 @@ def qsa_select_paged_tokens(
     token_topk: int,
     compress_ratio: int = 4,
     out: torch.Tensor | None = None,
-    logits_workspace_bytes: int = DEFAULT_LOGITS_WORKSPACE_BYTES,
+    logits_workspace_bytes: int | None = None,
     max_seq_len: int | None = None,
     *,
     k_scale: torch.Tensor | None = None,
@@ -199,7 +271,9 @@ def qsa_select_paged_tokens(
 
     Scores every visible group (``qsa_paged_mqa_logits``), keeps the ``token_topk // R`` best per row
     (``qsa_block_topk``) and expands them to tokens plus the causal tail (``qsa_expand_block_indices``). Rows are
-    scored in chunks whose fp32 logits fit ``logits_workspace_bytes`` (at least one row per chunk). ``max_seq_len``
+    scored in chunks whose fp32 logits fit ``logits_workspace_bytes`` (at least one row per chunk); None (the
+    default): ``QSA_AITER_LOGITS_WORKSPACE_MB`` MiB where that is set, else a bound sized from the device once per
+    process (on a GPU ``min(total memory / 16, 2 GiB)``, else 128 MiB: ``device_workspace_bound``). ``max_seq_len``
     (tokens) fixes the logits width at ``max_seq_len // R`` columns whatever the page table's width, so a decode CUDA
     graph captured once serves every context up to it. Other arguments as ``qsa_paged_mqa_logits``; ``out`` is
     validated (int32, that shape, q's device, last dim contiguous) before anything is written.
@@ -209,7 +283,7 @@ def qsa_select_paged_tokens(
     def first_call():
         call = validate_selection_call(q, compressed_k_cache, page_table, token_to_request, query_positions,
                                        context_lens, token_topk, compress_ratio, out, logits_workspace_bytes,
-                                       max_seq_len, k_scale, phase, max_query_len)
+                                       max_seq_len, k_scale, phase, max_query_len, settings)
         problem, ratio, budget, result, rows = call.problem, call.ratio, call.token_topk, call.out, call.chunk_rows
         tokens, columns = problem.num_tokens, problem.num_columns
         if tokens == 0:
@@ -242,9 +316,11 @@ def qsa_select_paged_tokens(
 # Typed like the op it explains, whose signature is the one declaration of its arguments and defaults.
 @taking_arguments_of(qsa_select_paged_tokens)
 def explain_selection(call: Call) -> str:
-    """Which kernels a ``qsa_select_paged_tokens`` call with these arguments would run, and why: the scoring
-    decision (with its launch plan) and the top-k decision, each with every candidate's reasons. The arguments are
-    validated as the op validates them; nothing is launched or written."""
+    """Which kernels a ``qsa_select_paged_tokens`` call with these arguments would run, and why: the chunks of rows
+    (their count, rows and logits bytes, and the workspace bound with where it came from: the argument,
+    ``QSA_AITER_LOGITS_WORKSPACE_MB``, or the device with its numbers), the scoring decision (with its launch plan)
+    and the top-k decision, each with every candidate's reasons. The arguments are validated as the op validates
+    them; nothing is launched or written."""
     selection = validate_selection_call(**call)
     problem, rows = selection.problem, selection.chunk_rows
     chunks = -(-problem.num_tokens // rows) if problem.num_tokens else 0
@@ -252,7 +328,8 @@ def explain_selection(call: Call) -> str:
                                        selection.token_topk // selection.ratio, fused=True)
     return "\n".join([
         f"qsa_select_paged_tokens: {problem.num_tokens} rows in {chunks} chunk(s) of at most {rows} rows (logits "
-        f"workspace {selection.workspace} bytes)",
+        f"workspace {selection.workspace} bytes, {selection.workspace_source}; a chunk's logits {rows} x "
+        f"{problem.num_columns} x 4 = {4 * rows * problem.num_columns} bytes)",
         registries.SCORING.explain(dataclasses.replace(problem, num_tokens=min(rows, problem.num_tokens))),
         TOPK.explain(topk_step),
     ])

@@ -113,6 +113,13 @@ class QsaSettings(BaseSettings):
         "variant is compiled again when next launched or warmed up, and its entry replaced (once, however many "
         "processes ask for it).",
     )
+    logits_workspace_mb: int = Field(
+        0,
+        alias="QSA_AITER_LOGITS_WORKSPACE_MB",
+        description="Bound, in MiB (2**20 bytes), on the fp32 logits one chunk of rows of `qsa_select_paged_tokens` "
+        "may hold when the call gives no `logits_workspace_bytes`; 0: sized from the device (on a GPU min(total "
+        "memory / 16, 2 GiB), else 128 MiB; docs/selection.md). The argument, when given, wins.",
+    )
 
     @field_validator("stacked_decode_scorer", "strict", "e4m3_mma", "rocm_qsa_flydsl", "rebuild", mode="before")
     @classmethod
@@ -133,6 +140,16 @@ class QsaSettings(BaseSettings):
         if isinstance(value, str):
             return tuple(part for part in value.split(":") if part.strip())
         return value
+
+    @field_validator("logits_workspace_mb", mode="before")
+    @classmethod
+    def _mebibytes(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        text = str(value).strip()
+        if not text.isdigit() or not text.isascii():
+            raise ValueError("allowed: 0 (sized from the device) or a whole number of MiB, such as 2048")
+        return int(text)
 
     @field_validator("log_level", mode="before")
     @classmethod

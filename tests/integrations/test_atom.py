@@ -16,6 +16,8 @@ import torch
 
 import qsa_aiter
 from qsa_aiter.integrations import atom
+from qsa_aiter.ops import selection
+from qsa_aiter.runtime import replay
 from qsa_aiter.kernels.selection.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.tools.timing import capture_graph
 from qsa_aiter.tools.workloads import make_batch
@@ -140,6 +142,41 @@ def test_the_drop_ins_keep_the_engines_parameters_and_defaults():
 
     with pytest.raises(TypeError, match="`output_width` defaults to 16"):
         atom.check_signature("qsa_expand_block_indices", other_default)
+
+
+def test_the_workspace_default_is_the_public_ops_and_the_engines_is_accepted():
+    """The drop-in's ``logits_workspace_bytes`` defaults to None (the bound sized at run time), the engine's to
+    128 MiB; ``install()`` accepts that difference, and not another default of the op."""
+    module, _ = standin_engine()
+    engine = inspect.signature(module.qsa_select_paged_tokens).parameters["logits_workspace_bytes"].default
+    assert engine == 128 << 20
+    assert inspect.signature(atom.qsa_select_paged_tokens).parameters["logits_workspace_bytes"].default is None
+    atom.check_signature("qsa_select_paged_tokens", module.qsa_select_paged_tokens)
+
+    def other_ratio(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, token_topk,
+                    compress_ratio=8, out=None, logits_workspace_bytes=1 << 20, max_seq_len=None):
+        pass
+
+    with pytest.raises(TypeError, match="`compress_ratio` defaults to 8"):
+        atom.check_signature("qsa_select_paged_tokens", other_ratio)
+
+
+def test_the_workspace_argument_is_passed_through(installed, monkeypatch, rng):
+    """What the engine passes (positionally, by keyword, or nothing) reaches the op's bound unchanged; a bad value
+    is named by the op."""
+    module, _ = installed
+    args = batch_of(rng).args()
+    seen = []
+    bound = selection.logits_workspace_bound
+    monkeypatch.setattr(selection, "logits_workspace_bound", lambda value, *a: seen.append(value) or bound(value, *a))
+    replay.clear()  # every call below validates (none is replayed)
+    whole = module.qsa_select_paged_tokens(*args[:6], 64, R)
+    columns = args[2].shape[1] * args[1].shape[1]
+    assert torch.equal(module.qsa_select_paged_tokens(*args[:6], 64, R, None, 2 * columns * 4), whole)
+    assert torch.equal(module.qsa_select_paged_tokens(*args[:6], 64, R, logits_workspace_bytes=1), whole)
+    assert seen == [None, 2 * columns * 4, 1]
+    with pytest.raises(ValueError, match="`logits_workspace_bytes` must be >= 1"):
+        module.qsa_select_paged_tokens(*args[:6], 64, R, logits_workspace_bytes=0)
 
 
 def test_the_drop_ins_signatures_derive_from_the_public_ops():

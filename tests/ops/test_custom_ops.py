@@ -75,9 +75,9 @@ SCHEMAS = {
     "expand_block_indices": f"({_EXPAND_ARGS}) -> Tensor",
     "expand_block_indices_out": f"({_EXPAND_ARGS}, Tensor(a6!) out) -> ()",
     "select_paged_tokens": f"({_SCORING_ARGS}, SymInt token_topk, SymInt compress_ratio, "
-                           f"SymInt logits_workspace_bytes, SymInt? max_seq_len, {_HINTS}) -> Tensor",
+                           f"SymInt? logits_workspace_bytes, SymInt? max_seq_len, {_HINTS}) -> Tensor",
     "select_paged_tokens_out": f"({_SCORING_ARGS}, SymInt token_topk, SymInt compress_ratio, "
-                               f"SymInt logits_workspace_bytes, SymInt? max_seq_len, {_HINTS}, Tensor(a13!) out) -> ()",
+                               f"SymInt? logits_workspace_bytes, SymInt? max_seq_len, {_HINTS}, Tensor(a13!) out) -> ()",
     "write_index_cache": "(Tensor keys, Tensor slot_mapping, Tensor(a2!) cache, Tensor(a3!)? k_scale) -> ()",
 }
 
@@ -150,7 +150,7 @@ def opcheck_case(gen, name: str):
     if name == "paged_mqa_logits_out":
         return (*a, None, 40, rows, None, None, None, torch.zeros(tokens, 40)), None
     if name == "select_paged_tokens":
-        return (*a[:6], TOPK, R, 1 << 20, None, None, None, None), None
+        return (*a[:6], TOPK, R, None, None, None, None, None), None  # the bound chosen when it runs
     if name == "select_paged_tokens_out":  # rows chunked (3 per chunk), a fixed width, phase hints
         return (*a[:6], TOPK, R, 4 * columns * 3, columns * R - 8, None, "verify", 4,
                 torch.zeros(tokens, TOPK + R - 1, dtype=torch.int32)), None

@@ -13,6 +13,9 @@ import pytest
 import torch
 
 import qsa_aiter
+from qsa_aiter.ops import selection
+from qsa_aiter.runtime import replay
+from qsa_aiter.runtime.settings import ConfigurationError, get_settings
 from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.kernels.selection.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.tools.timing import capture_graph
@@ -118,6 +121,108 @@ def test_select_in_chunks_equals_one_chunk(rng):
     assert torch.equal(chunked, whole) and torch.equal(one_row, whole)
 
 
+class FakeProperties:
+    def __init__(self, total_memory: int):
+        self.total_memory = total_memory
+
+
+def fake_gpus(monkeypatch, totals: dict[int, int]) -> list:
+    """``torch.cuda.get_device_properties`` of GPUs with these total memories (by index), current device 1, no bound
+    sized yet; returns the list of the devices whose properties were read, in order."""
+    reads = []
+
+    def properties(device):
+        index = torch.device(device).index
+        reads.append(index)
+        return FakeProperties(totals[index])
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(selection, "_device_bounds", {})
+    return reads
+
+
+def test_the_default_bound_follows_the_device_memory(monkeypatch):
+    gib = 1 << 30
+    reads = fake_gpus(monkeypatch, {0: 150_121_322_496, 1: 24 * gib, 2: 8 * gib})
+    h200 = selection.device_workspace_bound(torch.device("cuda", 0))
+    assert h200.nbytes == 2 * gib == selection.WORKSPACE_CAP_BYTES  # 140 GiB / 16 is past the cap
+    assert "sized from cuda:0" in h200.source and "150121322496 bytes total" in h200.source
+    assert "/ 16 = 9382582656" in h200.source and "cap 2147483648" in h200.source
+    # 24 GiB / 16 = 1.5 GiB: the logits of 16K prefill rows x 24576 columns (96K tokens at R = 4), one chunk.
+    assert selection.device_workspace_bound("cuda:1").nbytes == 16384 * 24576 * 4
+    assert selection.device_workspace_bound(torch.device("cuda", 2)).nbytes == 512 << 20
+    assert selection.device_workspace_bound(torch.device("cpu")).nbytes == selection.HOST_WORKSPACE_BYTES == 128 << 20
+    # Read once per device: later calls, and "cuda" (the current device, 1), reuse the bound.
+    assert selection.device_workspace_bound("cuda") is selection.device_workspace_bound("cuda:1")
+    for index in (0, 1, 2):
+        selection.device_workspace_bound(torch.device("cuda", index))
+    assert reads == [0, 1, 2]
+
+
+def test_the_argument_then_the_variable_then_the_device_bound(monkeypatch):
+    reads = fake_gpus(monkeypatch, {0: 16 << 30})
+    gpu = torch.device("cuda", 0)
+    assert selection.logits_workspace_bound(None, gpu, get_settings()).nbytes == 1 << 30 and reads == [0]
+    monkeypatch.setenv("QSA_AITER_LOGITS_WORKSPACE_MB", "300")
+    bound = selection.logits_workspace_bound(None, gpu, get_settings())
+    assert (bound.nbytes, bound.source) == (300 << 20, "from QSA_AITER_LOGITS_WORKSPACE_MB=300")
+    bound = selection.logits_workspace_bound(4096, gpu, get_settings())
+    assert (bound.nbytes, bound.source) == (4096, "from the argument logits_workspace_bytes")
+    monkeypatch.setenv("QSA_AITER_LOGITS_WORKSPACE_MB", "0")
+    assert selection.logits_workspace_bound(None, gpu, get_settings()).nbytes == 1 << 30
+    assert reads == [0]
+    with pytest.raises(TypeError, match="`logits_workspace_bytes`"):
+        selection.logits_workspace_bound(2.5, gpu, get_settings())
+    with pytest.raises(ValueError, match="`logits_workspace_bytes`"):
+        selection.logits_workspace_bound(-1, gpu, get_settings())
+
+
+def test_the_bound_chunks_the_call_and_explain_says_where_it_came_from(monkeypatch, rng):
+    batch = make_batch([2000, 900], 4, page_size=16, head_dim=64, device=DEVICE, generator=rng)
+    args = batch.args()[:6]
+    columns = batch.page_table.shape[1] * 16
+    whole = qsa_aiter.qsa_select_paged_tokens(*args, 128, R, logits_workspace_bytes=1 << 30, max_query_len=4)
+    # The default bound of this device, made 3 rows of logits: the op scores 3 chunks of at most 3 rows.
+    monkeypatch.setattr(selection, "_device_bounds", {})
+    monkeypatch.setattr(selection, "HOST_WORKSPACE_BYTES", 3 * columns * 4)
+    monkeypatch.setattr(selection, "WORKSPACE_CAP_BYTES", 3 * columns * 4)  # on a GPU too
+    report = qsa_aiter.explain_selection(*args, 128, R, max_query_len=4)
+    assert report.startswith(f"qsa_select_paged_tokens: 8 rows in 3 chunk(s) of at most 3 rows (logits workspace "
+                             f"{3 * columns * 4} bytes, ")
+    assert f"a chunk's logits 3 x {columns} x 4 = {3 * columns * 4} bytes)" in report.splitlines()[0]
+    assert ("the fixed bound for cpu tensors" if DEVICE == "cpu" else "sized from cuda:") in report
+    chunks = []
+    score = selection.score_validated
+    monkeypatch.setattr(selection, "score_validated", lambda *a: chunks.append(a[0].num_tokens) or score(*a))
+    replay.clear()  # no call replayed: each one validates and chunks
+    assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*args, 128, R, max_query_len=4), whole)
+    assert chunks == [3, 3, 2]
+    # The variable beats the device, the argument beats both.
+    monkeypatch.setenv("QSA_AITER_LOGITS_WORKSPACE_MB", "1")
+    report = qsa_aiter.explain_selection(*args, 128, R, max_query_len=4)
+    assert "8 rows in 1 chunk(s) of at most 8 rows (logits workspace 1048576 bytes, from " \
+           "QSA_AITER_LOGITS_WORKSPACE_MB=1;" in report
+    chunks.clear()
+    assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*args, 128, R, max_query_len=4), whole)
+    assert chunks == [8]
+    report = qsa_aiter.explain_selection(*args, 128, R, logits_workspace_bytes=4 * columns * 4, max_query_len=4)
+    assert "8 rows in 2 chunk(s) of at most 4 rows" in report and "from the argument logits_workspace_bytes" in report
+    chunks.clear()
+    assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*args, 128, R, logits_workspace_bytes=4 * columns * 4,
+                                                         max_query_len=4), whole)
+    assert chunks == [4, 4]
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "64MB", "", "lots"])
+def test_a_bad_workspace_variable_is_named(monkeypatch, rng, value):
+    batch = make_batch([300], 1, page_size=16, head_dim=64, device=DEVICE, generator=rng)
+    monkeypatch.setenv("QSA_AITER_LOGITS_WORKSPACE_MB", value)
+    for call in (qsa_aiter.qsa_select_paged_tokens, qsa_aiter.explain_selection):
+        with pytest.raises(ConfigurationError, match=f"QSA_AITER_LOGITS_WORKSPACE_MB={value!r} is invalid"):
+            call(*batch.args()[:6], 128, R)
+
+
 def test_a_row_alone_and_in_a_verify_batch_select_the_same_tokens(rng):
     batch = make_batch([5000, 3100], 4, page_size=64, head_dim=64, device=DEVICE, generator=rng)
     verify = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 512, R, max_query_len=4)
@@ -165,6 +270,8 @@ def test_bad_arguments_are_named(rng):
         qsa_aiter.qsa_select_paged_tokens(*args, 128, R, out=torch.empty(1, 131, device=DEVICE))
     with pytest.raises(ValueError, match="logits_workspace_bytes"):
         qsa_aiter.qsa_select_paged_tokens(*args, 128, R, logits_workspace_bytes=0)
+    with pytest.raises(TypeError, match="logits_workspace_bytes"):
+        qsa_aiter.qsa_select_paged_tokens(*args, 128, R, logits_workspace_bytes=float(1 << 20))
     with pytest.raises(ValueError, match="block_indices"):
         qsa_aiter.qsa_expand_block_indices(torch.zeros(1, 40, dtype=torch.int32, device=DEVICE), args[4], args[5],
                                            args[3], R, 128)

@@ -23,12 +23,14 @@ def test_defaults():
     assert s.tuned_config == ()
     assert s.log_level == "warning"
     assert s.jit_dir == "" and s.rebuild is False
+    assert s.logits_workspace_mb == 0
 
 
 def test_every_variable_is_known():
     assert set(ENV_NAMES) == {"ATOM_QSA_STACKED_DECODE_SCORER", "QSA_AITER_BACKEND", "QSA_AITER_STRICT",
                               "QSA_AITER_E4M3_MMA", "QSA_AITER_TUNED_CONFIG", "QSA_AITER_LOG_LEVEL", "ROCM_QSA_FLYDSL",
-                              "QSA_AITER_JIT_DIR", "QSA_AITER_REBUILD", "QSA_AITER_TOPK_BACKEND"}
+                              "QSA_AITER_JIT_DIR", "QSA_AITER_REBUILD", "QSA_AITER_TOPK_BACKEND",
+                              "QSA_AITER_LOGITS_WORKSPACE_MB"}
 
 
 @pytest.mark.parametrize("var", BOOL_VARS)
@@ -237,6 +239,22 @@ def test_lower_case_variable_names_are_not_read(monkeypatch):
     monkeypatch.setattr(settings, "_cache", None)  # whatever earlier tests parsed
     monkeypatch.setenv("qsa_aiter_strict", "1")
     assert get_settings().strict is False
+
+
+@pytest.mark.parametrize("value,expected", [("0", 0), ("128", 128), (" 2048 ", 2048), ("007", 7)])
+def test_logits_workspace_mebibytes(monkeypatch, value, expected):
+    monkeypatch.setenv("QSA_AITER_LOGITS_WORKSPACE_MB", value)
+    assert get_settings().logits_workspace_mb == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "+5", "1.5", "1e3", "64MB", "", "  ", "auto", "\u0661\u0662"])
+def test_bad_logits_workspace_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv("QSA_AITER_LOGITS_WORKSPACE_MB", value)
+    with pytest.raises(settings.ConfigurationError) as info:
+        get_settings()
+    message = str(info.value)
+    assert message.startswith(f"environment variable QSA_AITER_LOGITS_WORKSPACE_MB={value!r} is invalid: allowed: 0")
+    assert "whole number of MiB" in message
 
 
 def test_tuned_config_paths_split_on_colons(monkeypatch):
