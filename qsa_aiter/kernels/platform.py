@@ -37,6 +37,26 @@ NAMED = {
 }
 #: Programs a launch aims at under the interpreter (it runs them one after another).
 INTERPRETER_PROGRAMS = 64
+#: The e4m3 flavours whose bytes the matrix instructions multiply as stored: OCP e4m3fn on NVIDIA compute
+#: capability 8.9+ and on gfx950 (``v_mfma_f32_*_f8f6f4``), e4m3fnuz on gfx942 (``v_mfma_f32_*_fp8_fp8``, which
+#: takes only the fnuz flavour). The interpreter emulates either with exact fp32 dots of the same operands.
+E4M3_FN, E4M3_FNUZ = "e4m3fn", "e4m3fnuz"
+AMD_E4M3_MMA = {"gfx942": (E4M3_FNUZ,), "gfx950": (E4M3_FN,)}
+#: AMD targets with block-scaled MFMAs (``v_mfma_scale_f32_*_f8f6f4``: MXFP4 with its e8m0 exponents, one
+#: instruction per 128-element K step; ``tl.dot_scaled`` lowers to them).
+AMD_BLOCK_SCALED_MMA = ("gfx950",)
+
+
+def matrix_formats(backend: str, arch: str, capability: tuple[int, int], interpreter: bool) -> tuple[tuple, bool]:
+    """``(e4m3 flavours, block-scaled MXFP4)`` of the matrix instructions of a device (``Platform.e4m3_mma``,
+    ``Platform.block_scaled_mma``). The interpreter emulates both e4m3 flavours; it takes the MXFP4 keys the NVIDIA
+    way (nibbles as e4m3 bytes): the block-scaled path is chosen per platform, and tests run it under the
+    interpreter with a platform that has it."""
+    if interpreter:
+        return (E4M3_FN, E4M3_FNUZ), False
+    if backend == "hip":
+        return AMD_E4M3_MMA.get(arch, ()), arch in AMD_BLOCK_SCALED_MMA
+    return ((E4M3_FN,) if capability >= (8, 9) else ()), False
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,10 @@ class Platform:
     shared_memory_per_block: int = 0
     #: Bytes of shared memory of one multiprocessor (what co-resident blocks share; 0: none, the CPU).
     shared_memory_per_multiprocessor: int = 0
+    #: The e4m3 flavours (``E4M3_FN``, ``E4M3_FNUZ``) the matrix instructions multiply as stored (``matrix_formats``).
+    e4m3_mma: tuple[str, ...] = ()
+    #: MXFP4 keys go to block-scaled matrix instructions with their e8m0 exponents (``tl.dot_scaled``).
+    block_scaled_mma: bool = False
 
     @classmethod
     def of(cls, device: torch.device) -> "Platform":
@@ -67,7 +91,8 @@ class Platform:
         if arch not in NAMED:
             raise ValueError(f"arch must be one of {', '.join(NAMED)}; got {arch!r}")
         backend, capability, units, per_block, per_multiprocessor = NAMED[arch]
-        return cls(arch, backend, capability, units, False, per_block, per_multiprocessor)
+        return cls(arch, backend, capability, units, False, per_block, per_multiprocessor,
+                   *matrix_formats(backend, arch, capability, False))
 
     @property
     def upcast(self) -> bool:
@@ -80,12 +105,6 @@ class Platform:
         (they use ``max.u16x2``), never under the interpreter."""
         return not self.interpreter and self.capability >= (9, 0)
 
-    @property
-    def e4m3_tensor_cores(self) -> bool:
-        """e4m3 tensor-core MMAs exist: NVIDIA compute capability 8.9+; the interpreter emulates them with exact
-        fp32 dots of the same operands."""
-        return self.interpreter or self.capability >= (8, 9)
-
     def programs(self, per_multiprocessor: int) -> int:
         """Programs that fill the device ``per_multiprocessor`` times (a fixed count under the interpreter)."""
         if self.interpreter or not self.multiprocessors:
@@ -96,14 +115,15 @@ class Platform:
 @functools.lru_cache(maxsize=None)
 def _live(device_type: str, index: int | None, interpreter: bool) -> Platform:
     if device_type != "cuda":
-        return Platform("cpu", "cpu", (0, 0), 0, interpreter)
+        return Platform("cpu", "cpu", (0, 0), 0, interpreter, 0, 0, *matrix_formats("cpu", "cpu", (0, 0), interpreter))
     props = torch.cuda.get_device_properties(index)
     # Older torch builds lack these two properties: 0 then (a plan that needs them does not serve).
     per_block = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
     per_multiprocessor = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
     if torch.version.hip is not None:
-        return Platform(props.gcnArchName.split(":")[0], "hip", (0, 0), props.multi_processor_count, interpreter,
-                        per_block, per_multiprocessor)
+        arch = props.gcnArchName.split(":")[0]
+        return Platform(arch, "hip", (0, 0), props.multi_processor_count, interpreter, per_block, per_multiprocessor,
+                        *matrix_formats("hip", arch, (0, 0), interpreter))
     capability = (props.major, props.minor)
     return Platform(f"sm_{props.major}{props.minor}", "cuda", capability, props.multi_processor_count, interpreter,
-                    per_block, per_multiprocessor)
+                    per_block, per_multiprocessor, *matrix_formats("cuda", "", capability, interpreter))

@@ -284,7 +284,7 @@ class Registry:
         platform = platform_of(problem)
         plan = plan_for(spec, problem, platform, settings)
         return (report + f"\n  plan (arch {platform.arch}): grid {plan.grid}, {plan.config_source}: {plan.config}"
-                + f"\n  keys: {spec.key_reading(problem, platform)}")
+                + f"\n  keys: {spec.key_reading(problem, platform, plan)}")
 
     def dispatch(self, problem, args, settings: QsaSettings | None = None) -> str:
         """Launch the chosen candidate on ``args`` (which have a ``device``), falling back past ones that raise.

@@ -1,4 +1,5 @@
-"""Command line: ``python -m qsa_aiter {demo,bench,tune,fuzz,explain,warmup,jit}`` (also installed as ``qsa-aiter``)."""
+"""Command line: ``python -m qsa_aiter {demo,bench,tune,fuzz,explain,warmup,jit,isa,model-configs}`` (also installed as
+``qsa-aiter``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import re
 import sys
 
-from .cli_args import cache_format, cache_formats, positive_int
+from .cli_args import PAGE_SIZE_MEANING, cache_format, cache_formats, positive_int
 from ..kernels.quant.formats import CACHE_FORMATS
 from ..kernels.scoring.problem import PHASES
 
@@ -52,7 +53,8 @@ def _build_parser() -> argparse.ArgumentParser:
         description="qsa_aiter: Triton kernels for QSA index scoring.",
     )
     parser.add_argument("--version", action="version", version=f"qsa_aiter {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,fuzz,explain,warmup,jit}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{demo,bench,tune,fuzz,explain,warmup,jit,isa,model-configs}")
 
     sub.add_parser("demo", add_help=False,
                    help="score an MTP-verify batch and a prefill chunk on this machine, check and time them")
@@ -62,6 +64,12 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="measure tile configs at the work points and write tuned rows (`tune --help` lists options)")
     sub.add_parser("fuzz", add_help=False,
                    help="fuzz the ops against the torch oracles over random metadata (`fuzz --help` lists options)")
+    sub.add_parser("isa", add_help=False,
+                   help="compile for a target without its GPU and print each kernel's matrix instructions, registers, "
+                        "LDS, scratch and waves per SIMD (`isa --help` lists options)")
+    sub.add_parser("model-configs", add_help=False,
+                   help="choose AMD tile configs by the static model (compiled, read from the assembly) and write "
+                        "them as model rows (`model-configs --help`)")
 
     ex = sub.add_parser("explain", help="print which kernel would serve a workload, and why the others do not",
                         description="Build a synthetic batch with qsa_aiter.workloads.make_batch and print "
@@ -72,7 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--context", type=_context, default=(64 * 1024, 128 * 1024),
                     help="context length in tokens, or a range spread over the requests (default 64K-128K)")
     ex.add_argument("--page-size", type=positive_int, default=64,
-                    help="compressed groups per page of the index cache (default 64)")
+                    help=f"{PAGE_SIZE_MEANING} (default 64: 256 tokens at R 4)")
     ex.add_argument("--phase", choices=PHASES, default=None,
                     help="phase hint passed to the op (default: none, the dispatcher infers it)")
     ex.add_argument("--heads", type=positive_int, default=4, help="index heads (default 4)")
@@ -101,7 +109,7 @@ def _build_parser() -> argparse.ArgumentParser:
     wu.add_argument("--caches", type=cache_formats, default=CACHES,
                     help=f"index-cache formats, comma-separated subset of {','.join(CACHES)} (default: all)")
     wu.add_argument("--page-sizes", type=_positive_list, default=None,
-                    help="comma-separated page sizes (default: 16,64)")
+                    help=f"comma-separated page sizes; {PAGE_SIZE_MEANING} (default: 16,64)")
     wu.add_argument("--index-dtypes", type=_choices(tuple(INDEX_DTYPES)), default=tuple(INDEX_DTYPES),
                     help="dtypes of the index tensors (page table, positions, slot mapping ...), one per call, "
                          "comma-separated (default: int32,int64)")
@@ -148,14 +156,34 @@ def _jit_root(opts: argparse.Namespace):
     return opts.jit_dir or jit_root()
 
 
+def _unwritable_root(opts: argparse.Namespace, root) -> str:
+    """Why ``warmup`` cannot write into ``root`` ('' where it can), naming where the directory came from: the
+    ``--jit-dir`` flag, ``QSA_AITER_JIT_DIR`` or the default."""
+    from ..runtime.jit import writable
+    from ..runtime.settings import get_settings
+
+    if writable(root):
+        return ""
+    jit_dir = get_settings().jit_dir
+    source = ("--jit-dir" if opts.jit_dir else f"environment variable QSA_AITER_JIT_DIR={jit_dir!r}" if jit_dir
+              else "the default cache directory")
+    return (f"the JIT cache directory {root} ({source}) is not writable: warmup compiles into it (a read-only "
+            "cache still serves the kernels cached in it); give a writable --jit-dir or QSA_AITER_JIT_DIR")
+
+
 def _warmup(opts: argparse.Namespace) -> int:
     from .warmup import Matrix, warmup
     from ..runtime.registries import BLOCK_SIZES
 
     matrix = Matrix(kernels=opts.kernels, caches=opts.caches, page_sizes=opts.page_sizes or BLOCK_SIZES,
                     index_dtypes=opts.index_dtypes)
+    root = _jit_root(opts)
+    unwritable = _unwritable_root(opts, root)
+    if unwritable:
+        print(f"error: {unwritable}", file=sys.stderr)
+        return 2
     try:
-        report = warmup(opts.arch, root=_jit_root(opts), matrix=matrix, progress=not opts.no_progress)
+        report = warmup(opts.arch, root=root, matrix=matrix, progress=not opts.no_progress)
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -164,7 +192,7 @@ def _warmup(opts: argparse.Namespace) -> int:
 
 
 def _jit(opts: argparse.Namespace) -> int:
-    from .inventory import clear, describe
+    from .inventory import clear, describe, removal_report
 
     try:
         root = _jit_root(opts)
@@ -174,11 +202,12 @@ def _jit(opts: argparse.Namespace) -> int:
     if opts.jit_command == "list":
         print(describe(root, verify=not opts.no_verify))
         return 0
-    removed = clear(root, opts.arch)
-    for path in removed:
-        print(f"removed {path}")
-    if not removed:
-        print(f"nothing to remove under {root}" + (f" for {opts.arch}" if opts.arch else ""))
+    try:
+        removed = clear(root, opts.arch)
+    except OSError as err:
+        print(f"error: could not clear the JIT cache under {root}: {err}", file=sys.stderr)
+        return 1
+    print(removal_report(root, opts.arch, removed))
     return 0
 
 
@@ -216,8 +245,8 @@ def _explain(opts: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
-    # demo, bench, tune and fuzz take their own arguments: everything after the subcommand goes to them unparsed here.
-    if argv and argv[0] in ("demo", "bench", "tune", "fuzz"):
+    # demo, bench, tune, fuzz, isa and model-configs take their own arguments: the rest goes to them unparsed here.
+    if argv and argv[0] in ("demo", "bench", "tune", "fuzz", "isa", "model-configs"):
         command, rest = argv[0], argv[1:]
     else:
         opts = parser.parse_args(argv)
@@ -246,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         from .fuzz import main as fuzz_main
 
         return fuzz_main(rest)
+    if command == "isa":
+        from .isa import main as isa_main
+
+        return isa_main(rest)
+    if command == "model-configs":
+        from .static_model import main as model_main
+
+        return model_main(rest)
     if command == "warmup":
         return _warmup(opts)
     if command == "jit":

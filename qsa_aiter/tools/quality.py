@@ -1,8 +1,15 @@
-"""Quantisation quality: how much of the bf16 cache's top-k selection an fp8 or MXFP4 cache keeps.
+"""Quantisation quality: how much of the bf16 cache's top-k selection an fp8 or MXFP4 cache keeps, and what the
+low-precision MMA paths add.
 
 Keys get a realistic spread: per-channel scales drawn log-normally (some channels carry far more energy than
 others) and a few outlier channels, as normalised-then-rotated index keys show. Selection is the block top-k of the
 scores of ``reference_paged_mqa_logits``; overlap is ``|top_k(quantised) & top_k(bf16)| / k`` per row.
+
+Two numerics per quantised cache (``numerics``): ``decoded`` (keys decoded exactly, q as it is, fp32 sums: the
+reference, and what the kernels compute with ``QSA_AITER_E4M3_MMA=0`` or without low-precision MMAs) and ``e4m3_mma``
+(q split into two e4m3 terms by the kernels' rule, ``split_query_terms``, against the same exact keys: what the e4m3
+tensor cores and the f8f6f4 / block-scaled MFMAs multiply; their products are exact, and the rounding inside their
+sums is not modelled here).
 """
 
 from __future__ import annotations
@@ -22,13 +29,52 @@ def realistic_keys(n: int, head_dim: int, generator: torch.Generator, outlier_ch
     return (torch.randn(n, head_dim, generator=generator) * channel_scale).to(torch.bfloat16)
 
 
+#: The numerics ``selection_overlap`` models (module docstring).
+NUMERICS = ("decoded", "e4m3_mma")
+
+
+def split_query_terms(q: torch.Tensor) -> torch.Tensor:
+    """fp32 ``q`` ``[..., D]`` as the e4m3 MMA paths see it: ``(hi + lo) * row_scale`` with each row scaled into
+    ``[128, 256)`` by a power of two, ``hi`` rounded to e4m3 and ``lo`` the remainder rounded to e4m3 (the rule of
+    ``kernels.quant.dequant.split_query_e4m3``, whose split the tests compare with torch's e4m3 rounding)."""
+    amax = q.abs().amax(dim=-1, keepdim=True)
+    exponent = torch.clamp((amax.view(torch.int32) >> 23) & 0xFF, min=8)
+    inverse = torch.exp2((134 - exponent).float())
+    x = q * inverse
+    hi = x.to(torch.float8_e4m3fn).float()
+    lo = (x - hi).to(torch.float8_e4m3fn).float()
+    return (hi + lo) / inverse
+
+
 def selection_overlap(cache_format: str, *, rows: int = 16, groups: int = 8192, topk: int = 512, heads: int = 4,
-                      head_dim: int = 128, page_size: int = 64, seed: int = 0, **alloc) -> torch.Tensor:
+                      head_dim: int = 128, page_size: int = 64, seed: int = 0, numerics: str = "decoded",
+                      **alloc) -> torch.Tensor:
     """Per-row top-``topk`` overlap (fraction in [0, 1]) of a ``cache_format`` cache (a format name,
-    docs/cache_formats.md) against the bf16 cache of the same keys.
+    docs/cache_formats.md) scored with ``numerics`` (``NUMERICS``) against the bf16 cache of the same keys scored
+    exactly.
 
     One request of ``groups`` compressed keys; ``rows`` query rows that all see every group. Runs on the CPU.
     """
+    base, other = _scores(cache_format, rows, groups, heads, head_dim, page_size, seed, numerics, alloc)
+    base, other = base.topk(topk, dim=1).indices, other.topk(topk, dim=1).indices
+    hits = (base[:, :, None] == other[:, None, :]).any(dim=2).sum(dim=1)
+    return hits.float() / topk
+
+
+def score_error(cache_format: str, *, rows: int = 16, groups: int = 8192, heads: int = 4, head_dim: int = 128,
+                page_size: int = 64, seed: int = 0, numerics: str = "e4m3_mma", **alloc) -> float:
+    """The largest error of ``cache_format``'s scores under ``numerics`` against the fp32 reference on the same
+    cache (decoded keys, q in fp32), relative to the row's largest score magnitude."""
+    exact, got = (_scores(cache_format, rows, groups, heads, head_dim, page_size, seed, n, alloc, base_format=None)[1]
+                  for n in ("decoded", numerics))
+    scale = exact.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+    return float(((got - exact).abs() / scale).max())
+
+
+def _scores(cache_format, rows, groups, heads, head_dim, page_size, seed, numerics, alloc, base_format="bf16"):
+    """``(bf16 cache's exact scores or None, cache_format's scores under numerics)``, each fp32 ``[rows, groups]``."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {numerics!r}")
     gen = torch.Generator().manual_seed(seed)
     pages = -(-groups // page_size)
     keys = realistic_keys(pages * page_size, head_dim, gen)
@@ -39,13 +85,12 @@ def selection_overlap(cache_format: str, *, rows: int = 16, groups: int = 8192, 
     pos = torch.full((rows,), groups * 4 - 1, dtype=torch.int32)
     ctx = torch.tensor([groups * 4], dtype=torch.int32)
 
-    def top(name: str) -> torch.Tensor:
+    def scores(name: str, terms: str) -> torch.Tensor:
         cache, scale = allocate_index_cache(name, pages, page_size, head_dim, **alloc)
         write_reference(keys, slots, cache, scale)  # the quantisation itself; the writer kernel is tested apart
         dequant = dequantize_cache(cache, scale).to(torch.float32)
-        logits, _ = reference_paged_mqa_logits(q.float(), dequant, table, t2r, pos, ctx, 4, max_columns=groups)
-        return logits.topk(topk, dim=1).indices
+        query = split_query_terms(q.float()) if terms == "e4m3_mma" else q.float()
+        logits, _ = reference_paged_mqa_logits(query, dequant, table, t2r, pos, ctx, 4, max_columns=groups)
+        return logits
 
-    base, other = top("bf16"), top(cache_format)
-    hits = (base[:, :, None] == other[:, None, :]).any(dim=2).sum(dim=1)
-    return hits.float() / topk
+    return (scores(base_format, "decoded") if base_format else None), scores(cache_format, numerics)

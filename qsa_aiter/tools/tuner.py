@@ -36,6 +36,7 @@ from .cli_args import PAGE_SIZE_MEANING, RenamedOption, cache_formats, positive_
 from .inputs import point_inputs
 from .testing import e4m3_mma_atol
 from .timing import time_launcher
+from .tuned_rows import merge_rows
 from .work_points import point_named
 
 #: The kernels tuned, by name: every spec with a candidate grid.
@@ -257,36 +258,6 @@ def tuned_row(result: SweepResult, arch: str) -> dict:
                default_us=f"{result.default_us:.2f}" if result.default_us else "", measured=1,
                source=f"python -m qsa_aiter tune at {sweep.point} ({sweep.phase})", **dataclasses.asdict(cfg))
     return {k: v for k, v in row.items() if k in tuned.TunedRow.model_fields}
-
-
-def merge_rows(path: Path, rows: list[dict]) -> None:
-    """Write ``rows`` into the table at ``path``: a row with the same key and buckets as an existing one replaces
-    it, the others are appended; the file is written whole (header, then rows; the file's column order is kept, with
-    the columns it lacked that ``rows`` fill after them), so a re-tune changes only the rows it measured."""
-    from ..runtime import tuned
-
-    fields = list(tuned.TunedRow.model_fields)
-    existing = []
-    if path.exists():
-        with open(path, newline="") as handle:
-            reader = csv.DictReader(handle)
-            existing = [{k: v for k, v in r.items() if k in fields} for r in reader]
-            header = [k for k in reader.fieldnames or () if k in fields]
-        fields = header + [k for k in fields if k not in header and any(r.get(k) not in (None, "") for r in rows)]
-
-    def key(r: dict) -> tuple:
-        return tuple(str(r.get(k, "")) for k in tuned.KEY_FIELDS + tuned.BUCKET_FIELDS)
-
-    replaced = {key(r): r for r in rows}
-    out = [replaced.pop(key(r), r) for r in existing] + list(replaced.values())
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, lineterminator="\n")  # the shipped tables' endings
-        writer.writeheader()
-        for r in out:
-            writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
-    os.replace(tmp, path)
-    tuned.reload()
 
 
 def _parse_grid(items: list[str]) -> dict[str, tuple[int, ...]]:

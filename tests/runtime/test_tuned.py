@@ -207,3 +207,27 @@ def test_every_tile_config_field_is_a_column_with_its_bounds(tmp_path):
     path.write_text(HEADER + "sm_90,stacked,bf16,64,4,128,36,131072,,,0,,,,,,,,1,\n")
     with pytest.raises(ValueError, match="block_n"):
         tuned.read_table(path)
+
+
+def test_every_amd_kernel_format_and_page_size_has_a_row_and_model_rows_say_so():
+    """gfx942 and gfx950 have a shipped row for every MFMA scorer x kv dtype x page size (the static model's, or one
+    reported from the hardware), every model row is marked not measured, and a launch plan on such a row says where
+    its config came from."""
+    from qsa_aiter.kernels import catalog
+    from qsa_aiter.tools.static_model import FORMATS, KERNELS, MODEL_SOURCE, PAGE_SIZES, TARGETS, model_problem
+
+    table = tuned.load_tables(())
+    for arch in TARGETS:
+        for kernel in KERNELS:
+            for kv in FORMATS:
+                for page in PAGE_SIZES:
+                    rows = table.get((arch, kernel, kv, page, 4, 128))
+                    assert rows, (arch, kernel, kv, page)
+                    for row in rows:
+                        if row.source.startswith(MODEL_SOURCE):
+                            assert not row.measured and row.us is None, row
+                    problem = model_problem(kernel, arch, kv, page)
+                    plan = catalog.spec_named(kernel).plan(problem, Platform.named(arch), table)
+                    assert plan.config_source.startswith("tuned row"), plan.config_source
+                    if all(r.source.startswith(MODEL_SOURCE) for r in rows):
+                        assert "(model, not measured:" in plan.config_source, plan.config_source

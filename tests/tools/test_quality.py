@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qsa_aiter.tools.quality import selection_overlap
+from qsa_aiter.tools.quality import score_error, selection_overlap, split_query_terms
 
 CASES = [
     ("fp8", 0.96, 0.93),
@@ -30,3 +30,25 @@ def test_top512_overlap_with_bf16(cache_format, mean_floor, row_floor):
 
 def test_bf16_cache_overlaps_itself_fully():
     assert bool((selection_overlap("bf16", rows=4, groups=2048) == 1.0).all())
+
+
+@pytest.mark.parametrize("cache_format,mean_floor,row_floor", CASES, ids=[case[0] for case in CASES])
+def test_e4m3_mma_numerics_keep_the_selection(cache_format, mean_floor, row_floor):
+    """q split into two e4m3 terms (the e4m3 tensor cores' and the AMD f8f6f4 / block-scaled MFMAs' operands) keeps
+    the decoded path's selection: the same floors, the overlap within 0.5% of the decoded one's, and scores within
+    1e-4 of the fp32 reference (relative to the row's largest score; measured: under 2e-5)."""
+    mma = torch.cat([selection_overlap(cache_format, seed=seed, numerics="e4m3_mma") for seed in range(2)])
+    decoded = torch.cat([selection_overlap(cache_format, seed=seed) for seed in range(2)])
+    assert mma.mean() >= mean_floor and mma.min() >= row_floor
+    assert abs(float(mma.mean() - decoded.mean())) <= 0.005
+    error = score_error(cache_format, seed=0, rows=8, groups=2048)
+    assert 0.0 < error <= 1e-4, error  # not zero: the split does round q's smallest elements
+
+
+def test_split_query_terms_rebuilds_bf16_rows_and_unknown_numerics_are_refused():
+    q = torch.randn(16, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).float()
+    rebuilt = split_query_terms(q)
+    big = q.abs() >= q.abs().amax(dim=1, keepdim=True) * 2**-9
+    assert torch.equal(rebuilt[big], q[big])  # exact for every element of at least 2**-9 of its row's largest
+    with pytest.raises(ValueError, match="numerics must be one of decoded, e4m3_mma"):
+        selection_overlap("fp8", rows=2, groups=256, numerics="tf32")

@@ -64,12 +64,14 @@ def dot_dtype(problem, upcast: bool, e4m3_mma: bool = False):
     """Operand dtype of the ``tl.dot`` in the tensor-core kernels (a ``DOT_DTYPE`` constexpr).
 
     fp32 under the interpreter (it computes bf16 on raw bits); e4m3 when ``e4m3_mma`` (``E4M3_MMA``: the fp8 keys go
-    to the tensor cores as stored, against q split into two e4m3 terms, ``split_query_e4m3``); otherwise q's dtype,
-    except fp16 queries on an MXFP4 cache: dequantised fp4 keys can leave fp16's range, and fp32 (tf32) operands hold
-    both exactly. Every fp8 value is exact in bf16 and fp16, and so is every dequantised fp4 key in bf16.
+    to the tensor cores as stored, against q split into two e4m3 terms, ``split_query_e4m3``), in the cache's
+    flavour (e4m3fnuz: ``float8e4b8``, gfx942's MFMAs; e4m3fn, and MXFP4 nibbles placed as e4m3fn: ``float8e4nv``);
+    otherwise q's dtype, except fp16 queries on an MXFP4 cache: dequantised fp4 keys can leave fp16's range, and
+    fp32 (tf32) operands hold both exactly. Every fp8 value is exact in bf16 and fp16, and so is every dequantised
+    fp4 key in bf16.
     """
     if e4m3_mma and not upcast:
-        return tl.float8e4nv
+        return tl.float8e4b8 if kv_kind(problem.cache_dtype) == KV_FP8_E4M3FNUZ else tl.float8e4nv
     if upcast or (problem.q_dtype == torch.float16 and kv_kind(problem.cache_dtype) == KV_FP4):
         return tl.float32
     return tl.bfloat16 if problem.q_dtype == torch.bfloat16 else tl.float16
@@ -119,10 +121,11 @@ def e4m3_row_scale(amax):
 @triton.jit
 def split_e4m3(x):
     """fp32 ``x`` (bf16 values scaled by ``e4m3_row_scale``'s inverse) as two e4m3 terms ``(hi, lo)``, ``x == hi +
-    lo`` exactly for every element of at least ``2**-9`` of its row's largest (``split_query_e4m3``)."""
+    lo`` exactly for every element of at least ``2**-9`` of its row's largest (``split_query_e4m3``). The terms are
+    held in fp32, exact in e4m3fn (and halved, in e4m3fnuz): the caller converts them to its operand's flavour."""
     hi = round_to_e4m3(x)
     lo = round_to_e4m3(x - hi)
-    return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
+    return hi, lo
 
 
 @triton.jit
@@ -388,8 +391,8 @@ def key_values(k_ptr, slot, page_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constex
     raw = tl.load(k_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=page_ok[:, None], other=0)
     if KV_KIND == KIND_16BIT:
         keys = raw.to(DOT_DTYPE)
-    elif DOT_DTYPE == tl.float8e4nv:
-        keys = raw.to(tl.float8e4nv, bitcast=True)  # E4M3_MMA: the stored bytes are the MMA operand
+    elif (DOT_DTYPE == tl.float8e4nv) or (DOT_DTYPE == tl.float8e4b8):
+        keys = raw.to(DOT_DTYPE, bitcast=True)  # E4M3_MMA: the stored bytes are the MMA operand
     else:
         keys = fp8_keys(raw, KV_KIND, DOT_DTYPE, FAST_DECODE)
     return keys

@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import torch
 
-from ..platform import Platform
-from ..quant.dequant import E4M3_MIN_HEAD_DIM, KV_16BIT, KV_FP4, KV_FP8_E4M3FN, dot_dtype, kernel_view, kv_kind
+from ..platform import E4M3_FN, E4M3_FNUZ, Platform
+from ..quant.dequant import E4M3_MIN_HEAD_DIM, KV_16BIT, KV_FP4, KV_FP8_E4M3FNUZ, dot_dtype, kernel_view, kv_kind
 from ..quant.formats import allocate_index_cache
 from ..spec import KernelSpec, cdiv, is_pow2, next_pow2
 
@@ -26,7 +26,8 @@ KV_DTYPES = ("bf16", "fp8", "fp4")
 class ScoreArgs:
     """Tensors and scalars every scoring kernel receives.
 
-    q: ``[tokens, heads, head_dim]`` bf16/fp16, contiguous; k_cache: the index cache (SPEC section 3), contiguous;
+    q: ``[tokens, heads, head_dim]`` bf16/fp16, contiguous; k_cache: the index cache (docs/cache_formats.md),
+    contiguous;
     k_scale: its scale tensor (fp8: fp32 ``[pages, page_size]``; fp4: e8m0 ``[pages, page_size, 1, head_dim // 32]``)
     or None for 16-bit caches; page_table: ``[requests, width]`` int32/int64 (last dim contiguous);
     token_to_request, query_positions: ``[tokens]``; context_lens: ``[requests]``; logits: fp32
@@ -67,12 +68,13 @@ class ScoreArgs:
 
 
 def e4m3_mma_refusal(problem, platform: Platform) -> str | None:
-    """Why ``problem``'s keys cannot go to e4m3 tensor-core MMAs on ``platform`` (for ``explain``), or None when they
-    can. They can with ``QSA_AITER_E4M3_MMA`` on as read for the call (``problem.e4m3_mma``), bf16 queries (8
-    significant bits: two e4m3 terms hold them, ``split_query_e4m3``), an e4m3fn cache (the stored bytes are the
-    operand) or an MXFP4 one (each e2m1 nibble becomes an exact e4m3 byte, ``fp4_e4m3_block``), a head_dim of at
-    least ``E4M3_MIN_HEAD_DIM``, and e4m3 tensor cores (``Platform.e4m3_tensor_cores``; the interpreter emulates them
-    with exact fp32 dots of the same terms)."""
+    """Why ``problem``'s keys cannot go to low-precision matrix instructions on ``platform`` (for ``explain``), or
+    None when they can. They can with ``QSA_AITER_E4M3_MMA`` on as read for the call (``problem.e4m3_mma``), bf16
+    queries (8 significant bits: two e4m3 terms hold them, ``split_query_e4m3``), a head_dim of at least
+    ``E4M3_MIN_HEAD_DIM``, and keys the device multiplies as stored (``Platform.e4m3_mma``; the interpreter emulates
+    them with exact fp32 dots of the same terms): an e4m3 cache of a flavour it takes (e4m3fn on NVIDIA 8.9+ and
+    gfx950, e4m3fnuz on gfx942), or an MXFP4 one where MXFP4 goes to block-scaled instructions
+    (``Platform.block_scaled_mma``) or each e2m1 nibble becomes an exact e4m3fn byte (``fp4_e4m3_block``)."""
     if not problem.e4m3_mma:
         return "QSA_AITER_E4M3_MMA=0"
     if problem.q_dtype != torch.bfloat16:
@@ -80,20 +82,34 @@ def e4m3_mma_refusal(problem, platform: Platform) -> str | None:
     kind = kv_kind(problem.cache_dtype)
     if kind == KV_16BIT:
         return "16-bit keys are no e4m3 operand"
-    if kind not in (KV_FP8_E4M3FN, KV_FP4):
-        return "an e4m3fnuz cache"
     if problem.head_dim < E4M3_MIN_HEAD_DIM:
         return f"head_dim {problem.head_dim} < {E4M3_MIN_HEAD_DIM}: e4m3 MMAs step head_dim by 32"
-    if not platform.e4m3_tensor_cores:
-        return "no e4m3 tensor cores on this device"
+    if not platform.e4m3_mma and not platform.block_scaled_mma:
+        return "no e4m3 matrix instructions on this device"
+    if kind == KV_FP4:
+        if platform.block_scaled_mma or E4M3_FN in platform.e4m3_mma:
+            return None
+        return (f"MXFP4 keys need e4m3fn or block-scaled matrix instructions ({platform.arch} multiplies "
+                f"{', '.join(platform.e4m3_mma)})")
+    flavour = E4M3_FNUZ if kind == KV_FP8_E4M3FNUZ else E4M3_FN
+    if flavour not in platform.e4m3_mma:
+        return f"an {flavour} cache: {platform.arch}'s matrix instructions take {', '.join(platform.e4m3_mma)}"
     return None
 
 
 def e4m3_mma_serves(problem, platform: Platform) -> bool:
-    """Whether a kernel with the e4m3 MMA path (``ScorerSpec.e4m3_mma_path``) feeds ``problem``'s keys to e4m3
-    tensor-core MMAs on ``platform`` (its ``E4M3_MMA`` constexpr): whenever ``e4m3_mma_refusal`` finds no reason
-    against it."""
+    """Whether a kernel with the e4m3 MMA path (``ScorerSpec.e4m3_mma_path``) feeds ``problem``'s keys to
+    low-precision matrix instructions on ``platform`` (its ``E4M3_MMA`` constexpr): whenever ``e4m3_mma_refusal``
+    finds no reason against it."""
     return e4m3_mma_refusal(problem, platform) is None
+
+
+def scaled_mma_serves(problem, platform: Platform) -> bool:
+    """Whether ``problem``'s MXFP4 keys go to block-scaled matrix instructions on ``platform`` (the ``SCALED_MMA``
+    constexpr: the packed nibbles and e8m0 exponents as stored, ``tiles.fp4_scaled_dots``) rather than as e4m3 bytes
+    one 32-element block per MMA K-step."""
+    return (kv_kind(problem.cache_dtype) == KV_FP4 and platform.block_scaled_mma
+            and e4m3_mma_serves(problem, platform))
 
 
 def scale_words_fit(head_dim: int) -> bool:
@@ -137,7 +153,8 @@ def stacked_constexprs(problem, platform: Platform, cfg) -> dict:
         PAGE_SIZE=problem.block_size, BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n,
         KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, mma),
         FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
-        E4M3_MMA=mma, SCALE_WORDS=problem.scale_aligned and scale_words_fit(problem.head_dim),
+        E4M3_MMA=mma, SCALED_MMA=scaled_mma_serves(problem, platform),
+        SCALE_WORDS=problem.scale_aligned and scale_words_fit(problem.head_dim),
     )
 
 
@@ -172,14 +189,27 @@ class ScorerSpec(KernelSpec):
         """Why the kernel cannot take ``problem``'s shape (head count, head_dim), or None."""
         return None
 
-    def key_reading(self, problem, platform) -> str:
-        """One line for ``explain``: how this kernel reads ``problem``'s keys on ``platform``."""
+    def key_reading(self, problem, platform, plan=None) -> str:
+        """One line for ``explain``: how this kernel reads ``problem``'s keys on ``platform`` (with ``plan``, its
+        launch plan there: the path its constexprs take)."""
         kind = kv_kind(problem.cache_dtype)
-        if self.e4m3_mma_path and e4m3_mma_serves(problem, platform):
-            keys = ("MXFP4 nibbles placed as exact e4m3 bytes, one k32 MMA step per 32-element block, scaled by its "
-                    "e8m0 exponent in fp32" if kind == KV_FP4 else "the stored e4m3fn bytes as the MMA operand")
+        if plan is not None and "E4M3_MMA" in plan.constexprs:
+            mma, scaled = plan.constexprs["E4M3_MMA"], plan.constexprs.get("SCALED_MMA", False)
+        else:
+            mma = self.e4m3_mma_path and e4m3_mma_serves(problem, platform)
+            scaled = mma and scaled_mma_serves(problem, platform)
+        if mma:
+            if scaled:
+                keys = ("the stored MXFP4 nibbles and e8m0 exponents as the operand and scales of block-scaled MMAs "
+                        "(tl.dot_scaled)")
+            elif kind == KV_FP4:
+                keys = ("MXFP4 nibbles placed as exact e4m3 bytes, one k32 MMA step per 32-element block, scaled by "
+                        "its e8m0 exponent in fp32")
+            else:
+                keys = f"the stored {E4M3_FNUZ if kind == KV_FP8_E4M3FNUZ else E4M3_FN} bytes as the MMA operand"
             emulated = " (emulated with exact fp32 dots under TRITON_INTERPRET=1)" if platform.interpreter else ""
-            return f"e4m3 tensor cores (QSA_AITER_E4M3_MMA=1): {keys}; q split into two e4m3 terms{emulated}"
+            units = "MFMAs" if platform.backend == "hip" else "tensor cores"
+            return f"e4m3 {units} (QSA_AITER_E4M3_MMA=1): {keys}; q split into two e4m3 terms{emulated}"
         if kind == KV_16BIT:
             return "as stored"
         dtype = "fp32" if platform.upcast else str(dot_dtype(problem, False))

@@ -26,7 +26,7 @@ from .base import (
     stacked_shape_reason,
 )
 from .tiles import (
-    block_request, fp4_keys_major_dots, fp4_tile_exponents, fp8_keys_major_dots, fp8_tile_scales, key_tile_slots,
+    block_request, fp4_mma_dots, fp4_tile_exponents, fp8_keys_major_dots, fp8_tile_scales, key_tile_slots,
     load_keys, load_q_tile, pair_dot, row_visibility, stacked_head_scores, store_keys_major,
 )
 
@@ -37,7 +37,7 @@ def _stacked_scorer_kernel(
     num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KV_KIND: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, E4M3_MMA: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr,
     SCALAR_PAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -52,7 +52,7 @@ def _stacked_scorer_kernel(
     M: tl.constexpr = BLOCK_ROWS * NUM_HEADS
     q_rows = first_row.to(tl.int64) * NUM_HEADS + tl.arange(0, M)
     q_first, q_second, q_factor = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND,
-                                              DOT_DTYPE, E4M3_MMA)
+                                              DOT_DTYPE, E4M3_MMA, SCALED_MMA)
     out_rows = out_ptr + rows.to(tl.int64) * out_stride
 
     for i in tl.static_range(BLOCK_ROWS):
@@ -73,8 +73,8 @@ def _stacked_scorer_kernel(
                                                    BLOCK_N, PAGE_SIZE, HEAD_DIM // 32, SCALAR_PAGES, SCALE_WORDS)
                     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
                     slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
-                    dots_t = fp4_keys_major_dots(k_ptr, slot, page_ok, exps, q_first, q_second, q_scale, HEAD_DIM,
-                                                 DOT_DTYPE, FAST_DECODE, SCALE_WORDS)
+                    dots_t = fp4_mma_dots(k_ptr, slot, page_ok, exps, q_first, q_second, q_scale, HEAD_DIM,
+                                                 DOT_DTYPE, FAST_DECODE, SCALE_WORDS, SCALED_MMA)
                     store_keys_major(out_rows, cols, dots_t, page_ok, tl.full((BLOCK_N,), 1.0, tl.float32), mine,
                                      vis, BLOCK_N, BLOCK_ROWS, NUM_HEADS)
                     exps = next_exps

@@ -25,10 +25,12 @@ import triton.language as tl
 
 from ..quant.dequant import KV_16BIT, KV_FP4, dot_dtype, key_values, kv_kind
 from ..spec import FLAG, cdiv, is_pow2
-from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma_serves
+from .base import (
+    DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma_refusal, e4m3_mma_serves, scaled_mma_serves,
+)
 from .tiles import (
-    fp8_keys_major_dots, fp8_tile_scales, key_tile_slots, keys_major_pair_dot, load_keys, load_q_tile, pair_dot,
-    row_visibility, stacked_head_scores,
+    fp4_scaled_dots, fp8_keys_major_dots, fp8_tile_scales, key_tile_slots, keys_major_pair_dot, load_fp4_packed,
+    load_keys, load_q_tile, pair_dot, row_visibility, stacked_head_scores,
 )
 
 _NO_REQUEST = tl.constexpr(2147483647)  # larger than any request id
@@ -36,11 +38,14 @@ _NO_REQUEST = tl.constexpr(2147483647)  # larger than any request id
 
 @triton.jit
 def _head_scores(q_first, q_second, q_factor, k_first, k_second, KV_KIND: tl.constexpr, KEYS_MAJOR: tl.constexpr,
-                 E4M3_MMA: tl.constexpr):
-    """One head's ReLU'd dots of a key tile: ``[BLOCK_M, BLOCK_N]``, or keys-major ``[BLOCK_N, BLOCK_M]`` (with
-    ``E4M3_MMA`` the stored e4m3 keys against q's two terms, ``tiles.fp8_keys_major_dots``). Operands as
-    ``load_q_tile`` and ``load_keys`` give them."""
-    if E4M3_MMA:
+                 E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr):
+    """One head's ReLU'd dots of a key tile: ``[BLOCK_N, BLOCK_M]`` keys-major, or ``[BLOCK_M, BLOCK_N]``. With
+    ``E4M3_MMA`` the stored e4m3 keys against q's two terms (``tiles.fp8_keys_major_dots``); with ``SCALED_MMA`` the
+    packed MXFP4 keys (``k_first``) and their e8m0 exponents (``k_second``) against them (``tiles.fp4_scaled_dots``).
+    Operands as ``load_q_tile`` and ``load_keys`` give them."""
+    if SCALED_MMA:
+        dots = fp4_scaled_dots(k_first, k_second, q_first, q_second, q_factor)
+    elif E4M3_MMA:
         dots = fp8_keys_major_dots(k_first, q_first, q_second, q_factor)
     elif KEYS_MAJOR:
         dots = keys_major_pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
@@ -73,7 +78,7 @@ def _tiled_prefill_kernel(
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr,
     KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
-    SCALAR_PAGES: tl.constexpr, KEYS_MAJOR: tl.constexpr, E4M3_MMA: tl.constexpr,
+    SCALAR_PAGES: tl.constexpr, KEYS_MAJOR: tl.constexpr, E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -88,22 +93,22 @@ def _tiled_prefill_kernel(
         # same accumulator layout, so ReLU and the head sum are plain register arithmetic.
         q_ok = rows < num_tokens
         q_head = rows.to(tl.int64) * 4
-        q0a, q0b, q0f = load_q_tile(q_ptr, q_head, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, E4M3_MMA)
-        q1a, q1b, q1f = load_q_tile(q_ptr, q_head + 1, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, E4M3_MMA)
-        q2a, q2b, q2f = load_q_tile(q_ptr, q_head + 2, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, E4M3_MMA)
-        q3a, q3b, q3f = load_q_tile(q_ptr, q_head + 3, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, E4M3_MMA)
+        q0a, q0b, q0f = load_q_tile(q_ptr, q_head, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, E4M3_MMA, SCALED_MMA)
+        q1a, q1b, q1f = load_q_tile(q_ptr, q_head + 1, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, E4M3_MMA, SCALED_MMA)
+        q2a, q2b, q2f = load_q_tile(q_ptr, q_head + 2, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, E4M3_MMA, SCALED_MMA)
+        q3a, q3b, q3f = load_q_tile(q_ptr, q_head + 3, q_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, E4M3_MMA, SCALED_MMA)
     elif KEYS_MAJOR:
         # Rows x heads stacked as one N operand, head-major (column h * BLOCK_M + r): one MMA per key tile at
         # N = heads x BLOCK_M, and a row's heads lie BLOCK_M columns apart, in the same thread of the result.
         n = tl.arange(0, NUM_HEADS * BLOCK_M)
         n_rows = first_row + n % BLOCK_M
         qa, qb, qf = load_q_tile(q_ptr, n_rows.to(tl.int64) * NUM_HEADS + n // BLOCK_M, n_rows < num_tokens,
-                                 HEAD_DIM, KV_KIND, DOT_DTYPE, E4M3_MMA)
+                                 HEAD_DIM, KV_KIND, DOT_DTYPE, E4M3_MMA, SCALED_MMA)
     else:
         # Rows x heads stacked into one M operand.
         q_rows = first_row.to(tl.int64) * NUM_HEADS + tl.arange(0, BLOCK_M * NUM_HEADS)
         qa, qb, _ = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND, DOT_DTYPE,
-                                False)
+                                False, False)
     out_rows = out_ptr + rows.to(tl.int64) * out_stride
 
     # Walk the requests present in the tile (one pass for a tile inside one request); a request's column loop
@@ -118,13 +123,20 @@ def _tiled_prefill_kernel(
         whole_tile = tl.sum(mine.to(tl.int32), axis=0) == BLOCK_M
         min_vis = tl.min(tl.where(mine, vis, _NO_REQUEST), axis=0)
         n_tiles = tl.cdiv(req_vis, BLOCK_N)
-        if E4M3_MMA:
+        if E4M3_MMA and not SCALED_MMA:
             # The fp8 scales a tile ahead (tiles.fp8_tile_scales); the stored key bytes are the MMA's M operand.
             ahead = fp8_tile_scales(ks_ptr, pt_row, col_prog, n_tiles, req_vis, num_pages, scale, BLOCK_N, PAGE_SIZE,
                                     SCALAR_PAGES)
         for tile in range(col_prog, n_tiles, col_progs):
             cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            if E4M3_MMA:
+            if SCALED_MMA:
+                # MXFP4 as stored: packed nibbles (the MMA's M operand) and their e8m0 exponents (its scales).
+                slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
+                ka = load_fp4_packed(k_ptr, slot, page_ok, HEAD_DIM)
+                kb = tl.load(ks_ptr + slot[:, None] * (HEAD_DIM // 32) + tl.arange(0, HEAD_DIM // 32)[None, :],
+                             mask=page_ok[:, None], other=0)
+                factor = tl.full((BLOCK_N,), scale, tl.float32)
+            elif E4M3_MMA:
                 factor = ahead
                 ahead = fp8_tile_scales(ks_ptr, pt_row, tile + col_progs, n_tiles, req_vis, num_pages, scale,
                                         BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
@@ -136,16 +148,16 @@ def _tiled_prefill_kernel(
                                                     PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE,
                                                     SCALAR_PAGES)
             if PER_HEAD:
-                acc = _head_scores(q0a, q0b, q0f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA)
-                acc += _head_scores(q1a, q1b, q1f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA)
-                acc += _head_scores(q2a, q2b, q2f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA)
-                acc += _head_scores(q3a, q3b, q3f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA)
+                acc = _head_scores(q0a, q0b, q0f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
+                acc += _head_scores(q1a, q1b, q1f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
+                acc += _head_scores(q2a, q2b, q2f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
+                acc += _head_scores(q3a, q3b, q3f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
                 if KEYS_MAJOR:
                     score = tl.where(page_ok[:, None], acc * factor[:, None], float("-inf"))
                 else:
                     score = tl.where(page_ok[None, :], acc * factor[None, :], float("-inf"))
             elif KEYS_MAJOR:
-                dots = _head_scores(qa, qb, qf, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA)
+                dots = _head_scores(qa, qb, qf, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
                 acc = tl.sum(tl.reshape(dots, (BLOCK_N, NUM_HEADS, BLOCK_M)), axis=1)
                 score = tl.where(page_ok[:, None], acc * factor[:, None], float("-inf"))
             else:
@@ -188,7 +200,12 @@ class TiledSpec(ScorerSpec):
 
     def default_config(self, problem, platform) -> TiledConfig:
         """Tile settings for ``problem`` (docs/kernels.md). Quantised keys are decoded once per key tile: wider key
-        tiles halve the decodes per row tile; 16-bit keys read a tile's page ids as scalars."""
+        tiles halve the decodes per row tile; 16-bit keys read a tile's page ids as scalars. On AMD, and wherever MXFP4
+        goes to block-scaled MMAs, keys-major tiles with every head stacked as N (``heads x block_m = 128``): the
+        quantised keys reach the MFMAs as stored, and the four per-head accumulators of the NVIDIA tiles, which spill
+        on gfx942/gfx950 (docs/kernels.md), become one."""
+        if platform.backend == "hip" or scaled_mma_serves(problem, platform):
+            return TiledConfig(block_m=max(1, 128 // problem.num_heads), block_n=64, keys_major=1, stack_heads=1)
         if problem.num_heads == 4:
             return TiledConfig(block_n=128) if kv_kind(problem.cache_dtype) != KV_16BIT else TiledConfig(scalar_pages=1)
         # Stacked heads: keep M = block_m * heads at 128.
@@ -201,14 +218,17 @@ class TiledSpec(ScorerSpec):
         kind = kv_kind(problem.cache_dtype)
         per_head = problem.num_heads == 4 and not cfg.stack_heads
         keys_major = bool(cfg.keys_major)
-        e4m3_mma = keys_major and kind != KV_FP4 and e4m3_mma_serves(problem, platform)
+        # MXFP4 keys go to matrix instructions only where they are block-scaled (one e4m3 K-step per 32-element
+        # block would keep a live accumulator per block and head).
+        scaled = keys_major and scaled_mma_serves(problem, platform)
+        e4m3_mma = keys_major and (kind != KV_FP4 or scaled) and e4m3_mma_serves(problem, platform)
         return dict(
             RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
             PAGE_SIZE=problem.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             PER_HEAD=per_head,
             KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, e4m3_mma),
             FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
-            KEYS_MAJOR=keys_major, E4M3_MMA=e4m3_mma,
+            KEYS_MAJOR=keys_major, E4M3_MMA=e4m3_mma, SCALED_MMA=scaled,
         )
 
     def grid(self, problem, platform, cfg: TiledConfig) -> tuple[int, int]:
@@ -217,7 +237,13 @@ class TiledSpec(ScorerSpec):
                                           platform.programs(cfg.programs_per_sm))
 
     def decoding_reason(self, problem, platform) -> str:
-        return "the prefill tiles decode (keys-major tiles, TiledConfig.keys_major, feed e4m3fn keys to e4m3 MMAs)"
+        why = e4m3_mma_refusal(problem, platform)
+        if why:
+            return why
+        if kv_kind(problem.cache_dtype) == KV_FP4 and not platform.block_scaled_mma:
+            return "the prefill tiles decode MXFP4 where it has no block-scaled MMAs"
+        return ("the prefill tiles decode unless keys-major (TiledConfig.keys_major), which feeds e4m3 keys (and MXFP4 "
+                "where block-scaled MMAs exist) to the MMAs")
 
 
 SPEC = TiledSpec()

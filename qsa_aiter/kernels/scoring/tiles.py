@@ -1,6 +1,7 @@
-"""``@triton.jit`` helpers shared by the scoring kernels, inlined into each: the visibility rule of SPEC section 1,
-the request walk of a row block, query and key tile loads, the stacked head sum, and the keys-major e4m3 MMA path
-(the paged, dequantising key gather itself lives in ``quant.dequant``).
+"""``@triton.jit`` helpers shared by the scoring kernels, inlined into each: the visibility rule (README, what the op
+computes), the request walk of a row block, query and key tile loads, the stacked head sum, and the keys-major
+low-precision MMA paths: e4m3 keys as stored, MXFP4 as e4m3 bytes per 32-element block or block-scaled (the paged,
+dequantising key gather itself lives in ``quant.dequant``).
 """
 
 from __future__ import annotations
@@ -73,29 +74,51 @@ def stacked_head_scores(dots, page_ok, factor, ROWS: tl.constexpr, NUM_HEADS: tl
 
 @triton.jit
 def load_q_tile(q_ptr, q_rows, q_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                E4M3_MMA: tl.constexpr):
+                E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr):
     """Query rows ``q_rows`` (of ``q`` viewed as ``[rows, HEAD_DIM]``) as dot operands ``(first, second, factor)``
     for ``pair_dot``: ``(q, q, 1)``, each ``[len(q_rows), HEAD_DIM]``; for an MXFP4 cache q's even and odd elements,
     each ``[len(q_rows), HEAD_DIM // 2]`` (to meet ``load_fp4_key_tile``'s even and odd keys); with ``E4M3_MMA`` the
-    two e4m3 terms of q and the fp32 row scale ``[len(q_rows)]`` to multiply their dots by (``split_query_e4m3``),
-    and with ``E4M3_MMA`` on an MXFP4 cache those terms per 32-element block (``load_q_fp4_blocks``)."""
+    two e4m3 terms of q and the fp32 row scale ``[len(q_rows)]`` to multiply their dots by (``split_query_e4m3``):
+    in ``DOT_DTYPE`` (e4m3fnuz: ``e4m3_operands``), or e4m3fn for ``SCALED_MMA`` (whatever ``DOT_DTYPE``: the
+    block-scaled dot takes e4m3 operands under the interpreter too); with ``E4M3_MMA`` on an MXFP4 cache without
+    ``SCALED_MMA`` those terms per 32-element block (``load_q_fp4_blocks``)."""
     row = q_ptr + q_rows.to(tl.int64)[:, None] * HEAD_DIM
     factor = tl.full(q_rows.shape, 1.0, tl.float32)
-    if E4M3_MMA and (KV_KIND == KIND_FP4):
+    if E4M3_MMA and (KV_KIND == KIND_FP4) and not SCALED_MMA:
         first, second, factor = load_q_fp4_blocks(q_ptr, q_rows, q_ok, HEAD_DIM, DOT_DTYPE)
+    elif E4M3_MMA:
+        q = tl.load(row + tl.arange(0, HEAD_DIM)[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
+        hi, lo, factor = split_query_e4m3(q)
+        if SCALED_MMA:
+            first = hi.to(tl.float8e4nv)
+            second = lo.to(tl.float8e4nv)
+        else:
+            first, second, factor = e4m3_operands(hi, lo, factor, DOT_DTYPE)
     elif KV_KIND == KIND_FP4:
         j = 2 * tl.arange(0, HEAD_DIM // 2)
         first = tl.load(row + j[None, :], mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
         second = tl.load(row + j[None, :] + 1, mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
-    elif E4M3_MMA:
-        q = tl.load(row + tl.arange(0, HEAD_DIM)[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
-        hi, lo, factor = split_query_e4m3(q)
-        first = hi.to(DOT_DTYPE)
-        second = lo.to(DOT_DTYPE)
     else:
         first = tl.load(row + tl.arange(0, HEAD_DIM)[None, :], mask=q_ok[:, None], other=0.0).to(DOT_DTYPE)
         second = first
     return first, second, factor
+
+
+@triton.jit
+def e4m3_operands(hi, lo, factor, DOT_DTYPE: tl.constexpr):
+    """``split_query_e4m3``'s terms (fp32 values on e4m3fn's grid) and row scale as MMA operands in ``DOT_DTYPE``:
+    e4m3fnuz (``float8e4b8``, exponent bias 8) holds every e4m3fn value halved (the terms stay below 256, so below
+    128 halved, under its 240), so the terms are halved and the scale doubled; any other dtype takes them as they
+    are."""
+    if DOT_DTYPE == tl.float8e4b8:
+        first = (hi * 0.5).to(DOT_DTYPE)
+        second = (lo * 0.5).to(DOT_DTYPE)
+        scale = factor * 2.0
+    else:
+        first = hi.to(DOT_DTYPE)
+        second = lo.to(DOT_DTYPE)
+        scale = factor
+    return first, second, scale
 
 
 @triton.jit
@@ -288,6 +311,58 @@ def fp4_keys_major_dots(k_ptr, slot, page_ok, exps, q_hi, q_lo, q_factor, HEAD_D
     factors = fp4_block_factors(exps, NB, SCALE_WORDS)
     dots = tl.sum(stack_last(block_dots) * factors[:, None, :], axis=2)
     return dots * q_factor[None, :]
+
+
+#: ``tl.dot_scaled``'s operand formats, as constexprs (Triton 3.9's interpreter reads the format's ``.value``).
+E2M1 = tl.constexpr("e2m1")
+E4M3 = tl.constexpr("e4m3")
+
+
+@triton.jit
+def fp4_scale_bytes(exps, NB: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """``fp4_tile_exponents``'s exponents as the e8m0 bytes of a block-scaled dot: uint8 ``[BLOCK_N, NB]``."""
+    if SCALE_WORDS:
+        e = ((exps[:, None] >> (8 * tl.arange(0, NB))[None, :]) & 0xFF).to(tl.uint8)
+    else:
+        e = exps
+    return e
+
+
+@triton.jit
+def load_fp4_packed(k_ptr, slot, page_ok, HEAD_DIM: tl.constexpr):
+    """MXFP4 keys at cache slots ``slot`` as stored: uint8 ``[BLOCK_N, HEAD_DIM // 2]`` (element ``2j`` in the low
+    nibble of byte ``j``), zeros where not ``page_ok``."""
+    d = tl.arange(0, HEAD_DIM // 2)
+    return tl.load(k_ptr + slot[:, None] * (HEAD_DIM // 2) + d[None, :], mask=page_ok[:, None], other=0)
+
+
+@triton.jit
+def fp4_scaled_dots(packed, scales, q_hi, q_lo, q_factor):
+    """``SCALED_MMA`` dots of an MXFP4 key tile, keys major: ``[BLOCK_N, M]`` fp32 for the packed keys (uint8
+    ``[BLOCK_N, D // 2]``, ``load_fp4_packed``) with their e8m0 exponents (uint8 ``[BLOCK_N, D // 32]``,
+    ``fp4_scale_bytes``) against q's two e4m3 terms (``[M, D]`` e4m3fn, ``load_q_tile``), one accumulator, times q's
+    row scales ``[M]``. The keys and exponents go to block-scaled MMAs as stored (gfx950's
+    ``v_mfma_scale_f32_*_f8f6f4``, one instruction per 128 elements of head_dim): no decode, no per-block fp32
+    pass. Each product of an e4m3 term and an e2m1 value is exact; the sums round inside the instruction."""
+    dots = tl.dot_scaled(packed, scales, E2M1, tl.trans(q_lo), None, E4M3,
+                         acc=tl.dot_scaled(packed, scales, E2M1, tl.trans(q_hi), None, E4M3))
+    return dots * q_factor[None, :]
+
+
+@triton.jit
+def fp4_mma_dots(k_ptr, slot, page_ok, exps, q_hi, q_lo, q_factor, HEAD_DIM: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                 SCALED_MMA: tl.constexpr):
+    """The keys-major dots ``[BLOCK_N, M]`` of an MXFP4 key tile on low-precision matrix instructions: block-scaled
+    (``SCALED_MMA``, ``fp4_scaled_dots``) or one e4m3 K-step per 32-element block (``fp4_keys_major_dots``). Operands
+    as ``load_q_tile`` gives them for the same ``SCALED_MMA``; ``exps`` from ``fp4_tile_exponents``."""
+    if SCALED_MMA:
+        packed = load_fp4_packed(k_ptr, slot, page_ok, HEAD_DIM)
+        dots = fp4_scaled_dots(packed, fp4_scale_bytes(exps, HEAD_DIM // 32, SCALE_WORDS), q_hi, q_lo, q_factor)
+    else:
+        dots = fp4_keys_major_dots(k_ptr, slot, page_ok, exps, q_hi, q_lo, q_factor, HEAD_DIM, DOT_DTYPE,
+                                   FAST_DECODE, SCALE_WORDS)
+    return dots
 
 
 @triton.jit

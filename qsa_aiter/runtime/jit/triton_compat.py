@@ -1,11 +1,12 @@
 """The Triton internals this library uses, in one place, with a branch where a release changed them.
 
 Tested on Triton 3.6 (the GPU machine's) and 3.9 (what current torch installs); ``pyproject.toml`` declares that
-range. The JIT cache (the ``jit`` package) and the ahead-of-time builds (``jit.aot``) import Triton's private names from here
-only, and reach a ``JITFunction``'s internals (its per-device caches, binder and argument packing, compile path and
-launch entry) and Triton's hooks through the functions here, so a new release is adapted in this module. The JIT
-cache's two subclasses of Triton's classes (``CompiledKernel``, ``FileCacheManager``) are the other contact; the
-interpreter's dot, replaced for the tests and the fuzzer (``install_uniform_interpreter_dots``), is the last.
+range. The JIT cache (the ``runtime/jit`` package) and the ahead-of-time builds (``tools/aot.py``, ``tools/build.py``)
+import Triton's private names from here only, and reach a ``JITFunction``'s internals (its per-device caches, binder
+and argument packing, compile path and launch entry) and Triton's hooks through the functions here, so a new release
+is adapted in this module. The JIT cache's two subclasses of Triton's classes (``CompiledKernel``,
+``FileCacheManager``) are the other contact; the interpreter's dot, replaced for the tests and the fuzzer
+(``install_uniform_interpreter_dots``), is the last.
 """
 
 from __future__ import annotations
@@ -173,3 +174,19 @@ def install_uniform_interpreter_dots() -> None:
 
     create_dot.uniform_sums = True
     builder.create_dot = create_dot
+
+
+def interpreter_has_dot_scaled() -> bool:
+    """Whether Triton's interpreter runs ``tl.dot_scaled`` (Triton 3.9 does; 3.6's has no ``create_dot_scaled``), so
+    that the block-scaled MXFP4 path (``SCALED_MMA``) can be checked on a CPU."""
+    from triton.runtime import interpreter
+
+    return hasattr(interpreter.InterpreterBuilder, "create_dot_scaled")
+
+
+def ptxas_path(capability: int) -> str:
+    """The ``ptxas`` Triton compiles PTX for compute capability ``capability`` (90 for sm_90) with: Triton 3.9 uses
+    its newer ``ptxas-blackwell`` from sm_90 on (the other cannot read the PTX version it writes), 3.6 from sm_100."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(capability).path

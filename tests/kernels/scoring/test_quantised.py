@@ -150,32 +150,48 @@ def stacked_plan(batch, hints: dict, e4m3_mma: bool):
     return stacked.SPEC.plan(problem, Platform.of(batch.q.device))
 
 
+#: Per target, the refusal of each cache (``None``: its keys go to matrix instructions) on the example problem:
+#: NVIDIA and gfx950 take e4m3fn, gfx942 e4m3fnuz; MXFP4 needs e4m3fn (nibbles as e4m3 bytes) or block-scaled MFMAs.
+TARGET_REFUSALS = {
+    "sm_90": {"fp8": None, "fp8_fnuz": "an e4m3fnuz cache: sm_90's matrix instructions take e4m3fn", "fp4": None},
+    "gfx950": {"fp8": None, "fp8_fnuz": "an e4m3fnuz cache: gfx950's matrix instructions take e4m3fn", "fp4": None},
+    "gfx942": {"fp8": "an e4m3fn cache: gfx942's matrix instructions take e4m3fnuz", "fp8_fnuz": None,
+               "fp4": "MXFP4 keys need e4m3fn or block-scaled matrix instructions (gfx942 multiplies e4m3fnuz)"},
+}
+CACHE_DTYPES = {"fp8": (torch.float8_e4m3fn, "fp8"), "fp8_fnuz": (torch.float8_e4m3fnuz, "fp8"),
+                "fp4": (torch.float4_e2m1fn_x2, "fp4")}
+
+
 @pytest.mark.parametrize("change,refusal", [
     ({}, None),
-    ({"cache_dtype": torch.float4_e2m1fn_x2, "kv_dtype": "fp4"}, None),
     ({"e4m3_mma": False}, "QSA_AITER_E4M3_MMA=0"),
     ({"q_dtype": torch.float16}, "fp16 queries: two e4m3 terms cannot hold them"),
-    ({"cache_dtype": torch.float8_e4m3fnuz}, "an e4m3fnuz cache"),
     ({"cache_dtype": torch.bfloat16, "kv_dtype": "bf16"}, "16-bit keys are no e4m3 operand"),
     ({"head_dim": 16}, "head_dim 16 < 32: e4m3 MMAs step head_dim by 32"),
 ])
-@pytest.mark.parametrize("arch", ("sm_90", "gfx942"))
-def test_one_rule_decides_the_e4m3_mma_path_and_explains_it(change, refusal, arch):
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
+@pytest.mark.parametrize("arch", ("sm_90", "gfx942", "gfx950"))
+def test_one_rule_decides_the_e4m3_mma_path_and_explains_it(change, refusal, cache, arch):
     """``e4m3_mma_serves`` is true exactly where ``e4m3_mma_refusal`` finds no reason, and the kernels with the path
-    set their ``E4M3_MMA`` constexpr from it (host side only: plans, no launch)."""
+    set their ``E4M3_MMA`` constexpr from it (host side only: plans, no launch); ``SCALED_MMA`` is on exactly for
+    MXFP4 on gfx950, and the MMA operand's flavour follows the cache's."""
     from qsa_aiter.kernels.scoring import keys_major
     from qsa_aiter.kernels.scoring.base import e4m3_mma_refusal, e4m3_mma_serves, example_problem
 
     platform = Platform.named(arch)
-    problem = dataclasses.replace(example_problem(device_type="cuda", cache_dtype=torch.float8_e4m3fn, kv_dtype="fp8"),
-                                  **change)
-    if refusal is None and not platform.e4m3_tensor_cores:
-        refusal = "no e4m3 tensor cores on this device"
+    dtype, kv = CACHE_DTYPES[cache]
+    problem = dataclasses.replace(example_problem(device_type="cuda", cache_dtype=dtype, kv_dtype=kv), **change)
+    if refusal is None:
+        refusal = TARGET_REFUSALS[arch][cache]
     assert e4m3_mma_refusal(problem, platform) == refusal
     assert e4m3_mma_serves(problem, platform) is (refusal is None)
     for spec in (stacked.SPEC, keys_major.SPEC):
         assert spec.e4m3_mma_path
-        assert spec.plan(problem, platform).constexprs["E4M3_MMA"] is (refusal is None), spec.name
+        constexprs = spec.plan(problem, platform).constexprs
+        assert constexprs["E4M3_MMA"] is (refusal is None), spec.name
+        assert constexprs["SCALED_MMA"] is (refusal is None and cache == "fp4" and arch == "gfx950"), spec.name
+        if refusal is None and cache != "fp4":
+            assert constexprs["DOT_DTYPE"] == (tl.float8e4b8 if cache == "fp8_fnuz" else tl.float8e4nv)
 
 
 def test_a_head_dim_below_32_is_decoded_not_sent_to_e4m3_mmas(monkeypatch, rng):
@@ -344,7 +360,7 @@ def test_fp4_mma_path_block_counts(monkeypatch, rng, head_dim):
 def _split_kernel(q_ptr, out_ptr, hi_ptr, ROWS: tl.constexpr, D: tl.constexpr):
     offs = tl.arange(0, ROWS)[:, None] * D + tl.arange(0, D)[None, :]
     hi, lo, row_scale = split_query_e4m3(tl.load(q_ptr + offs).to(tl.float32))
-    tl.store(hi_ptr + offs, hi.to(tl.uint8, bitcast=True))
+    tl.store(hi_ptr + offs, hi.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
     tl.store(out_ptr + offs, (hi.to(tl.float32) + lo.to(tl.float32)) * row_scale[:, None])
 
 
