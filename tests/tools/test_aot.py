@@ -1,7 +1,7 @@
 """Every kernel compiles ahead of time, without a GPU, for sm_90, gfx942 and gfx950; the assembly shows its kind.
 
-The compilations run in one child process without ``TRITON_INTERPRET``: in this process the kernels were decorated
-under the interpreter (CPU-only machines), and an interpreted kernel cannot be compiled.
+The compilations run in child processes (one per target) without ``TRITON_INTERPRET``: in this process the kernels
+were decorated under the interpreter (CPU-only machines), and an interpreted kernel cannot be compiled.
 """
 
 from __future__ import annotations
@@ -69,8 +69,11 @@ from qsa_aiter.kernels.scoring.base import example_problem
 variants = json.loads(sys.argv[1])
 marks = json.loads(sys.argv[2])
 decoded = json.loads(sys.argv[3])
+only = sys.argv[6]  # the one target this process builds for
 results = {}
 for kernel, target, variant in decoded:
+    if target != only:
+        continue
     overrides = dict(variants[variant][0])
     overrides["cache_dtype"] = getattr(torch, overrides["cache_dtype"])
     text = compile_kernel(kernel, target, example_problem(**overrides), e4m3_mma=False).asm["ptx"]
@@ -82,7 +85,7 @@ for variant, (overrides, index_dtype, targets) in json.loads(sys.argv[4]).items(
             overrides[key] = getattr(torch, overrides[key])
     problem = example_problem(**overrides)
     for kernel in SCORERS:
-        for target in targets:
+        for target in (t for t in targets if t == only):
             name = f"{variant}/{kernel}/{target}"
             try:
                 asm = compile_kernel(kernel, target, problem, index_dtype).asm
@@ -103,7 +106,7 @@ for name, kv, block_m, targets in json.loads(sys.argv[5]):  # tiled keys-major t
     overrides = dict(variants[kv][0])
     overrides["cache_dtype"] = getattr(torch, overrides.get("cache_dtype", "bfloat16"))
     problem = example_problem(phase="prefill", num_tokens=4096, num_requests=1, max_query_len=4096, **overrides)
-    for target in targets:
+    for target in (t for t in targets if t == only):
         try:
             asm = compile_kernel("tiled", target, problem, overrides={"keys_major": 1, "stack_heads": 1,
                                                                        "block_m": block_m, "block_n": 64}).asm
@@ -114,12 +117,13 @@ for name, kv, block_m, targets in json.loads(sys.argv[5]):  # tiled keys-major t
         shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", text)))
         results[f"{name}/{target}"] = {"binary_bytes": len(asm.get("cubin") or asm.get("hsaco") or b""),
                                        "mma": "mma" in text, "mfma": "mfma" in text, "wgmma_shapes": shapes}
-for cap in (0, 80):  # a register cap (StackedConfig.max_registers) reaches the PTX as .maxnreg
+# A register cap (StackedConfig.max_registers) reaches the PTX as .maxnreg.
+for cap in (0, 80) if only == "sm_90" else ():
     ptx = compile_kernel("stacked", "sm_90", overrides={"max_registers": cap}).asm["ptx"]
     results[f"register-cap-{cap}/stacked/sm_90"] = {"maxnreg": [l.strip() for l in ptx.splitlines() if ".maxnreg" in l]}
 for label, kernel, with_maxima in (("topk", "topk", False), ("topk+maxima", "topk", True),
                                    ("block_maxima", "block_maxima", False), ("expand", "expand", False)):
-    for target in TARGETS:
+    for target in (only,):
         try:
             asm = compile_selection_kernel(kernel, target, with_maxima=with_maxima).asm
             results[f"selection/{label}/{target}"] = {"keys": sorted(asm),
@@ -138,13 +142,17 @@ def compiled():
     builds.update(MATRIX_VARIANTS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(VARIANTS), json.dumps(ALL_MARKS),
-                           json.dumps(DECODED_BUILDS), json.dumps(builds), json.dumps(STACKED_N_BUILDS)], cwd=ROOT,
-                          env=env, capture_output=True,
-                          text=True, timeout=1800)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("AOT-RESULTS ")]
-    assert proc.returncode == 0 and lines, f"compile process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1].removeprefix("AOT-RESULTS "))
+    results = {}
+    # One process per target, as one process serves one GPU: Triton 3.6's AMD backend fails to lower a gfx942 build
+    # made after gfx950 ones in the same process.
+    for target in TARGETS:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(VARIANTS), json.dumps(ALL_MARKS),
+                               json.dumps(DECODED_BUILDS), json.dumps(builds), json.dumps(STACKED_N_BUILDS), target],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("AOT-RESULTS ")]
+        assert proc.returncode == 0 and lines, f"compile process failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        results.update(json.loads(lines[-1].removeprefix("AOT-RESULTS ")))
+    return results
 
 
 #: Every kernel x target x specialisation compiled by the ``compiled`` fixture.
