@@ -43,7 +43,10 @@ def test_keys_major_tiles(monkeypatch, rng, cache, page_size, heads, stack_heads
                          batch.compress_ratio, 1.0 / math.sqrt(batch.q.shape[2]), batch.k_scale)
         plan = tiled.SPEC.plan(problem, Platform.of(batch.q.device), config=cfg)
         assert plan.constexprs["KEYS_MAJOR"] and plan.constexprs["PER_HEAD"] == (not stack_heads)
-        assert plan.constexprs["E4M3_MMA"] == (cache == "fp8" and mma == "1")
+        # e4m3 keys go to the MMA in a flavour the platform multiplies (the interpreter emulates both).
+        flavour = {"fp8": "e4m3fn", "fp8_fnuz": "e4m3fnuz"}.get(cache)
+        platform = Platform.of(batch.q.device)
+        assert plan.constexprs["E4M3_MMA"] == (flavour in platform.e4m3_mma and mma == "1")
         plan.launch(*args.kernel_args())
         ref_logits, ref_visible = reference_paged_mqa_logits(*batch.args(), k_scale=batch.k_scale)
         # The registry's choice (q-major tiles) decodes: the allowance for e4m3 MMAs is this plan's own.
@@ -52,5 +55,5 @@ def test_keys_major_tiles(monkeypatch, rng, cache, page_size, heads, stack_heads
         assert_matches_reference(logits.cpu(), visible.cpu(), ref_logits.cpu(), ref_visible.cpu(), rtol=TOL,
                                  atol=atol if isinstance(atol, float) else atol.cpu(),
                                  label=f"{cache}/page{page_size}/mma{mma}")
-        if cache in ("bf16", "fp8_fnuz", "fp4"):
-            break  # the MMA switch only changes the e4m3fn path here
+        if flavour not in platform.e4m3_mma:
+            break  # the MMA switch changes only the e4m3 paths here
