@@ -81,11 +81,12 @@ class QsaSettings(BaseSettings):
         True,
         alias="QSA_AITER_E4M3_MMA",
         validation_alias=AliasChoices("QSA_AITER_E4M3_MMA", "QSA_AITER_FP8_MMA"),  # its former name (FORMER_NAMES)
-        description="1 lets the stacked scorers (`stacked`, `keys_major`) read e4m3fn and MXFP4 caches with e4m3 "
-        "tensor-core MMAs (bf16 q split "
-        "into two exact e4m3 terms; MXFP4 nibbles become exact e4m3 bytes, one MMA step per 32-element block; the "
-        "tensor cores round inside their sums: up to 3.2e-4 of sum(|q||k|)/divisor measured on the H200 for fp8); 0 "
-        "decodes the keys to bf16 in registers (exact fp32 sums, slower).",
+        description="1 lets the MFMA/tensor-core scorers (`stacked`, `keys_major`, `tiled`'s keys-major tiles) read "
+        "quantised caches with the GPU's low-precision matrix instructions as stored: e4m3fn on NVIDIA 8.9+ and "
+        "gfx950, e4m3fnuz on gfx942, MXFP4 as exact e4m3 bytes one MMA step per 32-element block (NVIDIA) or with "
+        "gfx950's block-scaled MFMAs (bf16 q split into two exact e4m3 terms; the instructions round inside their "
+        "sums: up to 3.2e-4 of sum(|q||k|)/divisor measured on the H200 for fp8); 0 decodes the keys to bf16 in "
+        "registers (exact fp32 sums, slower).",
     )
     tuned_config: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
