@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     spilling = [r for r in rows if r.spills]
     if spilling:
         print(f"{len(spilling)} of {len(rows)} variants spill: "
-              + "; ".join(f"{r.kernel} {r.cache} page {r.page_size} {r.variant} (scratch {r.scratch} B, spill "
-                          f"stores {r.spill_bytes} B)" for r in spilling), file=sys.stderr)
+              + "; ".join(f"{r.kernel} {r.cache} page {r.page_size} {r.variant} ("
+                          + (f"scratch {r.scratch} B per lane" if r.backend == "hip"
+                             else f"spill stores {r.spill_bytes} B, stack {r.scratch} B") + ")"
+                          for r in spilling), file=sys.stderr)
         if args.fail_on_spills:
             return 1
     return 0

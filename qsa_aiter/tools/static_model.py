@@ -39,6 +39,7 @@ from ..runtime import tuned
 from ..runtime.settings import get_settings
 from .aot import compile_plan
 from .assembly import amd_resources, amd_waves, mma_mix
+from .cli_args import PAGE_SIZE_MEANING
 from .tuned_rows import merge_rows
 from .warmup import Matrix, WarmContext
 from .work_points import point_named
@@ -213,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"subset of {', '.join(KERNELS)}")
     parser.add_argument("--caches", default=",".join(FORMATS), help=f"subset of {', '.join(FORMATS)}")
     parser.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)),
-                        help="page sizes in compressed key groups per page (a page of 64 holds 64 x 4 = 256 "
-                             "tokens at the model's compress ratio)")
+                        help=f"comma-separated page sizes ({PAGE_SIZE_MEANING}; default: "
+                             f"{','.join(map(str, PAGE_SIZES))})")
     parser.add_argument("--csv", type=Path, required=True, help="tuned table to write the rows into (merged)")
     return parser
 

@@ -142,11 +142,11 @@ def test_demo_rejects_a_non_positive_iteration_count(capsys):
 def _parsers():
     """Every command's parser by name (``python -m qsa_aiter`` and its subcommands, the tools' own), with the
     subcommands' parsers reached through the dispatcher's."""
-    from qsa_aiter.tools import bench, demo, fuzz, tuner
+    from qsa_aiter.tools import bench, demo, fuzz, isa, static_model, tuner
     from qsa_aiter.tools.cli import _build_parser
 
     found = {"bench": bench.build_parser(), "tune": tuner.build_parser(), "fuzz": fuzz.build_parser(),
-             "demo": demo.build_parser()}
+             "demo": demo.build_parser(), "isa": isa.build_parser(), "model-configs": static_model.build_parser()}
     pending = [("python -m qsa_aiter", _build_parser())]
     while pending:
         name, parser = pending.pop()
@@ -159,7 +159,8 @@ def _parsers():
 
 def test_every_option_of_every_command_says_what_it_does():
     parsers = _parsers()
-    assert {"bench", "tune", "fuzz", "demo", "python -m qsa_aiter explain", "python -m qsa_aiter warmup",
+    assert {"bench", "tune", "fuzz", "demo", "isa", "model-configs", "python -m qsa_aiter explain",
+            "python -m qsa_aiter warmup",
             "python -m qsa_aiter jit list", "python -m qsa_aiter jit clear"} <= set(parsers)
     silent = []
     for name, parser in parsers.items():
@@ -182,7 +183,8 @@ def test_every_page_size_option_says_it_counts_compressed_groups():
                 asked.append(name)
                 assert "page_size compressed key groups" in action.help, (name, action.help)
                 assert "page_size x compress_ratio tokens" in action.help, (name, action.help)
-    assert sorted(asked) == ["bench", "python -m qsa_aiter explain", "python -m qsa_aiter warmup", "tune"]
+    assert sorted(asked) == ["bench", "isa", "model-configs", "python -m qsa_aiter explain",
+                             "python -m qsa_aiter warmup", "tune"]
 
 
 def test_the_demo_says_what_its_page_size_counts(monkeypatch, capsys):
@@ -206,3 +208,14 @@ def test_warmup_into_a_directory_it_cannot_write_names_where_it_came_from(monkey
     err = capsys.readouterr().err
     source = "environment variable QSA_AITER_JIT_DIR='/proc'" if given == "variable" else "--jit-dir"
     assert f"error: the JIT cache directory /proc ({source}) is not writable: warmup compiles into it" in err
+
+
+def test_isa_refuses_a_native_kernel_and_an_unknown_index_dtype(capsys):
+    """``isa`` reports Triton builds only: a native kernel or an unknown index dtype is an error naming the option,
+    before anything is compiled."""
+    from qsa_aiter.tools import isa
+
+    assert isa.main(["--arch", "gfx950", "--kernels", "native_topk", "--no-progress"]) == 2
+    assert "--kernels" in capsys.readouterr().err
+    assert isa.main(["--arch", "gfx950", "--index-dtypes", "int16", "--no-progress"]) == 2
+    assert "index_dtypes must be a non-empty tuple of int32, int64" in capsys.readouterr().err
