@@ -7,7 +7,7 @@ import argparse
 import re
 import sys
 
-from .cli_args import PAGE_SIZE_MEANING, cache_format, cache_formats, positive_int
+from .cli_args import PAGE_SIZE_MEANING, cache_format, cache_formats, comma_subset, positive_int, positive_ints
 from ..kernels.quant.formats import CACHE_FORMATS
 from ..kernels.scoring.problem import PHASES
 
@@ -104,13 +104,13 @@ def _build_parser() -> argparse.ArgumentParser:
                                     "docs/jit_and_configs.md.")
     wu.add_argument("--arch", choices=tuple(TARGETS), default=None,
                     help="compile for this arch without a GPU (default: the present GPU's)")
-    wu.add_argument("--kernels", type=_choices(KERNELS + NATIVE_KERNELS), default=KERNELS + NATIVE_KERNELS,
+    wu.add_argument("--kernels", type=comma_subset(KERNELS + NATIVE_KERNELS), default=KERNELS + NATIVE_KERNELS,
                     help=f"comma-separated subset of {','.join(KERNELS + NATIVE_KERNELS)} (default: all)")
     wu.add_argument("--caches", type=cache_formats, default=CACHES,
                     help=f"index-cache formats, comma-separated subset of {','.join(CACHES)} (default: all)")
-    wu.add_argument("--page-sizes", type=_positive_list, default=None,
+    wu.add_argument("--page-sizes", type=positive_ints, default=None,
                     help=f"comma-separated page sizes; {PAGE_SIZE_MEANING} (default: 16,64)")
-    wu.add_argument("--index-dtypes", type=_choices(tuple(INDEX_DTYPES)), default=tuple(INDEX_DTYPES),
+    wu.add_argument("--index-dtypes", type=comma_subset(tuple(INDEX_DTYPES)), default=tuple(INDEX_DTYPES),
                     help="dtypes of the index tensors (page table, positions, slot mapping ...), one per call, "
                          "comma-separated (default: int32,int64)")
     wu.add_argument("--jit-dir", type=_cache_dir, default=None,
@@ -128,26 +128,6 @@ def _build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--jit-dir", type=_cache_dir, default=None, help="cache directory (default as for warmup)")
     cl.add_argument("--arch", default=None, help="only this arch's directory (e.g. sm_90)")
     return parser
-
-
-def _choices(allowed: tuple[str, ...]):
-    """argparse type: a comma-separated, non-empty subset of ``allowed``."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        values = tuple(v.strip() for v in text.split(",") if v.strip())
-        bad = [v for v in values if v not in allowed]
-        if not values or bad:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}; got {text!r}")
-        return values
-
-    return parse
-
-
-def _positive_list(text: str) -> tuple[int, ...]:
-    values = tuple(positive_int(v) for v in text.split(",") if v.strip())
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers; got {text!r}")
-    return values
 
 
 def _jit_root(opts: argparse.Namespace):

@@ -71,3 +71,24 @@ class RenamedOption(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(f"note: {option_string} is now {self.renamed_to}", file=sys.stderr)
         setattr(namespace, self.dest, values)
+
+
+def comma_subset(allowed: tuple[str, ...]):
+    """argparse type: a comma-separated, non-empty subset of ``allowed``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}; got {text!r}")
+        return values
+
+    return parse
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated positive integers (page sizes, ...), at least one."""
+    values = tuple(positive_int(v) for v in text.split(",") if v.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers; got {text!r}")
+    return values

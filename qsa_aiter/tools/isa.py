@@ -13,7 +13,7 @@ from pathlib import Path
 from ..kernels.platform import Platform
 from .aot import TARGETS
 from .assembly import VariantIsa, analyse, table
-from .cli_args import PAGE_SIZE_MEANING, cache_formats
+from .cli_args import PAGE_SIZE_MEANING, cache_formats, positive_ints
 from .warmup import CACHES, INDEX_DTYPES, KERNELS, Matrix
 
 #: The scoring kernels (the default of ``isa --kernels``: the ones whose registers matter most).
@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated subset of {','.join(KERNELS)} (default: the scorers)")
     parser.add_argument("--caches", type=cache_formats, default=CACHES,
                         help=f"index-cache formats, comma-separated subset of {','.join(CACHES)} (default: all)")
-    parser.add_argument("--page-sizes", default="16,64", help=f"comma-separated page sizes ({PAGE_SIZE_MEANING}; "
-                                                              "default: 16,64)")
+    parser.add_argument("--page-sizes", type=positive_ints, default=(16, 64),
+                        help=f"comma-separated page sizes ({PAGE_SIZE_MEANING}; default: 16,64)")
     parser.add_argument("--index-dtypes", default="int32",
                         help=f"comma-separated subset of {','.join(INDEX_DTYPES)} (default: int32)")
     parser.add_argument("--jit-dir", default=None, help="JIT cache directory (default: as for warmup)")
@@ -58,10 +58,10 @@ def _csv(rows: list[VariantIsa]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
-    pages = tuple(int(p) for p in args.page_sizes.split(",") if p.strip()) if args.page_sizes else ()
     index_dtypes = tuple(d.strip() for d in args.index_dtypes.split(",") if d.strip())
     try:
-        matrix = Matrix(kernels=kernels, caches=tuple(args.caches), page_sizes=pages, index_dtypes=index_dtypes)
+        matrix = Matrix(kernels=kernels, caches=tuple(args.caches), page_sizes=args.page_sizes,
+                        index_dtypes=index_dtypes)
         if any(k not in KERNELS for k in kernels):
             raise ValueError(f"--kernels: the native kernels are not Triton builds; choose among {', '.join(KERNELS)}")
         if any(d not in INDEX_DTYPES for d in index_dtypes):

@@ -189,15 +189,11 @@ class ScorerSpec(KernelSpec):
         """Why the kernel cannot take ``problem``'s shape (head count, head_dim), or None."""
         return None
 
-    def key_reading(self, problem, platform, plan=None) -> str:
-        """One line for ``explain``: how this kernel reads ``problem``'s keys on ``platform`` (with ``plan``, its
-        launch plan there: the path its constexprs take)."""
+    def key_reading(self, problem, platform, plan) -> str:
+        """One line for ``explain``: how this kernel reads ``problem``'s keys on ``platform`` under ``plan``, its
+        launch plan there (the path its ``E4M3_MMA`` / ``SCALED_MMA`` constexprs take)."""
         kind = kv_kind(problem.cache_dtype)
-        if plan is not None and "E4M3_MMA" in plan.constexprs:
-            mma, scaled = plan.constexprs["E4M3_MMA"], plan.constexprs.get("SCALED_MMA", False)
-        else:
-            mma = self.e4m3_mma_path and e4m3_mma_serves(problem, platform)
-            scaled = mma and scaled_mma_serves(problem, platform)
+        mma, scaled = plan.constexprs.get("E4M3_MMA", False), plan.constexprs.get("SCALED_MMA", False)
         if mma:
             if scaled:
                 keys = ("the stored MXFP4 nibbles and e8m0 exponents as the operand and scales of block-scaled MMAs "

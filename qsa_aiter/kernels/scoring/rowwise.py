@@ -126,7 +126,7 @@ class RowwiseSpec(ScorerSpec):
         target = platform.programs(cfg.programs_per_sm)
         return problem.num_tokens, column_programs(problem.num_tokens, problem.num_columns, cfg.block_n, target)
 
-    def key_reading(self, problem, platform, plan=None) -> str:
+    def key_reading(self, problem, platform, plan) -> str:
         if kv_kind(problem.cache_dtype) == KV_16BIT:
             return "as stored"
         return "decoded to fp32 in registers (CUDA-core products, no MMA)"

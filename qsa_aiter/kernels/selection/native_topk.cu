@@ -363,6 +363,25 @@ __device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int
 }
 #endif
 
+// The keys of quad q (columns 4q .. 4q+3, nvalid of them valid): from the row's key cache s when there is one,
+// else mapped from the logits g (f2key); the invalid ones are 0 (callers skip them by nvalid).
+__device__ __forceinline__ void load_key_quad(const float* __restrict__ g, const unsigned* s, int q, int nvalid,
+                                              bool vec, unsigned k[4]) {
+    if (s != nullptr) {
+        if (nvalid > 0) {
+            const uint4 t = *reinterpret_cast<const uint4*>(s + 4 * q);
+            k[0] = t.x; k[1] = t.y; k[2] = t.z; k[3] = t.w;
+        } else {
+            k[0] = k[1] = k[2] = k[3] = 0u;
+        }
+    } else {
+        float v[4];
+        load_quad_g(g, 4 * q, nvalid, vec, v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) k[i] = f2key(v[i]);
+    }
+}
+
 // Passes 2/3: histogram the keys of the current prefix, reading either shared keys `s`
 // (cache or candidate buffer, padded to a multiple of 4) or the global row `g`.
 // If `cand` != nullptr, keys with the prefix are also appended (unordered; only counts
@@ -379,19 +398,7 @@ __device__ __forceinline__ void pass_count(const float* __restrict__ g, const un
         for (int j = 0; j < U; ++j) {
             const int q = q0 + j * BLOCK + threadIdx.x;
             nv[j] = quad_valid(len, q);
-            if (s != nullptr) {
-                if (nv[j] > 0) {
-                    uint4 t = *reinterpret_cast<const uint4*>(s + 4 * q);
-                    k[j][0] = t.x; k[j][1] = t.y; k[j][2] = t.z; k[j][3] = t.w;
-                } else {
-                    k[j][0] = k[j][1] = k[j][2] = k[j][3] = 0u;
-                }
-            } else {
-                float v[4];
-                load_quad_g(g, 4 * q, nv[j], vec, v);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) k[j][i] = f2key(v[i]);
-            }
+            load_key_quad(g, s, q, nv[j], vec, k[j]);
         }
 #pragma unroll
         for (int j = 0; j < U; ++j) {
@@ -441,19 +448,7 @@ __device__ __forceinline__ void pass_emit(const float* __restrict__ g, const uns
         for (int j = 0; j < EU; ++j) {
             const int q = q0 + threadIdx.x * EU + j;
             nv[j] = quad_valid(len, q);
-            if (s != nullptr) {
-                if (nv[j] > 0) {
-                    uint4 t = *reinterpret_cast<const uint4*>(s + 4 * q);
-                    k[j][0] = t.x; k[j][1] = t.y; k[j][2] = t.z; k[j][3] = t.w;
-                } else {
-                    k[j][0] = k[j][1] = k[j][2] = k[j][3] = 0u;
-                }
-            } else {
-                float v[4];
-                load_quad_g(g, 4 * q, nv[j], vec, v);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) k[j][i] = f2key(v[i]);
-            }
+            load_key_quad(g, s, q, nv[j], vec, k[j]);
         }
 #pragma unroll
         for (int j = 0; j < EU; ++j)
