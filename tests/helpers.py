@@ -210,7 +210,7 @@ SELECTION_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def random_logits(gen, tokens: int, columns: int, kind: str) -> torch.Tensor:
     """fp32 logits of a selection test on the test device: random, few-valued (\"ties\") or all equal, with -inf
-    columns (bad pages) in row 0 and signed zeros in row 1."""
+    columns (bad pages) in row 0 and signed zeros in row 1 (where there is one)."""
     if kind == "ties":  # few distinct values: ties everywhere, broken by index
         logits = torch.randint(0, 6, (tokens, columns), generator=gen).float()
     elif kind == "equal":  # every score the same (equal keys): the lowest groups win
@@ -218,8 +218,9 @@ def random_logits(gen, tokens: int, columns: int, kind: str) -> torch.Tensor:
     else:
         logits = torch.randn(tokens, columns, generator=gen)
     logits[0, 3:40] = float("-inf")  # bad pages inside the visible range
-    logits[1, ::5] = -0.0
-    logits[1, 1::5] = 0.0
+    if tokens > 1:  # a one-row input keeps its bad pages; the signed zeros need a second row
+        logits[1, ::5] = -0.0
+        logits[1, 1::5] = 0.0
     return logits.to(SELECTION_DEVICE)
 
 

@@ -53,10 +53,18 @@ class RecordedLaunch(NamedTuple):
         return self.args[self.plan.fn.arg_names.index(name)]
 
 
+def record(launch) -> None:
+    """Add ``launch`` (a launch made without a ``LaunchPlan``, e.g. a native kernel's, that replays itself) to the
+    open ``recording()`` block's list, if there is one."""
+    launches = _recording.get()
+    if launches is not None:
+        launches.append(launch)
+
+
 @contextmanager
 def recording():
-    """Within the block, every ``LaunchPlan.launch`` appends a ``RecordedLaunch`` to the list this yields
-    (``runtime/replay.py`` keeps a call's launches for its later calls)."""
+    """Within the block, every ``LaunchPlan.launch`` appends a ``RecordedLaunch`` to the list this yields, and
+    ``record`` the launches it is given (``runtime/replay.py`` keeps a call's launches for its later calls)."""
     launches: list = []
     token = _recording.set(launches)
     try:
@@ -86,7 +94,7 @@ class LaunchPlan:
 
     def launch(self, *args) -> None:
         """Launch the kernel on ``args`` (the kernel's positional arguments, in the order of its signature); an open
-        ``call_plans.recording()`` block records the compiled kernel."""
+        ``recording()`` block records the compiled kernel."""
         kernel = self.fn[self.grid](*args, **self.constexprs, **self.options)
         launches = _recording.get()
         if launches is not None:

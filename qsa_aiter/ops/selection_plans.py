@@ -20,6 +20,7 @@ from .scoring import SCORER_POINTERS
 TOPK_POINTERS = ("logits_ptr", "vis_ptr", "out_ptr", "buf_ptr", "max_ptr", "pos_ptr", "ctx_ptr", "t2r_ptr", "tok_ptr")
 MAXIMA_POINTERS = ("logits_ptr", "vis_ptr", "max_ptr")
 EXPAND_POINTERS = ("blk_ptr", "pos_ptr", "ctx_ptr", "t2r_ptr", "out_ptr")
+NATIVE_TOPK_POINTERS = ("logits", "visible", "out", "positions", "contexts", "requests", "tokens")
 
 
 def _scratch_parts(*sizes: int) -> tuple[tuple[int, ...], int]:
@@ -39,10 +40,34 @@ def _laid_out(tensor: torch.Tensor, shape: tuple[int, int]) -> bool:
     return tuple(tensor.shape) == shape and tensor.is_contiguous()
 
 
-def _topk_parts(launches: list, block_topk: int, tokens: int, columns: int):
+def _native_topk_parts(launches: list, expands: bool):
+    """``(None, top-k, 0, 0)`` as ``_topk_parts`` gives them, for the native top-k's recorded launch (with its fused
+    expansion where the call ``expands``): the top-k as one function of the Triton top-k's nine addresses (it reads
+    the logits, the visible counts and the groups, and the expansion's four; not the candidates or the maxima), or
+    None where the launches are not that one."""
+    name = registries.NATIVE_TOPK_EXPAND_LAUNCH if expands else registries.NATIVE_TOPK_LAUNCH
+    direct = replay.direct_launches(launches, (name,))
+    launch = direct[0].taking(*NATIVE_TOPK_POINTERS) if direct else None
+    if launch is None:
+        return None
+    if not expands:  # the expansion's pointers are null: no expansion
+        return None, lambda logits_at, visible_at, out_at, *unread: launch(logits_at, visible_at, out_at, 0, 0, 0, 0), \
+            0, 0
+
+    def topk_and_expand(logits_at, visible_at, groups_at, candidates_at, maxima_at, position_at, lens_at, request_at,
+                        out_at):
+        launch(logits_at, visible_at, groups_at, position_at, lens_at, request_at, out_at)
+
+    return None, topk_and_expand, 0, 0
+
+
+def _topk_parts(launches: list, block_topk: int, tokens: int, columns: int, expands: bool = False):
     """``(maxima launch or None, top-k launch, candidate width, maxima elements)`` of the direct launches of a
-    top-k's recorded ``launches`` (the block maxima, when recorded, then the top-k), or None where a recorded
-    buffer is not laid out as a replay lays it out."""
+    top-k's recorded ``launches`` (the block maxima, when recorded, then the top-k; or the native top-k, with its
+    expansion where the call ``expands``), or None where a recorded buffer is not laid out as a replay lays it
+    out. The top-k launch takes the Triton top-k's pointer addresses (``TOPK_POINTERS``)."""
+    if launches and not replay.is_recorded(launches[0]):
+        return _native_topk_parts(launches, expands)
     direct = replay.direct_launches(launches, ("block_maxima?", "topk"))
     if direct is None:
         return None
@@ -75,13 +100,14 @@ class SelectionPlan:
 
     @classmethod
     def of(cls, problem: ScoreProblem, block_topk: int, token_topk: int, launches: list) -> "SelectionPlan | None":
-        """The plan of a call that made ``launches`` (None unless they were a scorer's, then the Triton top-k's)."""
-        if not launches or launches[0].plan.kernel not in registries.SCORER_KERNELS:
+        """The plan of a call that made ``launches`` (None unless they were a scorer's, then the Triton or the native
+        top-k's)."""
+        if not launches or not replay.is_recorded(launches[0]) or launches[0].plan.kernel not in registries.SCORER_KERNELS:
             return None
         tokens, columns = problem.num_tokens, problem.num_columns
         score = replay.direct_launches(launches[:1], (launches[0].plan.kernel,))
         score = score[0].taking(*SCORER_POINTERS) if score else None
-        parts = _topk_parts(launches[1:], block_topk, tokens, columns)
+        parts = _topk_parts(launches[1:], block_topk, tokens, columns, expands=True)
         if score is None or parts is None:
             return None
         if not _laid_out(launches[0].arg("out_ptr"), (tokens, columns)):
@@ -127,7 +153,8 @@ class TopkPlan:
 
     @classmethod
     def of(cls, logits: torch.Tensor, block_topk: int, launches: list) -> "TopkPlan | None":
-        """The plan of a call on ``logits`` that made ``launches`` (None unless they were the Triton top-k's)."""
+        """The plan of a call on ``logits`` that made ``launches`` (None unless they were the Triton or the native
+        top-k's)."""
         tokens, columns = logits.shape
         parts = _topk_parts(launches, block_topk, tokens, columns)
         if parts is None:

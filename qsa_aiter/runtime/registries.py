@@ -27,6 +27,7 @@ from ..kernels.scoring.problem import PHASES, ScoreProblem
 from ..kernels.scoring.reference import reference_paged_mqa_logits
 from ..kernels.selection import expand, native_topk, topk
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
+from ..kernels.spec import record
 from . import rocm
 from .jit import native, nvrtc
 from .dispatch import ANY_PHASE, Candidate, Registry, plan_for, register, spec_candidate
@@ -168,6 +169,10 @@ def _launch_aiter_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
     _expand_after(args, settings)
 
 
+#: The names a native top-k launch is recorded under, without and with the fused expansion (``kernels.spec.record``;
+#: the selection replays match them).
+NATIVE_TOPK_LAUNCH, NATIVE_TOPK_EXPAND_LAUNCH = "native_topk", "native_topk+expand"
+
 #: The compute capability the native top-k needs (what its kernels were written for: sm_80's shared-memory opt-in;
 #: the cluster kernels need sm_90 and are only planned there).
 NATIVE_MIN_CAPABILITY = (8, 0)
@@ -197,22 +202,15 @@ def native_topk_reasons(problem: TopkProblem, platform: Platform, settings) -> l
     return found
 
 
-def _native_candidate_reasons(problem: TopkProblem, platform: Platform, settings) -> list[str]:
-    """The native candidate's reasons: its host facts, and, until it has run inside the package on a GPU (its `gpu`
-    tests and the selection benchmark), that it serves only when asked for by name."""
-    found = native_topk_reasons(problem, platform, settings)
-    if settings.topk_backend != "native":
-        found.append("opt-in until proven on a GPU inside the package (QSA_AITER_TOPK_BACKEND=native)")
-    return found
-
-
 def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
-                      settings=None, plan: native_topk.Plan | None = None) -> None:
+                      settings=None, plan: native_topk.Plan | None = None, expand_into: tuple | None = None) -> None:
     """The native CUDA block top-k into ``out`` (int32 ``[tokens, block_topk]``, last dim contiguous) from fp32
     ``logits [tokens, columns]`` (last dim contiguous, any row stride) and int32 ``visible [tokens]`` (read on the
-    device, clamped to ``[0, columns]``), on CUDA tensors; ``plan``: a ``native_topk.Plan`` instead of the one
+    device, clamped to ``[0, columns]``), on CUDA tensors; ``expand_into`` (``TopkArgs.expand_into``) fuses the
+    expansion into the launch, as the Triton top-k does; ``plan``: a ``native_topk.Plan`` instead of the one
     ``choose_plan`` makes (tests, benchmarks). One launch on the current stream; the kernel is compiled into the JIT
-    cache, or loaded from it, at its first use in a process."""
+    cache, or loaded from it, at its first use in a process. A launch whose tensors the kernel takes as they are is
+    recorded (``kernels.spec.record``) for the replay of later calls."""
     rows, columns = logits.shape
     if rows == 0:
         return
@@ -222,33 +220,51 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     row_stride = logits.stride(0) if rows > 1 else max(columns, 1)
     # float4 loads and bulk copies need every row to start 16-byte aligned
     vectorised = logits.data_ptr() % 16 == 0 and (row_stride % 4 == 0 or rows == 1)
-    call = native_topk.launch_arguments(plan, rows, columns, row_stride, block_topk, vectorised)
+    # The kernel reads visible[row] (and the expansion's positions, lengths and requests) at stride 1 and writes
+    # groups rows block_topk apart: other layouts go through contiguous copies, and such a launch is not recorded.
+    inputs = (visible,) if expand_into is None else (visible, *expand_into[:3])
+    direct = all(t.stride(0) == 1 for t in inputs) and out.is_contiguous()
+    visible = visible if visible.stride(0) == 1 else visible.contiguous()
+    target = out if out.is_contiguous() else torch.empty(out.shape, dtype=torch.int32, device=out.device)
+    addresses = [logits.data_ptr(), visible.data_ptr(), target.data_ptr()]
+    expansion = None
+    if expand_into is not None:
+        positions, context_lens, token_to_request, tokens_out, ratio, token_topk = expand_into
+        positions, context_lens, token_to_request = (t if t.stride(0) == 1 else t.contiguous()
+                                                     for t in (positions, context_lens, token_to_request))
+        expansion = native_topk.Expansion(
+            context_lens.shape[0], ratio, token_topk + ratio - 1, tokens_out.stride(0) if rows > 1 else 0,
+            positions.dtype == torch.int64, context_lens.dtype == torch.int64, token_to_request.dtype == torch.int64)
+        addresses += [positions.data_ptr(), context_lens.data_ptr(), token_to_request.data_ptr(),
+                      tokens_out.data_ptr()]
+    else:
+        addresses += [0, 0, 0, 0]
+    call = native_topk.launch_arguments(plan, rows, columns, row_stride, block_topk, vectorised, expansion)
     variant = plan.variant
     kernel = native.kernel_for(native_topk.source(), variant.name, variant.defines, device, platform.arch, settings,
                                non_portable_cluster=variant.non_portable_cluster)
-    # The kernel reads visible[row] and writes rows block_topk apart: other layouts go through contiguous copies.
-    visible = visible if visible.stride(0) == 1 else visible.contiguous()
-    target = out if out.is_contiguous() else torch.empty(out.shape, dtype=torch.int32, device=out.device)
-    native.launch(kernel, call.grid, call.block, call.shared_bytes,
-                  (logits.data_ptr(), visible.data_ptr(), target.data_ptr()), call.scalars,
-                  torch.cuda.current_stream(device).cuda_stream)
+    name = NATIVE_TOPK_LAUNCH if expansion is None else NATIVE_TOPK_EXPAND_LAUNCH
+    prepared = native.PreparedLaunch(name, kernel, call.grid, call.block, call.shared_bytes,
+                                     tuple(pointer for pointer, _ in call.pointers), call.scalars)
+    prepared(*addresses)
     if target is not out:
         out.copy_(target)
+    elif direct:  # a later call of the same signature replays this launch with its own addresses
+        record(prepared)
 
 
 def _launch_native_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
-    native_block_topk(args.logits, args.visible, args.groups, args.block_topk, settings)
-    _expand_after(args, settings)
+    native_block_topk(args.logits, args.visible, args.groups, args.block_topk, settings, expand_into=args.expand_into)
 
 
 TOPK = register(Registry("topk", "block top-k", (
     Candidate("aiter", "AITER's HIP top-k (aiter.ops.topk, stable), its groups sorted",
               rocm.aiter_topk_candidate_reasons, _launch_aiter_topk, {ANY_PHASE: 10}),
     spec_candidate(topk.SPEC, _launch_triton_topk, name="triton", ranks={ANY_PHASE: 20}),
-    # Opt-in and ranked after Triton until it has run inside the package on a GPU: `auto` keeps the Triton top-k
-    # (also where it fails), QSA_AITER_TOPK_BACKEND=native forces this one. A failed compile or launch marks it broken.
-    Candidate("native", "native CUDA top-k (NVRTC-compiled radix select; one CTA or one cluster per row), then the "
-              "expansion", _native_candidate_reasons, _launch_native_topk, {ANY_PHASE: 30}),
+    # Ranked before Triton wherever it serves (faster at every work point of docs/selection.md); a failed compile or
+    # launch marks it broken and the Triton top-k serves.
+    Candidate("native", "native CUDA top-k (NVRTC-compiled radix select; one CTA or one cluster per row; the "
+              "expansion fused)", native_topk_reasons, _launch_native_topk, {ANY_PHASE: 15}),
     Candidate("torch", "torch path (a stable sort; any device, graph-safe)", _serves_all, _launch_torch_topk,
               {ANY_PHASE: 90}),
 ), broken_key=lambda problem: (problem.device_type, problem.fused), forced_setting="topk_backend"))

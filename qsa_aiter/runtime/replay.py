@@ -201,6 +201,12 @@ def size() -> int:
     return _count
 
 
+def kept_plans() -> list:
+    """The plans kept, the most recently used key first (tests and diagnostics)."""
+    with _store_lock:
+        return [entry[1] for bucket in reversed(_plans.values()) for entry in bucket.entries]
+
+
 class DirectLaunch:
     """One recorded launch, replayed without Triton's binder: ``__call__(*addresses)`` takes the integer addresses of
     the kernel's leading pointer arguments (those the recorded call gave as tensors, in order) and launches the
@@ -235,13 +241,18 @@ def direct_launches(launches: list, expected: tuple[str, ...]) -> tuple[DirectLa
     """The recorded ``launches`` as direct launches, if they are exactly the kernels ``expected`` (by spec name, in
     order; a kernel name ending in ``?`` may be absent), each one's positional arguments are tensors then scalars,
     and its constexprs follow its positional arguments in its signature; else None (the call is not cached: a
-    fallback ran, or the interpreter, which compiles nothing)."""
-    names = [plan.kernel for plan, _, _ in launches]
+    fallback ran, or the interpreter, which compiles nothing). A launch recorded as a ready direct launch (a native
+    kernel's ``PreparedLaunch``: ``name``, ``taking``) is matched by its name and kept as it is."""
+    names = [entry[0].kernel if is_recorded(entry) else entry.name for entry in launches]
     wanted = [name.rstrip("?") for name in expected if not name.endswith("?") or name.rstrip("?") in names]
     if names != wanted:
         return None
     out = []
-    for plan, kernel, args in launches:
+    for entry in launches:
+        if not is_recorded(entry):
+            out.append(entry)
+            continue
+        plan, kernel, args = entry
         pointers = _leading_tensors(args)
         tail = None if kernel is None else _constexpr_tail(plan, len(args))
         if tail is None or pointers is None:
@@ -249,6 +260,12 @@ def direct_launches(launches: list, expected: tuple[str, ...]) -> tuple[DirectLa
         out.append(DirectLaunch(kernel, plan.grid, tuple(plan.fn.arg_names[:pointers]), tuple(args[pointers:]) + tail,
                                 torch.cuda.current_device()))
     return tuple(out)
+
+
+def is_recorded(entry) -> bool:
+    """Whether a recorded entry is a ``LaunchPlan``'s ``(plan, kernel, args)`` (a ``RecordedLaunch``) rather than a
+    launch that replays itself (``kernels.spec.record``)."""
+    return isinstance(entry, tuple)
 
 
 def _leading_tensors(args: tuple) -> int | None:

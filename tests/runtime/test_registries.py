@@ -34,7 +34,7 @@ def _scores(rng):
 def test_every_family_has_a_universal_last_resort():
     for registry in (registries.SCORING, registries.TOPK, registries.EXPAND, registries.WRITER):
         assert registry.candidates["torch"].ranks and registry.candidates["torch"].spec is None
-    assert registries.TOPK.order(registries.TopkProblem("cpu", 1, 8, 2))[0] == ("aiter", "triton", "native", "torch")
+    assert registries.TOPK.order(registries.TopkProblem("cpu", 1, 8, 2))[0] == ("aiter", "native", "triton", "torch")
 
 
 def test_explain_selection_reports_scoring_and_topk(rng):
@@ -125,15 +125,9 @@ def test_forcing_the_native_topk_where_it_cannot_run_names_its_reasons(monkeypat
         qsa_aiter.qsa_select_paged_tokens(*_batch(rng), 64, 4)
 
 
-def test_the_native_topk_serves_only_when_asked_for(monkeypatch):
-    """Until it has run inside the package on a GPU, the native top-k is opt-in: where its host facts say it can
-    run, ``auto`` passes it over (even after the Triton top-k failed) and ``QSA_AITER_TOPK_BACKEND=native`` takes it."""
-    monkeypatch.setattr(registries, "native_topk_reasons", lambda problem, platform, settings: [])
-    problem = registries.TopkProblem("cuda", 36, 32768, 512)
-    assert registries.TOPK.reasons("native", problem) == [
-        "opt-in until proven on a GPU inside the package (QSA_AITER_TOPK_BACKEND=native)"]
-    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
-    assert registries.TOPK.reasons("native", problem) == []
+def test_the_native_topk_serves_where_its_host_facts_allow():
+    """The native candidate's reasons are its host facts alone (no opt-in): ``auto`` takes it wherever it can run."""
+    assert registries.TOPK.candidates["native"].reasons is registries.native_topk_reasons
 
 
 def _native_serving(monkeypatch, launch=None):
@@ -146,11 +140,11 @@ def _native_serving(monkeypatch, launch=None):
     dispatch.clear_decisions()
 
 
-def test_native_serving_is_ranked_after_triton(monkeypatch, rng):
+def test_native_serving_is_ranked_before_triton(monkeypatch, rng):
     _native_serving(monkeypatch)
     report = qsa_aiter.explain_selection(*_batch(rng), 64, 4)
-    assert "order aiter > triton > native > torch" in report
-    assert "* triton: serves" in report and "- native: serves, but an earlier candidate is preferred" in report
+    assert "order aiter > native > triton > torch" in report
+    assert "* native: serves" in report and "- triton: serves, but an earlier candidate is preferred" in report
 
 
 def test_a_failing_native_topk_falls_back_and_is_marked_broken(monkeypatch, rng, caplog):
@@ -170,22 +164,25 @@ def test_a_failing_native_topk_falls_back_and_is_marked_broken(monkeypatch, rng,
         qsa_aiter.qsa_block_topk(logits, visible, 16)
 
 
-def test_the_native_topk_expands_after_its_launch(monkeypatch, rng):
-    """A fused step through the native candidate: its top-k (``native_block_topk``, stood in for by the torch path
-    here), then the expansion through the ``EXPAND`` registry (two launches), equal to selection through the other
-    candidates."""
+def test_the_native_topk_fuses_the_expansion(monkeypatch, rng):
+    """A fused step through the native candidate: one ``native_block_topk`` call given the expansion (stood in for
+    by the torch paths here), equal to selection through the other candidates."""
     seen = []
 
-    def stand_in(logits, visible, out, block_topk, settings=None, plan=None):
-        seen.append(tuple(out.shape))
+    def stand_in(logits, visible, out, block_topk, settings=None, plan=None, expand_into=None):
+        seen.append((tuple(out.shape), expand_into is not None))
         registries.torch_block_topk(logits, visible, block_topk, out)
+        positions, context_lens, token_to_request, tokens_out, ratio, token_topk = expand_into
+        registries.torch_expand_block_indices(out, positions, context_lens, token_to_request, ratio, token_topk,
+                                              tokens_out)
 
     args = _batch(rng)
     want = qsa_aiter.qsa_select_paged_tokens(*args, 64, 4)
     _native_serving(monkeypatch)
     monkeypatch.setattr(registries, "native_block_topk", stand_in)
+    monkeypatch.setattr(registries, "expand_tokens", _failing)  # no second launch
     monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
-    assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*args, 64, 4), want) and seen == [(3, 16)]
+    assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*args, 64, 4), want) and seen == [((3, 16), True)]
 
 
 def _failing(*args, **kwargs):

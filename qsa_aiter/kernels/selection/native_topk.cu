@@ -6,6 +6,8 @@
 //               column order, then -1 padding.  If n <= K: 0..n-1 then -1, scores not read.
 //   Columns >= n are never read.  -inf ranks last but counts; -0.0 == +0.0; no NaN in [0, n).
 //   out is int32 [rows, K], rows K apart.
+//   With tokens != nullptr the launch also expands each row's groups to token indices (expand_row, the
+//   contract of qsa_expand_block_indices) into tokens[r, 0:width], rows tok_ld apart.
 //
 // Method: radix select on order-preserving 32-bit keys
 //   key(x) = bits(x) == 0x80000000 ? 0x80000000 : (sign ? ~bits : bits | 0x80000000)
@@ -729,19 +731,99 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     pass_emit<BLOCK, 4>(g, src, n, vec, 0, T, e, 0u, 0u, orow, (unsigned)K, s_scan);
 }
 
+// ---------------------------------------------------------------------------------------
+// The fused expansion (what qsa_expand_block_indices computes), run by the CTA that owns a row once
+// the row's groups are written: each selected group g >= 0 gives the tokens g*R .. g*R+R-1 below
+// the request's context length (a prefix of the group), packed by an exclusive scan over the
+// groups; then the causal tail ((p+1)/R)*R .. p (capped by the context length); then -1.  A row
+// whose request is outside [0, num_requests) is all -1.  Indices are int32: tokens at or past
+// 2**31 are cut like tokens past the context.  positions / contexts / requests are int32 or
+// int64 (bits 0 / 1 / 2 of idx_wide).
+#define TOPK_TOKEN_LIMIT 2147483648LL
+
+__device__ __forceinline__ long long load_index(const void* p, long long i, bool wide) {
+    return wide ? reinterpret_cast<const long long*>(p)[i] : (long long)reinterpret_cast<const int*>(p)[i];
+}
+
+// A group written by this row's CTAs (read past L1: in a cluster other CTAs wrote it).
+__device__ __forceinline__ int load_group(const int* p) {
+#if TOPK_HIP
+    return *reinterpret_cast<const volatile int*>(p);
+#else
+    return __ldcg(p);
+#endif
+}
+
+__device__ __forceinline__ unsigned tokens_kept(long long g, long long limit, int R) {
+    if (g < 0 || g >= limit) return 0u;
+    const long long c = limit - g * R;
+    return (unsigned)(c < R ? c : R);
+}
+
+template <int BLOCK>
+__device__ __forceinline__ void expand_row(const int* grow, int K, int row, const void* pos, const void* ctx,
+                                           const void* t2r, int* __restrict__ tok, int num_requests, int R,
+                                           int width, int tok_ld, int idx_wide, unsigned* s_scan) {
+    const long long req = load_index(t2r, row, idx_wide & 4);
+    const bool ok = req >= 0 && req < num_requests;
+    long long limit = ok ? load_index(ctx, req, idx_wide & 2) : 0;
+    limit = limit < 0 ? 0 : (limit > TOPK_TOKEN_LIMIT ? TOPK_TOKEN_LIMIT : limit);
+    const long long p = load_index(pos, row, idx_wide & 1);
+    const int per = (K + BLOCK - 1) / BLOCK;
+    const int i0 = imin(K, threadIdx.x * per), i1 = imin(K, i0 + per);
+    unsigned mine = 0;
+    for (int i = i0; i < i1; ++i) mine += tokens_kept(load_group(grow + i), limit, R);
+    unsigned total;
+    unsigned slot = block_excl_scan<BLOCK>(mine, total, s_scan);
+    int* trow = tok + (long long)row * tok_ld;
+    for (int i = i0; i < i1; ++i) {
+        const long long g = load_group(grow + i);
+        const unsigned c = tokens_kept(g, limit, R);
+        for (unsigned j = 0; j < c; ++j) trow[slot + j] = (int)(g * R + j);
+        slot += c;
+    }
+    const long long tail_start = p >= 0 ? (p + 1) / R * R : 0;
+    long long tail_len = (p + 1 < limit ? p + 1 : limit) - tail_start;
+    tail_len = tail_len < 0 ? 0 : tail_len;
+    for (int w = (int)total + threadIdx.x; w < width; w += BLOCK) {
+        const long long rel = w - (long long)total;
+        trow[w] = rel < tail_len ? (int)(tail_start + rel) : -1;
+    }
+}
+
+// Kernel parameters: the pointers, then the scalars (the launcher passes them in this order).  tok == nullptr: no
+// expansion (positions, contexts, requests and the last five scalars are unread).
 #define TOPK_ROW_PARAMS                                                                          \
-    const float *__restrict__ logits, const int *__restrict__ visible, int *__restrict__ out, int rows, \
-        int columns, int ld, int K, int buf_cap, int cached, int vec_ok, int cand_cap
+    const float *__restrict__ logits, const int *__restrict__ visible, int *__restrict__ out,   \
+        const void *__restrict__ positions, const void *__restrict__ contexts,                  \
+        const void *__restrict__ requests, int *__restrict__ tokens, int rows, int columns, int ld, int K, \
+        int buf_cap, int cached, int vec_ok, int cand_cap, int num_requests, int ratio, int width, int tok_ld, \
+        int idx_wide
 #define TOPK_ROW_ARGS logits, visible, out, rows, columns, ld, K, buf_cap, cached, vec_ok, cand_cap
+#define TOPK_EXPAND_ARGS positions, contexts, requests, tokens, num_requests, ratio, width, tok_ld, idx_wide
+
+// One CTA per row: the top-k, then (with tokens) the row's expansion by the same CTA.
+template <int BLOCK>
+__device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
+    extern __shared__ __align__(16) unsigned smem_row[];
+    row_topk<BLOCK, 4>(TOPK_ROW_ARGS);
+    const int row = blockIdx.x;
+    if (tokens != nullptr && row < rows) {
+        __syncthreads();  // the row's groups are written (block-uniform: every path of row_topk returns here)
+        expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
+    }
+}
 
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_256)
 extern "C" __global__ void __launch_bounds__(256, 4) topk_rows_256(TOPK_ROW_PARAMS) {
-    row_topk<256, 4>(TOPK_ROW_ARGS);
+    row_kernel<256>(logits, visible, out, positions, contexts, requests, tokens, rows, columns, ld, K, buf_cap,
+                    cached, vec_ok, cand_cap, num_requests, ratio, width, tok_ld, idx_wide);
 }
 #endif
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_512)
 extern "C" __global__ void __launch_bounds__(512, 2) topk_rows_512(TOPK_ROW_PARAMS) {
-    row_topk<512, 4>(TOPK_ROW_ARGS);
+    row_kernel<512>(logits, visible, out, positions, contexts, requests, tokens, rows, columns, ld, K, buf_cap,
+                    cached, vec_ok, cand_cap, num_requests, ratio, width, tok_ld, idx_wide);
 }
 #endif
 
@@ -824,7 +906,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     int n = visible[row];
     n = n < 0 ? 0 : (n > columns ? columns : n);
     int* orow = out + (long long)row * K;
-    if (n <= K) {  // uniform over the cluster: no DSMEM traffic, CTAs may leave independently
+    if (n <= K) {  // uniform over the cluster: no DSMEM traffic, every CTA returns here
         write_short(orow, n, K, (int)rank * BLOCK + threadIdx.x, CL * BLOCK);
         return;
     }
@@ -987,28 +1069,47 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
 }
 
 #define TOPK_CL_PARAMS                                                                           \
-    const float *__restrict__ logits, const int *__restrict__ visible, int *__restrict__ out, int rows, \
-        int columns, int ld, int K, int vec_ok, int cap, int cand_cap
+    const float *__restrict__ logits, const int *__restrict__ visible, int *__restrict__ out,   \
+        const void *__restrict__ positions, const void *__restrict__ contexts,                  \
+        const void *__restrict__ requests, int *__restrict__ tokens, int rows, int columns, int ld, int K, \
+        int vec_ok, int cap, int cand_cap, int num_requests, int ratio, int width, int tok_ld, int idx_wide
 #define TOPK_CL_ARGS logits, visible, out, rows, columns, ld, K, vec_ok, cap, cand_cap
+
+// One cluster per row: the top-k (each CTA writes its chunk's slots), then (with tokens) the row's expansion by
+// the cluster's first CTA once every CTA's groups are visible to it.
+template <int CL>
+__device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
+    extern __shared__ __align__(16) unsigned smem_cl[];
+    cluster_topk<512, 4, CL>(TOPK_CL_ARGS);
+    const int row = blockIdx.x / CL;
+    if (tokens != nullptr && row < rows) {  // uniform over the cluster: every path of cluster_topk returns here
+        __threadfence();
+        cluster_sync();
+        if (cluster_rank() == 0) expand_row<512>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_cl + 7168);
+    }
+}
+#define TOPK_CL_CALL(CL)                                                                                   \
+    cluster_kernel<CL>(logits, visible, out, positions, contexts, requests, tokens, rows, columns, ld, K, vec_ok, \
+                       cap, cand_cap, num_requests, ratio, width, tok_ld, idx_wide)
 
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster2_512)
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(512, 2) topk_cluster2_512(TOPK_CL_PARAMS) {
-    cluster_topk<512, 4, 2>(TOPK_CL_ARGS);
+    TOPK_CL_CALL(2);
 }
 #endif
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster4_512)
 extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(512, 2) topk_cluster4_512(TOPK_CL_PARAMS) {
-    cluster_topk<512, 4, 4>(TOPK_CL_ARGS);
+    TOPK_CL_CALL(4);
 }
 #endif
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster8_512)
 extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512, 2) topk_cluster8_512(TOPK_CL_PARAMS) {
-    cluster_topk<512, 4, 8>(TOPK_CL_ARGS);
+    TOPK_CL_CALL(8);
 }
 #endif
 #if !defined(TOPK_NO_CLUSTER16) && (!defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster16_512))
 extern "C" __global__ void __cluster_dims__(16, 1, 1) __launch_bounds__(512, 2) topk_cluster16_512(TOPK_CL_PARAMS) {
-    cluster_topk<512, 4, 16>(TOPK_CL_ARGS);
+    TOPK_CL_CALL(16);
 }
 #endif
 #endif  // TOPK_CLUSTERS

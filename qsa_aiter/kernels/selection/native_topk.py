@@ -12,8 +12,9 @@ top of the ``.cu`` file.
   per arch; the cluster kernels exist from compute capability 9.0 (``variants_for``).
 - ``choose_plan(rows, columns, block_topk, platform)``: which kernel, and how its shared memory is laid out
   (``Plan``), from the platform's multiprocessors, compute capability and shared-memory limits.
-- ``launch_arguments(plan, ...)``: the launch (``NativeLaunch``): kernel name, grid, block, dynamic shared bytes and
-  the kernel's arguments by name with their C types, in the kernel's parameter order.
+- ``launch_arguments(plan, ..., expansion)``: the launch (``NativeLaunch``): kernel name, grid, block, dynamic shared
+  bytes and the kernel's arguments by name with their C types, in the kernel's parameter order; with an
+  ``Expansion`` the launch also writes each row's token indices (the expansion fused as in the Triton top-k).
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ TWO_PER_SM_MARGIN = 2 * 1024
 INT_LIMIT = 2**31
 
 #: The kernels' parameters, in order (``TOPK_ROW_PARAMS`` / ``TOPK_CL_PARAMS`` in the source): the pointers with their
-#: C types, then the scalars.
-POINTERS = (("logits", "const float*"), ("visible", "const int*"), ("out", "int*"))
-ROW_SCALARS = ("rows", "columns", "ld", "K", "buf_cap", "cached", "vec_ok", "cand_cap")
-CLUSTER_SCALARS = ("rows", "columns", "ld", "K", "vec_ok", "cap", "cand_cap")
+#: C types, then the scalars. The last four pointers and the last five scalars are the fused expansion's (``tokens``
+#: null: none).
+POINTERS = (("logits", "const float*"), ("visible", "const int*"), ("out", "int*"), ("positions", "const void*"),
+            ("contexts", "const void*"), ("requests", "const void*"), ("tokens", "int*"))
+EXPANSION_SCALARS = ("num_requests", "ratio", "width", "tok_ld", "idx_wide")
+ROW_SCALARS = ("rows", "columns", "ld", "K", "buf_cap", "cached", "vec_ok", "cand_cap") + EXPANSION_SCALARS
+CLUSTER_SCALARS = ("rows", "columns", "ld", "K", "vec_ok", "cap", "cand_cap") + EXPANSION_SCALARS
 
 
 @lru_cache(maxsize=1)
@@ -265,20 +269,48 @@ class NativeLaunch:
         return next(value for arg, _, value in self.scalars if arg == name)
 
 
+@dataclass(frozen=True)
+class Expansion:
+    """The fused expansion of a launch: ``num_requests`` requests, ``ratio`` tokens per group, ``width`` token slots
+    per row (``token_topk + ratio - 1``), token rows ``row_stride`` apart, and which of the positions, context
+    lengths and request ids are int64 (the others int32)."""
+
+    num_requests: int
+    ratio: int
+    width: int
+    row_stride: int
+    wide_positions: bool = False
+    wide_contexts: bool = False
+    wide_requests: bool = False
+
+    def scalars(self) -> dict[str, int]:
+        wide = int(self.wide_positions) | int(self.wide_contexts) << 1 | int(self.wide_requests) << 2
+        return {"num_requests": self.num_requests, "ratio": self.ratio, "width": self.width,
+                "tok_ld": self.row_stride, "idx_wide": wide}
+
+
+#: The expansion scalars of a launch without one (its ``tokens`` pointer is null; nothing reads them).
+NO_EXPANSION = {name: 0 for name in EXPANSION_SCALARS}
+
+
 def launch_arguments(plan: Plan, rows: int, columns: int, row_stride: int, block_topk: int,
-                     vectorised: bool) -> NativeLaunch:
+                     vectorised: bool, expansion: Expansion | None = None) -> NativeLaunch:
     """The launch of ``plan`` over ``rows`` rows of ``columns`` fp32 logits ``row_stride`` elements apart (last dim
-    contiguous), writing int32 ``[rows, block_topk]`` (rows ``block_topk`` apart). ``vectorised``: the logits' base
-    is 16-byte aligned and every row starts 16-byte aligned (``row_stride % 4 == 0``, or one row): float4 loads and
-    bulk copies. One CTA per row, or ``cluster`` CTAs per row."""
+    contiguous), writing int32 ``[rows, block_topk]`` (rows ``block_topk`` apart), and with ``expansion`` each row's
+    token indices too. ``vectorised``: the logits' base is 16-byte aligned and every row starts 16-byte aligned
+    (``row_stride % 4 == 0``, or one row): float4 loads and bulk copies. One CTA per row, or ``cluster`` CTAs per
+    row."""
     if rows < 1 or rows * plan.variant.cluster >= INT_LIMIT:
         raise ValueError(f"rows must be in [1, 2**31 / CTAs per row); got {rows}")
     if row_stride >= INT_LIMIT or columns >= INT_LIMIT or block_topk >= INT_LIMIT:
         raise ValueError(f"the row stride, columns and block_topk must be below 2**31 (got {row_stride}, {columns}, "
                          f"{block_topk})")
+    extra = NO_EXPANSION if expansion is None else expansion.scalars()
+    if any(value >= INT_LIMIT for value in extra.values()):
+        raise ValueError(f"the expansion's scalars must be below 2**31 (got {extra})")
     variant = plan.variant
     common = {"rows": rows, "columns": columns, "ld": row_stride, "K": block_topk, "vec_ok": int(vectorised),
-              "cand_cap": plan.candidates}
+              "cand_cap": plan.candidates, **extra}
     if variant.cluster > 1:
         values = {**common, "cap": plan.buffer}
         names = CLUSTER_SCALARS

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Literal
 
 import filelock
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..log import log_once
@@ -475,24 +476,83 @@ def kernel_for(source: str, kernel: str, defines: tuple[str, ...], device: int, 
     return loaded
 
 
+class PreparedLaunch:
+    """One launch of a loaded native kernel with everything fixed but its pointer arguments: ``__call__(*addresses,
+    stream=None)`` launches it with the integer ``addresses`` of its pointer parameters ``pointer_names`` (in the
+    kernel's order; ``taking`` reorders them), on ``stream`` or the device's current one. ``name`` says what it
+    launches (a replayed call's recorded launches are matched by it). The scalar arguments are converted once, here,
+    so a replayed call only fills in its addresses."""
+
+    __slots__ = ("_arguments", "_lock", "_pointers", "_scalars", "block", "grid", "kernel", "name", "pointer_names",
+                 "shared_bytes")
+
+    def __init__(self, name: str, kernel: LoadedKernel, grid: tuple[int, int, int], block: tuple[int, int, int],
+                 shared_bytes: int, pointer_names: tuple[str, ...], scalars: tuple[tuple[str, str, int], ...]):
+        self.name, self.kernel, self.grid, self.block, self.shared_bytes = name, kernel, grid, block, shared_bytes
+        self.pointer_names = pointer_names
+        self._pointers = [ctypes.c_void_p() for _ in pointer_names]
+        self._scalars = [C_TYPES[ctype](value) for _, ctype, value in scalars]
+        values = self._pointers + self._scalars
+        self._arguments = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        self._lock = threading.Lock()  # the address slots are filled in per call: one call at a time
+        if shared_bytes > kernel.shared_limit:
+            with _in_context(kernel.device):
+                check(driver().cuFuncSetAttribute(kernel.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                  shared_bytes),
+                      f"cuFuncSetAttribute({kernel.kernel}, MAX_DYNAMIC_SHARED_SIZE_BYTES={shared_bytes})")
+            kernel.shared_limit = shared_bytes
+
+    def __call__(self, *addresses: int, stream: int | None = None) -> None:
+        kernel = self.kernel
+        if stream is None:
+            stream = current_stream(kernel.device)
+        lib = driver()
+        with self._lock:
+            for slot, address in zip(self._pointers, addresses, strict=True):
+                slot.value = address
+            current = ctypes.c_void_p()
+            check(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+            if current.value == _primary_context(kernel.device).value:  # torch's context: the usual case
+                self._launch(lib, stream)
+            else:
+                with _in_context(kernel.device):
+                    self._launch(lib, stream)
+
+    def _launch(self, lib, stream: int) -> None:
+        grid, block = self.grid, self.block
+        check(lib.cuLaunchKernel(self.kernel.function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                                 self.shared_bytes, ctypes.c_void_p(stream), self._arguments, None),
+              f"cuLaunchKernel({self.kernel.kernel}, grid {grid}, block {block}, {self.shared_bytes} B shared)")
+
+    def taking(self, *names: str):
+        """This launch as a function of the addresses of its pointer parameters ``names``, in that order (each named
+        once; None otherwise), like the replay's ``DirectLaunch.taking``."""
+        if sorted(names) != sorted(self.pointer_names):
+            return None
+        if names == self.pointer_names:
+            return self
+        order = [names.index(n) for n in self.pointer_names]
+        return lambda *addresses: self(*(addresses[i] for i in order))
+
+
+#: torch's C entry for the current stream's handle (what Triton's launcher reads too); the public API where it is gone.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream(device: int) -> int:
+    """The ``cudaStream_t`` handle of ``device``'s current torch stream."""
+    if _raw_stream is not None:
+        return _raw_stream(device)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int,
            addresses: tuple[int, ...], scalars: tuple[tuple[str, str, int], ...], stream: int) -> None:
     """Launch ``kernel`` on ``stream`` (a ``cudaStream_t`` handle, e.g. ``torch.cuda.current_stream().cuda_stream``)
     with ``grid`` x ``block`` threads and ``shared_bytes`` of dynamic shared memory; its arguments are the pointer
     ``addresses`` then the ``scalars`` (``(name, C type, value)``), in the kernel's parameter order."""
-    lib = driver()
-    with _in_context(kernel.device):
-        if shared_bytes > kernel.shared_limit:
-            check(lib.cuFuncSetAttribute(kernel.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                         shared_bytes),
-                  f"cuFuncSetAttribute({kernel.kernel}, MAX_DYNAMIC_SHARED_SIZE_BYTES={shared_bytes})")
-            kernel.shared_limit = shared_bytes
-        values = [ctypes.c_void_p(address) for address in addresses]
-        values += [C_TYPES[ctype](value) for _, ctype, value in scalars]
-        arguments = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        check(lib.cuLaunchKernel(kernel.function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                 shared_bytes, ctypes.c_void_p(stream), arguments, None),
-              f"cuLaunchKernel({kernel.kernel}, grid {grid}, block {block}, {shared_bytes} B shared)")
+    names = tuple(f"pointer{i}" for i in range(len(addresses)))
+    PreparedLaunch(kernel.kernel, kernel, grid, block, shared_bytes, names, scalars)(*addresses, stream=stream)
 
 
 def forget_loaded() -> None:

@@ -52,9 +52,7 @@ def test_kernel_parameters_match_the_source(macro, scalars):
     params = [" ".join(p.split()) for p in body.split(",")]
     declared = [f"{ctype.replace('*', ' *')} __restrict__ {name}" if "*" in ctype else f"{ctype} {name}"
                 for name, ctype in nt.POINTERS] + [f"int {name}" for name in scalars]
-    normalised = [p.replace("const float *__restrict__", "const float * __restrict__")
-                  .replace("const int *__restrict__", "const int * __restrict__")
-                  .replace("int *__restrict__", "int * __restrict__") for p in params]
+    normalised = [p.replace(" *__restrict__", " * __restrict__") for p in params]
     assert normalised == declared
 
 
@@ -207,11 +205,18 @@ def test_row_launch_arguments():
     call = nt.launch_arguments(plan, 256, 25088, 25100, 512, True)
     assert (call.kernel, call.grid, call.block, call.shared_bytes) == ("topk_rows_512", (256, 1, 1), (512, 1, 1),
                                                                        plan.shared_bytes)
-    assert call.pointers == (("logits", "const float*"), ("visible", "const int*"), ("out", "int*"))
+    assert call.pointers == (("logits", "const float*"), ("visible", "const int*"), ("out", "int*"),
+                             ("positions", "const void*"), ("contexts", "const void*"), ("requests", "const void*"),
+                             ("tokens", "int*"))
     assert call.scalars == (("rows", "int", 256), ("columns", "int", 25088), ("ld", "int", 25100), ("K", "int", 512),
                             ("buf_cap", "int", 25088), ("cached", "int", 1), ("vec_ok", "int", 1),
-                            ("cand_cap", "int", 1168))
+                            ("cand_cap", "int", 1168), ("num_requests", "int", 0), ("ratio", "int", 0),
+                            ("width", "int", 0), ("tok_ld", "int", 0), ("idx_wide", "int", 0))
     assert call.scalar("ld") == 25100
+    fused = nt.launch_arguments(plan, 256, 25088, 25100, 512, True,
+                                nt.Expansion(64, 4, 2051, 2060, wide_contexts=True, wide_requests=True))
+    assert [value for name, _, value in fused.scalars if name in nt.EXPANSION_SCALARS] == [64, 4, 2051, 2060, 6]
+    assert fused.scalars[:8] == call.scalars[:8]
 
 
 def test_cluster_launch_arguments():
@@ -498,12 +503,43 @@ def test_selection_through_native_in_a_cuda_graph(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_explain_selection_shows_native_opt_in_and_forced(monkeypatch):
+def test_explain_selection_shows_native_first_and_triton_forced(monkeypatch):
     from qsa_aiter.tools.workloads import make_batch
 
     batch = make_batch([65536] * 9, 4, page_size=64, device="cuda", generator=torch.Generator().manual_seed(1))
     report = qsa_aiter.explain_selection(*batch.args()[:6], 2048, 4, max_query_len=4)
-    assert "* triton: serves" in report
-    assert "- native: opt-in until proven on a GPU inside the package (QSA_AITER_TOPK_BACKEND=native)" in report
-    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
-    assert "* native: serves" in qsa_aiter.explain_selection(*batch.args()[:6], 2048, 4, max_query_len=4)
+    assert "* native: serves" in report and "- triton: serves, but an earlier candidate is preferred" in report
+    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "triton")
+    assert "* triton: serves" in qsa_aiter.explain_selection(*batch.args()[:6], 2048, 4, max_query_len=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("contexts, rows_per_request", [([65536, 98304, 131072] * 3, 4), ([20000], 600)])
+def test_a_repeated_native_call_replays_its_launches(monkeypatch, contexts, rows_per_request):
+    """The second call of a signature through the native top-k replays the recorded launches (scorer, native
+    top-k, expansion; the top-k alone) on fresh buffers and returns what the first call did; outputs poisoned first."""
+    from qsa_aiter.ops import selection_plans
+    from qsa_aiter.runtime import replay
+    from qsa_aiter.tools.workloads import make_batch
+
+    _native(monkeypatch)
+    replay.clear()
+    gen = torch.Generator().manual_seed(21)
+    batch = make_batch(contexts, rows_per_request, page_size=64, device="cuda", generator=gen)
+    args, hints = batch.args()[:6], {"max_query_len": rows_per_request}
+    first = qsa_aiter.qsa_select_paged_tokens(*args, 2048, 4, **batch.kwargs(), **hints)
+    assert any(isinstance(p, selection_plans.SelectionPlan) for p in replay.kept_plans()), "recorded for replay"
+    out = torch.full_like(first, -7)
+    again = qsa_aiter.qsa_select_paged_tokens(*args, 2048, 4, **batch.kwargs(), **hints, out=out)
+    assert again is out and torch.equal(out, first)
+    assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*args, 2048, 4, **batch.kwargs(), **hints), first)
+
+    logits = torch.randn(36, 32768, generator=gen).cuda()
+    visible = _visible(gen, 36, 32768, 512)
+    want = torch.empty((36, 512), dtype=torch.int32, device="cuda")
+    torch_block_topk(logits, visible, 512, want)
+    for _ in range(3):  # the first call, then two replays
+        groups = torch.full_like(want, -7)
+        assert torch.equal(qsa_aiter.qsa_block_topk(logits, visible, 512, out=groups), want)
+    assert any(isinstance(p, selection_plans.TopkPlan) for p in replay.kept_plans())

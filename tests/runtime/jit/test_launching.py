@@ -155,9 +155,9 @@ def test_eight_processes_warming_one_directory_compile_each_variant_once(tmp_pat
 
 GPU_MATRIX = ["--caches", "bf16,fp8", "--page-sizes", "64"]
 
-# Scores (every phase: tiled, stacked, rowwise), writes a cache (bf16 and fp8), selects (top-k fused with the
-# expansion) and runs block top-k and expansion alone, for 1, 9 and 16 requests; counts Triton compiles (cache hits
-# included) and new files in the JIT and Triton cache directories.
+# Scores (every phase: tiled, stacked, rowwise), writes a cache (bf16 and fp8), selects and runs block top-k and
+# expansion alone, for 1, 9 and 16 requests (the native top-k where it serves, then the Triton one forced); counts
+# Triton compiles (cache hits included) and new files in the JIT and Triton cache directories.
 _FRESH = r"""
 import json, os, sys, time
 from pathlib import Path
@@ -204,10 +204,18 @@ for cache in ("bf16", "fp8"):
             groups = timed(f"topk {requests}", lambda: qsa_aiter.qsa_block_topk(lg, vis, 512))
             timed(f"expand {requests}", lambda: qsa_aiter.qsa_expand_block_indices(
                 groups, sel.query_positions, sel.context_lens, sel.token_to_request, 4, 2048))
-# Long rows: the top-k through the column-block maxima.
+# The Triton top-k (where the native one serves first) and its long rows, through the column-block maxima.
+os.environ["QSA_AITER_TOPK_BACKEND"] = "triton"
+for requests in (1, 9, 16):
+    sel = make_batch([8192] * requests, 1, page_size=64, device="cuda")
+    timed(f"select triton {requests}", lambda: qsa_aiter.qsa_select_paged_tokens(
+        *sel.args()[:6], 2048, 4, **sel.kwargs(), phase="draft"))
+    lg, vis = qsa_aiter.qsa_paged_mqa_logits(*sel.args(), **sel.kwargs(), phase="draft")
+    timed(f"topk triton {requests}", lambda: qsa_aiter.qsa_block_topk(lg, vis, 512))
 long_logits = torch.randn(2, 70000, device="cuda")
 long_visible = torch.tensor([70000, 69000], dtype=torch.int32, device="cuda")
 timed("topk long rows", lambda: qsa_aiter.qsa_block_topk(long_logits, long_visible, 512))
+del os.environ["QSA_AITER_TOPK_BACKEND"]
 # Where measurements send decode to the stacked scorer, the row-wise one still serves with the switch off.
 os.environ["ATOM_QSA_STACKED_DECODE_SCORER"] = "0"
 for cache in ("bf16", "fp8"):

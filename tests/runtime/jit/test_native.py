@@ -412,6 +412,35 @@ def test_a_launch_passes_the_arguments_by_address(stand_in):
     assert "cuFuncSetAttribute" not in stand_in.names(), "the shared-memory limit is raised once"
 
 
+def test_a_prepared_launch_fills_in_each_calls_addresses(stand_in, monkeypatch):
+    """A replay's launch: the scalars are converted once, each call passes its own addresses (in the kernel's order,
+    or reordered by ``taking``) on the current stream, and ``record`` hands it to an open recording as it is."""
+    from qsa_aiter.kernels import spec
+    from qsa_aiter.runtime import replay
+
+    stand_in.current = 0xC0
+    monkeypatch.setattr(native, "current_stream", lambda device: 55)
+    kernel = native.load_cubin(b"\x7fELF", "topk_rows_256", "topk_rows_256-x", 0)
+    scalars = (("rows", "int", 4), ("columns", "int", 9000))
+    prepared = native.PreparedLaunch("native_topk", kernel, (4, 1, 1), (256, 1, 1), 1024,
+                                     ("logits", "visible", "out"), scalars)
+    for addresses in ((0x10, 0x20, 0x30), (0x40, 0x50, 0x60)):
+        prepared(*addresses)
+        args = next(args for name, args in reversed(stand_in.calls) if name == "cuLaunchKernel")
+        assert args[8].value == 55 and args[7] == 1024
+        assert [p for p, _ in stand_in.arguments[:3]] == list(addresses)
+        assert [i for _, i in stand_in.arguments[3:]] == [4, 9000]
+    prepared.taking("out", "logits", "visible")(0x3, 0x1, 0x2)
+    assert [p for p, _ in stand_in.arguments[:3]] == [0x1, 0x2, 0x3]
+    assert prepared.taking("logits", "visible", "out") is prepared and prepared.taking("logits", "out") is None
+    with pytest.raises(ValueError):
+        prepared(0x1, 0x2)  # every pointer, no fewer
+    with spec.recording() as launches:
+        spec.record(prepared)
+    assert replay.direct_launches(launches, ("native_topk",)) == (prepared,)
+    assert replay.direct_launches(launches, ("native_topk", "expand")) is None
+
+
 def test_a_failing_driver_call_names_the_call_and_the_error(stand_in):
     kernel = native.load_cubin(b"\x7fELF", "topk_rows_256", "topk_rows_256-x", 0)
     stand_in.fail = "cuLaunchKernel"
