@@ -69,7 +69,7 @@ class QsaSettings(BaseSettings):
         alias="QSA_AITER_TOPK_BACKEND",
         description="`auto`, or the name of one top-k candidate (`triton`, `native`, `aiter`, `torch`; "
         "`qsa_aiter.explain_selection` lists them) forced for the top-k step of selection. `native` is the CUDA "
-        "top-k compiled at run time by NVRTC, which `auto` does not choose yet. Checked at the first top-k call; "
+        "top-k compiled at run time by NVRTC, which `auto` takes on NVIDIA GPUs. Checked at the first top-k call; "
         "forcing a candidate that cannot serve the call is an error naming its reasons.",
     )
     strict: bool = Field(
