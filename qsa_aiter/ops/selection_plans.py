@@ -50,9 +50,11 @@ def _native_topk_parts(launches: list, expands: bool):
     launch = direct[0].taking(*NATIVE_TOPK_POINTERS) if direct else None
     if launch is None:
         return None
-    if not expands:  # the expansion's pointers are null: no expansion
-        return None, lambda logits_at, visible_at, out_at, *unread: launch(logits_at, visible_at, out_at, 0, 0, 0, 0), \
-            0, 0
+    if not expands:
+        def topk_alone(logits_at, visible_at, out_at, *unread):
+            launch(logits_at, visible_at, out_at, 0, 0, 0, 0)  # the expansion's pointers null: no expansion
+
+        return None, topk_alone, 0, 0
 
     def topk_and_expand(logits_at, visible_at, groups_at, candidates_at, maxima_at, position_at, lens_at, request_at,
                         out_at):
@@ -102,7 +104,8 @@ class SelectionPlan:
     def of(cls, problem: ScoreProblem, block_topk: int, token_topk: int, launches: list) -> "SelectionPlan | None":
         """The plan of a call that made ``launches`` (None unless they were a scorer's, then the Triton or the native
         top-k's)."""
-        if not launches or not replay.is_recorded(launches[0]) or launches[0].plan.kernel not in registries.SCORER_KERNELS:
+        first = launches[0] if launches else None
+        if first is None or not replay.is_recorded(first) or first.plan.kernel not in registries.SCORER_KERNELS:
             return None
         tokens, columns = problem.num_tokens, problem.num_columns
         score = replay.direct_launches(launches[:1], (launches[0].plan.kernel,))

@@ -16,11 +16,12 @@ meanwhile), compile, write the cubin then the record (each replaced atomically),
 not parse or whose cubin is missing or altered is rebuilt with a warning, never fatal; with ``QSA_AITER_REBUILD=1``
 an entry written before the store was opened is rebuilt (once, however many processes ask).
 
-Launching (``kernel_for``, ``launch``): each process loads an entry's cubin once per device into the device's primary
-context (the one torch uses) with ``cuModuleLoadData`` and keeps the function (``cuModuleGetFunction``);
-``cuFuncSetAttribute`` raises its dynamic shared-memory limit above 48 KB when a launch needs it and allows a
-non-portable cluster size where the kernel has one; ``cuLaunchKernel`` launches on torch's current stream, so a
-launch inside ``torch.cuda.graph`` is captured. Every driver call's result is checked and a failure raises
+Launching (``kernel_for``, ``PreparedLaunch``): each process loads an entry's cubin once per device into the
+device's primary context (the one torch uses) with ``cuModuleLoadData`` and keeps the function
+(``cuModuleGetFunction``); ``cuFuncSetAttribute`` raises its dynamic shared-memory limit above 48 KB when a launch
+needs it and allows a non-portable cluster size where the kernel has one; a ``PreparedLaunch`` holds a launch's
+converted scalars and ``cuLaunchKernel``s it with each call's addresses on torch's current stream, so a launch inside
+``torch.cuda.graph`` is captured and a replayed call reuses it. Every driver call's result is checked and a failure raises
 ``DriverError`` with the driver's name and text for it. Load before capturing: module loading is not a stream
 operation (warm-up, or one call outside the capture, does it).
 """
@@ -544,15 +545,6 @@ def current_stream(device: int) -> int:
     if _raw_stream is not None:
         return _raw_stream(device)
     return torch.cuda.current_stream(device).cuda_stream
-
-
-def launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int,
-           addresses: tuple[int, ...], scalars: tuple[tuple[str, str, int], ...], stream: int) -> None:
-    """Launch ``kernel`` on ``stream`` (a ``cudaStream_t`` handle, e.g. ``torch.cuda.current_stream().cuda_stream``)
-    with ``grid`` x ``block`` threads and ``shared_bytes`` of dynamic shared memory; its arguments are the pointer
-    ``addresses`` then the ``scalars`` (``(name, C type, value)``), in the kernel's parameter order."""
-    names = tuple(f"pointer{i}" for i in range(len(addresses)))
-    PreparedLaunch(kernel.kernel, kernel, grid, block, shared_bytes, names, scalars)(*addresses, stream=stream)
 
 
 def forget_loaded() -> None:

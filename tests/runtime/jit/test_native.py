@@ -397,18 +397,22 @@ def test_a_launch_passes_the_arguments_by_address(stand_in):
     kernel = native.load_cubin(b"\x7fELF", "topk_rows_512", "topk_rows_512-x", 0)
     plan = nt.choose_plan(256, 25088, 512, Platform.named(ARCH))
     call = nt.launch_arguments(plan, 256, 25088, 25088, 512, True)
+    names = tuple(name for name, _ in call.pointers)
+    addresses = (0x1000, 0x2000, 0x3000, 0, 0, 0, 0)
     stand_in.calls.clear()
-    native.launch(kernel, call.grid, call.block, call.shared_bytes, (0x1000, 0x2000, 0x3000), call.scalars, 77)
+    native.PreparedLaunch("native_topk", kernel, call.grid, call.block, call.shared_bytes, names,
+                          call.scalars)(*addresses, stream=77)
     assert "cuCtxPushCurrent_v2" not in stand_in.names()
     attribute = next(args for name, args in stand_in.calls if name == "cuFuncSetAttribute")
     assert attribute[1:] == (native.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, plan.shared_bytes)
     args = next(args for name, args in stand_in.calls if name == "cuLaunchKernel")
     assert args[1:8] == (256, 1, 1, 512, 1, 1, plan.shared_bytes) and args[8].value == 77 and args[10] is None
-    pointers = [as_pointer for as_pointer, _ in stand_in.arguments[:3]]
-    scalars = [as_int for _, as_int in stand_in.arguments[3:]]
-    assert pointers == [0x1000, 0x2000, 0x3000] and scalars == [value for _, _, value in call.scalars]
+    pointers = [as_pointer or 0 for as_pointer, _ in stand_in.arguments[:7]]
+    scalars = [as_int for _, as_int in stand_in.arguments[7:]]
+    assert pointers == list(addresses) and scalars == [value for _, _, value in call.scalars]
     stand_in.calls.clear()
-    native.launch(kernel, call.grid, call.block, call.shared_bytes, (0x1000, 0x2000, 0x3000), call.scalars, 77)
+    native.PreparedLaunch("native_topk", kernel, call.grid, call.block, call.shared_bytes, names,
+                          call.scalars)(*addresses, stream=77)
     assert "cuFuncSetAttribute" not in stand_in.names(), "the shared-memory limit is raised once"
 
 
@@ -447,7 +451,8 @@ def test_a_failing_driver_call_names_the_call_and_the_error(stand_in):
     with pytest.raises(native.DriverError, match=r"cuLaunchKernel\(topk_rows_256, grid \(4, 1, 1\), block "
                                                  r"\(256, 1, 1\), 9000 B shared\) failed: CUDA_ERROR_INVALID_VALUE: "
                                                  "invalid argument"):
-        native.launch(kernel, (4, 1, 1), (256, 1, 1), 9000, (1, 2, 3), (("rows", "int", 4),), 0)
+        native.PreparedLaunch("native_topk", kernel, (4, 1, 1), (256, 1, 1), 9000, ("a", "b", "c"),
+                              (("rows", "int", 4),))(1, 2, 3, stream=0)
     assert stand_in.names()[-1] == "cuCtxPopCurrent_v2", "the pushed context is popped after a failure"
 
 
