@@ -39,8 +39,8 @@ from ..runtime import tuned
 from ..runtime.settings import get_settings
 from .aot import compile_plan
 from .assembly import amd_resources, amd_waves, mma_mix
-from .cli_args import PAGE_SIZE_MEANING
-from .tuned_rows import merge_rows
+from .cli_args import PAGE_SIZE_MEANING, comma_subset
+from .tuned_rows import merge_rows, row_key
 from .warmup import Matrix, WarmContext
 from .work_points import point_named
 
@@ -221,12 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _subset(text: str, allowed, what: str) -> list:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in items if t not in allowed]
-    if bad or not items:
+    """``cli_args.comma_subset`` of ``allowed``, its refusal an exit naming the option ``--what``."""
+    try:
+        return list(comma_subset(tuple(map(str, allowed)))(text))
+    except argparse.ArgumentTypeError:
         raise SystemExit(f"error: --{what} must be a comma-separated subset of {', '.join(map(str, allowed))}; "
-                         f"got {text!r}")
-    return items
+                         f"got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,16 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for arch, kernel, fmt, page in tqdm(work, desc="model-configs", unit="row"):
         row = model_row(kernel, arch, fmt, page)
-        if _row_key(row) not in kept:
+        if row_key(row) not in kept:
             rows.append(row)
     merge_rows(args.csv, rows)
     print(f"model-configs: {len(rows)} rows written to {args.csv}; {len(work) - len(rows)} left to the rows already "
           "there that are not the model's (measured, or reported from the hardware)")
     return 0
-
-
-def _row_key(row: dict) -> tuple:
-    return tuple(str(row.get(k, "")) for k in tuned.KEY_FIELDS + tuned.BUCKET_FIELDS)
 
 
 def other_rows(path: Path) -> set[tuple]:
@@ -260,4 +256,4 @@ def other_rows(path: Path) -> set[tuple]:
     if not path.exists():
         return set()
     with open(path, newline="") as handle:
-        return {_row_key(r) for r in csv.DictReader(handle) if not str(r.get("source", "")).startswith(MODEL_SOURCE)}
+        return {row_key(r) for r in csv.DictReader(handle) if not str(r.get("source", "")).startswith(MODEL_SOURCE)}

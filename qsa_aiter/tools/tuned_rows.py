@@ -10,6 +10,12 @@ from pathlib import Path
 from ..runtime import tuned
 
 
+def row_key(row: dict) -> tuple:
+    """What identifies a row of a tuned table (its key and bucket columns, as text): a row with the same one
+    replaces it."""
+    return tuple(str(row.get(k, "")) for k in tuned.KEY_FIELDS + tuned.BUCKET_FIELDS)
+
+
 def merge_rows(path: Path, rows: list[dict]) -> None:
     """Write ``rows`` into the table at ``path``: a row with the same key and buckets as an existing one replaces
     it, the others are appended; the file is written whole (header, then rows; the file's column order is kept, with
@@ -23,11 +29,8 @@ def merge_rows(path: Path, rows: list[dict]) -> None:
             header = [k for k in reader.fieldnames or () if k in fields]
         fields = header + [k for k in fields if k not in header and any(r.get(k) not in (None, "") for r in rows)]
 
-    def key(r: dict) -> tuple:
-        return tuple(str(r.get(k, "")) for k in tuned.KEY_FIELDS + tuned.BUCKET_FIELDS)
-
-    replaced = {key(r): r for r in rows}
-    out = [replaced.pop(key(r), r) for r in existing] + list(replaced.values())
+    replaced = {row_key(r): r for r in rows}
+    out = [replaced.pop(row_key(r), r) for r in existing] + list(replaced.values())
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields, lineterminator="\n")  # the shipped tables' endings
