@@ -37,7 +37,7 @@ from qsa_aiter.tools.work_points import points_named
 
 @triton.jit
 def _traffic_kernel(
-    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr,
+    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr, hist_ptr,
     num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
     RATIO: tl.constexpr, KEY_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SCALAR_PAGES: tl.constexpr, STAGES: tl.constexpr,

@@ -95,7 +95,8 @@ def qsa_paged_mqa_logits(
 
 
 #: The pointer parameters of every scoring kernel, in the order a replay passes their addresses.
-SCORER_POINTERS = ("q_ptr", "k_ptr", "ks_ptr", "pt_ptr", "t2r_ptr", "pos_ptr", "ctx_ptr", "out_ptr", "vis_ptr")
+SCORER_POINTERS = ("q_ptr", "k_ptr", "ks_ptr", "pt_ptr", "t2r_ptr", "pos_ptr", "ctx_ptr", "out_ptr", "vis_ptr",
+                   "hist_ptr")
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class ScoringPlan:
             row_starts.zero_()
         visible = q.new_empty((tokens,), dtype=torch.int32)
         self.launch(q_at, cache_at, scale_at if has_scale else cache_at, table_at, request_at, position_at, lens_at,
-                    logits.data_ptr(), visible.data_ptr())
+                    logits.data_ptr(), visible.data_ptr(), visible.data_ptr())
         return logits, visible
 
 

@@ -20,7 +20,7 @@ from .scoring import SCORER_POINTERS
 TOPK_POINTERS = ("logits_ptr", "vis_ptr", "out_ptr", "buf_ptr", "max_ptr", "pos_ptr", "ctx_ptr", "t2r_ptr", "tok_ptr")
 MAXIMA_POINTERS = ("logits_ptr", "vis_ptr", "max_ptr")
 EXPAND_POINTERS = ("blk_ptr", "pos_ptr", "ctx_ptr", "t2r_ptr", "out_ptr")
-NATIVE_TOPK_POINTERS = ("logits", "visible", "out", "positions", "contexts", "requests", "tokens")
+NATIVE_TOPK_POINTERS = ("logits", "visible", "out", "positions", "contexts", "requests", "tokens", "histogram")
 
 
 def _scratch_parts(*sizes: int) -> tuple[tuple[int, ...], int]:
@@ -52,13 +52,13 @@ def _native_topk_parts(launches: list, expands: bool):
         return None
     if not expands:
         def topk_alone(logits_at, visible_at, out_at, *unread):
-            launch(logits_at, visible_at, out_at, 0, 0, 0, 0)  # the expansion's pointers null: no expansion
+            launch(logits_at, visible_at, out_at, 0, 0, 0, 0, 0)  # the expansion's pointers null: no expansion
 
         return None, topk_alone, 0, 0
 
     def topk_and_expand(logits_at, visible_at, groups_at, candidates_at, maxima_at, position_at, lens_at, request_at,
                         out_at):
-        launch(logits_at, visible_at, groups_at, position_at, lens_at, request_at, out_at)
+        launch(logits_at, visible_at, groups_at, position_at, lens_at, request_at, out_at, 0)
 
     return None, topk_and_expand, 0, 0
 
@@ -133,7 +133,7 @@ class SelectionPlan:
         base = scratch.data_ptr()
         logits_at, candidates_at, groups_at, visible_at, maxima_at = [base + offset for offset in self.offsets]
         self.score(q_at, cache_at, scale_at if has_scale else cache_at, table_at, request_at, position_at, lens_at,
-                   logits_at, visible_at)
+                   logits_at, visible_at, visible_at)  # no histogram: the visible counts stand in for it
         if self.maxima is not None:
             self.maxima(logits_at, visible_at, maxima_at)
         else:

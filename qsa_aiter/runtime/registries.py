@@ -203,12 +203,15 @@ def native_topk_reasons(problem: TopkProblem, platform: Platform, settings) -> l
 
 
 def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
-                      settings=None, plan: native_topk.Plan | None = None, expand_into: tuple | None = None) -> None:
+                      settings=None, plan: native_topk.Plan | None = None, expand_into: tuple | None = None,
+                      histogram: torch.Tensor | None = None) -> None:
     """The native CUDA block top-k into ``out`` (int32 ``[tokens, block_topk]``, last dim contiguous) from fp32
     ``logits [tokens, columns]`` (last dim contiguous, any row stride) and int32 ``visible [tokens]`` (read on the
     device, clamped to ``[0, columns]``), on CUDA tensors; ``expand_into`` (``TopkArgs.expand_into``) fuses the
     expansion into the launch, as the Triton top-k does; ``plan``: a ``native_topk.Plan`` instead of the one
-    ``choose_plan`` makes (tests, benchmarks). One launch on the current stream; the kernel is compiled into the JIT
+    ``choose_plan`` makes (tests, benchmarks); ``histogram``: the scorer's per-row histogram of these logits (int32
+    ``[tokens, HISTOGRAM_BINS]``, contiguous; ``kernels/scoring/histogram.py``), which the kernels start from
+    instead of counting the row's top bits themselves. One launch on the current stream; the kernel is compiled into the JIT
     cache, or loaded from it, at its first use in a process. A launch whose tensors the kernel takes as they are is
     recorded (``kernels.spec.record``) for the replay of later calls."""
     rows, columns = logits.shape
@@ -216,7 +219,11 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
         return
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     platform = Platform.of(torch.device("cuda", device))
-    plan = plan or native_topk.choose_plan(rows, columns, block_topk, platform)
+    if histogram is not None and (histogram.shape != (rows, native_topk.HISTOGRAM_BINS) or histogram.dtype != torch.int32
+                                  or not histogram.is_contiguous() or histogram.device != logits.device):
+        raise ValueError(f"histogram must be a contiguous int32 [{rows}, {native_topk.HISTOGRAM_BINS}] tensor on "
+                         f"{logits.device} (got {histogram.dtype} {tuple(histogram.shape)} on {histogram.device})")
+    plan = plan or native_topk.choose_plan(rows, columns, block_topk, platform, histogram=histogram is not None)
     row_stride = logits.stride(0) if rows > 1 else max(columns, 1)
     # float4 loads and bulk copies need every row to start 16-byte aligned
     vectorised = logits.data_ptr() % 16 == 0 and (row_stride % 4 == 0 or rows == 1)
@@ -239,7 +246,9 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
                       tokens_out.data_ptr()]
     else:
         addresses += [0, 0, 0, 0]
-    call = native_topk.launch_arguments(plan, rows, columns, row_stride, block_topk, vectorised, expansion)
+    addresses.append(0 if histogram is None else histogram.data_ptr())
+    call = native_topk.launch_arguments(plan, rows, columns, row_stride, block_topk, vectorised, expansion,
+                                        histogram is not None)
     variant = plan.variant
     kernel = native.kernel_for(native_topk.source(), variant.name, variant.defines, device, platform.arch, settings,
                                non_portable_cluster=variant.non_portable_cluster)
@@ -249,7 +258,7 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     prepared(*addresses)
     if target is not out:
         out.copy_(target)
-    elif direct:  # a later call of the same signature replays this launch with its own addresses
+    elif direct and histogram is None:  # a later call of the same signature replays this launch with its addresses
         record(prepared)
 
 

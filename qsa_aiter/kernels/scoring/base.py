@@ -31,7 +31,9 @@ class ScoreArgs:
     k_scale: its scale tensor (fp8: fp32 ``[pages, page_size]``; fp4: e8m0 ``[pages, page_size, 1, head_dim // 32]``)
     or None for 16-bit caches; page_table: ``[requests, width]`` int32/int64 (last dim contiguous);
     token_to_request, query_positions: ``[tokens]``; context_lens: ``[requests]``; logits: fp32
-    ``[tokens, num_columns]`` (last dim contiguous); visible: int32 ``[tokens]``, written by the kernel.
+    ``[tokens, num_columns]`` (last dim contiguous); visible: int32 ``[tokens]``, written by the kernel;
+    histogram: int32 ``[tokens, HISTOGRAM_BINS]``, zeroed, that a kernel built for ``ScoreProblem.histogram`` adds
+    the stored scores to (``histogram.py``), or None.
     """
 
     q: torch.Tensor
@@ -46,6 +48,7 @@ class ScoreArgs:
     compress_ratio: int
     scale: float  # 1 / score_divisor
     k_scale: torch.Tensor | None = None
+    histogram: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -59,9 +62,11 @@ class ScoreArgs:
         cache = kernel_view(self.k_cache)
         # 16-bit caches have no scale tensor: the cache stands in for the never-read pointer.
         k_scale = cache if self.k_scale is None else kernel_view(self.k_scale)
+        # Without a histogram the visible counts stand in for its never-read pointer.
+        histogram = self.visible if self.histogram is None else self.histogram
         return (
             self.q, cache, k_scale, self.page_table, self.token_to_request, self.query_positions, self.context_lens,
-            self.logits, self.visible, self.q.shape[0], self.page_table.shape[0], self.k_cache.shape[0],
+            self.logits, self.visible, histogram, self.q.shape[0], self.page_table.shape[0], self.k_cache.shape[0],
             self.num_columns, self.page_table.stride(0), self.logits.stride(0), self.scale,
         )
 
@@ -154,7 +159,7 @@ def stacked_constexprs(problem, platform: Platform, cfg) -> dict:
         KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, mma),
         FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
         E4M3_MMA=mma, SCALED_MMA=scaled_mma_serves(problem, platform),
-        SCALE_WORDS=problem.scale_aligned and scale_words_fit(problem.head_dim),
+        SCALE_WORDS=problem.scale_aligned and scale_words_fit(problem.head_dim), HISTOGRAM=problem.histogram,
     )
 
 

@@ -25,6 +25,7 @@ import triton.language as tl
 from ..quant.dequant import KIND_FP4, key_values
 from ..spec import COUNT_OR_ZERO, FLAG, cdiv
 from .base import DYNAMIC_SCALARS, ScorerSpec, request_block_rows, stacked_constexprs, stacked_shape_reason
+from .histogram import BINS
 from .tiles import (
     block_request, fp4_mma_dots, fp4_tile_exponents, fp8_keys_major_dots, fp8_tile_scales, key_tile_slots,
     keys_major_pair_dot, load_keys, load_q_tile, row_visibility, store_keys_major,
@@ -33,12 +34,12 @@ from .tiles import (
 
 @triton.jit(do_not_specialize=DYNAMIC_SCALARS)
 def _keys_major_scorer_kernel(
-    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr,
+    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr, hist_ptr,
     num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, KV_KIND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr,
-    SCALAR_PAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    SCALAR_PAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, HISTOGRAM: tl.constexpr,
 ):
     block = tl.program_id(0)
     span = tl.program_id(1)
@@ -55,6 +56,7 @@ def _keys_major_scorer_kernel(
         q_first, q_second, q_factor = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM,
                                                   KV_KIND, DOT_DTYPE, E4M3_MMA, SCALED_MMA)
         out_rows = out_ptr + rows.to(tl.int64) * out_stride
+        hist_rows = hist_ptr + rows.to(tl.int64) * BINS
         for i in tl.static_range(BLOCK_ROWS):
             r_i, starts, mine, req_vis = block_request(req, vis, i, BLOCK_ROWS)
             if starts:
@@ -74,7 +76,7 @@ def _keys_major_scorer_kernel(
                         dots_t = fp4_mma_dots(k_ptr, slot, page_ok, exps, q_first, q_second, q_scale,
                                                      HEAD_DIM, DOT_DTYPE, FAST_DECODE, SCALE_WORDS, SCALED_MMA)
                         store_keys_major(out_rows, cols, dots_t, page_ok, tl.full((BLOCK_N,), 1.0, tl.float32), mine,
-                                         vis, BLOCK_N, BLOCK_ROWS, NUM_HEADS)
+                                         vis, hist_rows, BLOCK_N, BLOCK_ROWS, NUM_HEADS, HISTOGRAM)
                         exps = next_exps
                 elif E4M3_MMA:
                     factor = fp8_tile_scales(ks_ptr, pt_row, first_tile, last_tile, req_vis, num_pages, scale,
@@ -87,8 +89,8 @@ def _keys_major_scorer_kernel(
                                                        SCALAR_PAGES)
                         keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
                         dots_t = fp8_keys_major_dots(keys, q_first, q_second, q_factor)
-                        store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, BLOCK_N, BLOCK_ROWS,
-                                         NUM_HEADS)
+                        store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, hist_rows, BLOCK_N,
+                                         BLOCK_ROWS, NUM_HEADS, HISTOGRAM)
                         factor = next_factor
                 else:
                     for tile in range(first_tile, last_tile):
@@ -97,8 +99,8 @@ def _keys_major_scorer_kernel(
                                                                        num_pages, scale, BLOCK_N, PAGE_SIZE, HEAD_DIM,
                                                                        KV_KIND, DOT_DTYPE, FAST_DECODE, SCALAR_PAGES)
                         dots_t = keys_major_pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
-                        store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, BLOCK_N, BLOCK_ROWS,
-                                         NUM_HEADS)
+                        store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, hist_rows, BLOCK_N,
+                                         BLOCK_ROWS, NUM_HEADS, HISTOGRAM)
 
 
 #: Tiles per program by the grid's size when the config leaves it derived (0): one tile while that gives fewer than

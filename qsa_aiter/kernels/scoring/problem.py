@@ -41,6 +41,7 @@ class ScoreProblem:
     cache_bytes: int  # the cache plus its scale tensor
     e4m3_mma: bool = True  # QSA_AITER_E4M3_MMA as read for the call: e4m3 tensor cores may score e4m3fn/MXFP4 keys
     scale_aligned: bool = True  # an MXFP4 scale tensor's address is a multiple of a key's exponent bytes
+    histogram: bool = False  # the Triton scorers also count the stored scores per row (scoring/histogram.py)
 
     def summary(self) -> str:
         return (

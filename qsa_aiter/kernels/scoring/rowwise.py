@@ -18,16 +18,17 @@ from ..quant.dequant import (
 )
 from ..spec import cdiv
 from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs
+from .histogram import BINS, count_scores
 from .tiles import row_visibility
 
 
 @triton.jit(do_not_specialize=DYNAMIC_SCALARS)
 def _rowwise_scorer_kernel(
-    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr,
+    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr, hist_ptr,
     num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr,
     N_CHUNKS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    KV_KIND: tl.constexpr, FAST_DECODE: tl.constexpr,
+    KV_KIND: tl.constexpr, FAST_DECODE: tl.constexpr, HISTOGRAM: tl.constexpr,
 ):
     row = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -78,6 +79,8 @@ def _rowwise_scorer_kernel(
             acc *= tl.load(ks_ptr + slot, mask=page_ok, other=0.0)  # the fp8 scale, once per column
         score = tl.where(page_ok, acc * scale, float("-inf"))
         tl.store(out_row + cols, score, mask=col_ok)
+        if HISTOGRAM:
+            count_scores(hist_ptr + row.to(tl.int64) * BINS, score, col_ok)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class RowwiseSpec(ScorerSpec):
             RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
             D_CHUNK=d_chunk, N_CHUNKS=n_chunks, PAGE_SIZE=problem.block_size, BLOCK_N=cfg.block_n,
             NUM_STAGES=cfg.num_stages, KV_KIND=kind, FAST_DECODE=kind != KV_16BIT and platform.fast_decode,
+            HISTOGRAM=problem.histogram,
         )
 
     def grid(self, problem, platform, cfg: RowwiseConfig) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from .base import (
     DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma_serves, request_block_rows, stacked_constexprs,
     stacked_shape_reason,
 )
+from .histogram import BINS, count_scores
 from .tiles import (
     block_request, fp4_mma_dots, fp4_tile_exponents, fp8_keys_major_dots, fp8_tile_scales, key_tile_slots,
     load_keys, load_q_tile, pair_dot, row_visibility, stacked_head_scores, store_keys_major,
@@ -33,12 +34,12 @@ from .tiles import (
 
 @triton.jit(do_not_specialize=DYNAMIC_SCALARS)
 def _stacked_scorer_kernel(
-    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr,
+    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr, hist_ptr,
     num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KV_KIND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr,
-    SCALAR_PAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    SCALAR_PAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, HISTOGRAM: tl.constexpr,
 ):
     block = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -54,6 +55,7 @@ def _stacked_scorer_kernel(
     q_first, q_second, q_factor = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND,
                                               DOT_DTYPE, E4M3_MMA, SCALED_MMA)
     out_rows = out_ptr + rows.to(tl.int64) * out_stride
+    hist_rows = hist_ptr + rows.to(tl.int64) * BINS
 
     for i in tl.static_range(BLOCK_ROWS):
         # The block is walked once per distinct request (at its first row).
@@ -76,7 +78,7 @@ def _stacked_scorer_kernel(
                     dots_t = fp4_mma_dots(k_ptr, slot, page_ok, exps, q_first, q_second, q_scale, HEAD_DIM,
                                                  DOT_DTYPE, FAST_DECODE, SCALE_WORDS, SCALED_MMA)
                     store_keys_major(out_rows, cols, dots_t, page_ok, tl.full((BLOCK_N,), 1.0, tl.float32), mine,
-                                     vis, BLOCK_N, BLOCK_ROWS, NUM_HEADS)
+                                     vis, hist_rows, BLOCK_N, BLOCK_ROWS, NUM_HEADS, HISTOGRAM)
                     exps = next_exps
             elif E4M3_MMA:
                 # The stored e4m3 keys are the MMA's M operand, q's two e4m3 terms the N operand: dots and scores
@@ -90,8 +92,8 @@ def _stacked_scorer_kernel(
                     slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
                     keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
                     dots_t = fp8_keys_major_dots(keys, q_first, q_second, q_factor)
-                    store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, BLOCK_N, BLOCK_ROWS,
-                                     NUM_HEADS)
+                    store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, hist_rows, BLOCK_N,
+                                     BLOCK_ROWS, NUM_HEADS, HISTOGRAM)
                     factor = next_factor
             else:
                 for tile in range(col_prog, n_tiles, col_progs):
@@ -103,6 +105,8 @@ def _stacked_scorer_kernel(
                     score = stacked_head_scores(dots, page_ok, factor, BLOCK_ROWS, NUM_HEADS, BLOCK_N)
                     keep = mine[:, None] & (cols[None, :] < vis[:, None])
                     tl.store(out_rows[:, None] + cols[None, :], score, mask=keep)
+                    if HISTOGRAM:
+                        count_scores(hist_rows[:, None], score, keep)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from ..spec import FLAG, cdiv, is_pow2
 from .base import (
     DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma_refusal, e4m3_mma_serves, scaled_mma_serves,
 )
+from .histogram import BINS, count_scores
 from .tiles import (
     fp4_scaled_dots, fp8_keys_major_dots, fp8_tile_scales, key_tile_slots, keys_major_pair_dot, load_fp4_packed,
     load_keys, load_q_tile, pair_dot, row_visibility, stacked_head_scores,
@@ -55,30 +56,41 @@ def _head_scores(q_first, q_second, q_factor, k_first, k_second, KV_KIND: tl.con
 
 
 @triton.jit
-def _store_tile(out_rows, cols, score, mine, vis, unmasked, KEYS_MAJOR: tl.constexpr):
+def _store_tile(out_rows, cols, score, mine, vis, unmasked, hist_rows, KEYS_MAJOR: tl.constexpr,
+                HISTOGRAM: tl.constexpr):
     """Store a tile's scores (``[BLOCK_M, BLOCK_N]``, keys-major ``[BLOCK_N, BLOCK_M]``: transposed, ``BLOCK_N``
     contiguous columns per row) for the rows that are ``mine``, below each row's ``vis``; ``unmasked``: every
-    element is wanted, so no mask is built."""
+    element is wanted, so no mask is built. With ``HISTOGRAM`` each stored score is counted in its row's histogram
+    at ``hist_rows`` (``histogram.count_scores``)."""
     if KEYS_MAJOR:
         ptrs = out_rows[None, :] + cols[:, None]
+        bins = hist_rows[None, :]
     else:
         ptrs = out_rows[:, None] + cols[None, :]
+        bins = hist_rows[:, None]
     if unmasked:
         tl.store(ptrs, score)
-    elif KEYS_MAJOR:
-        tl.store(ptrs, score, mask=mine[None, :] & (cols[:, None] < vis[None, :]))
+        if HISTOGRAM:
+            count_scores(bins, score, None)
     else:
-        tl.store(ptrs, score, mask=mine[:, None] & (cols[None, :] < vis[:, None]))
+        if KEYS_MAJOR:
+            keep = mine[None, :] & (cols[:, None] < vis[None, :])
+        else:
+            keep = mine[:, None] & (cols[None, :] < vis[:, None])
+        tl.store(ptrs, score, mask=keep)
+        if HISTOGRAM:
+            count_scores(bins, score, keep)
 
 
 @triton.jit(do_not_specialize=DYNAMIC_SCALARS)
 def _tiled_prefill_kernel(
-    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr,
+    q_ptr, k_ptr, ks_ptr, pt_ptr, t2r_ptr, pos_ptr, ctx_ptr, out_ptr, vis_ptr, hist_ptr,
     num_tokens, num_requests, num_pages, num_columns, pt_stride, out_stride, scale,
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr,
     KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
     SCALAR_PAGES: tl.constexpr, KEYS_MAJOR: tl.constexpr, E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr,
+    HISTOGRAM: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -110,6 +122,7 @@ def _tiled_prefill_kernel(
         qa, qb, _ = load_q_tile(q_ptr, q_rows, q_rows < num_tokens * NUM_HEADS, HEAD_DIM, KV_KIND, DOT_DTYPE,
                                 False, False)
     out_rows = out_ptr + rows.to(tl.int64) * out_stride
+    hist_rows = hist_ptr + rows.to(tl.int64) * BINS
 
     # Walk the requests present in the tile (one pass for a tile inside one request); a request's column loop
     # stops at its rows' widest visible count, so tiles past every row's visible range are never visited.
@@ -164,7 +177,7 @@ def _tiled_prefill_kernel(
                 score = stacked_head_scores(pair_dot(qa, qb, ka, kb, KV_KIND), page_ok, factor, BLOCK_M, NUM_HEADS,
                                             BLOCK_N)
             _store_tile(out_rows, cols, score, mine, vis, whole_tile & (tile * BLOCK_N + BLOCK_N <= min_vis),
-                        KEYS_MAJOR)
+                        hist_rows, KEYS_MAJOR, HISTOGRAM)
         cur = tl.min(tl.where((vis > 0) & (req > cur), req, _NO_REQUEST), axis=0)
 
 
@@ -228,7 +241,7 @@ class TiledSpec(ScorerSpec):
             PER_HEAD=per_head,
             KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, e4m3_mma),
             FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
-            KEYS_MAJOR=keys_major, E4M3_MMA=e4m3_mma, SCALED_MMA=scaled,
+            KEYS_MAJOR=keys_major, E4M3_MMA=e4m3_mma, SCALED_MMA=scaled, HISTOGRAM=problem.histogram,
         )
 
     def grid(self, problem, platform, cfg: TiledConfig) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from ..quant.dequant import (
     KIND_FP4, e4m3_row_scale, fp4_block_order, fp4_e4m3_block, key_slots, load_fp4_key_tile, load_key_tile, split_e4m3,
     split_query_e4m3, tile_slots,
 )
+from .histogram import count_scores
 
 #: Largest position and context length the visibility rule needs: past them every count is ``num_columns`` anyway,
 #: because the host refuses ``num_columns * R >= 2**31`` (``problem.MAX_CONTEXT_TOKENS``).
@@ -366,13 +367,16 @@ def fp4_mma_dots(k_ptr, slot, page_ok, exps, q_hi, q_lo, q_factor, HEAD_DIM: tl.
 
 
 @triton.jit
-def store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, BLOCK_N: tl.constexpr,
-                     ROWS: tl.constexpr, NUM_HEADS: tl.constexpr):
+def store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, hist_rows, BLOCK_N: tl.constexpr,
+                     ROWS: tl.constexpr, NUM_HEADS: tl.constexpr, HISTOGRAM: tl.constexpr):
     """Score and store keys-major dots ``[BLOCK_N, ROWS * NUM_HEADS]`` (``fp8_keys_major_dots``,
     ``fp4_keys_major_dots``): ReLU per head, heads summed, times the per-key ``factor`` (``-inf`` where not
     ``page_ok``), stored transposed at ``out_rows[r] + cols`` for the rows that are ``mine`` and columns below each
-    row's ``vis``."""
+    row's ``vis``; with ``HISTOGRAM`` each stored score is counted in its row's histogram at ``hist_rows``
+    (``histogram.count_scores``)."""
     s_t = tl.sum(tl.reshape(tl.maximum(dots_t, 0.0), (BLOCK_N, ROWS, NUM_HEADS)), axis=2)
     score_t = tl.where(page_ok[:, None], s_t * factor[:, None], float("-inf"))
     keep_t = mine[None, :] & (cols[:, None] < vis[None, :])
     tl.store(out_rows[None, :] + cols[:, None], score_t, mask=keep_t)
+    if HISTOGRAM:
+        count_scores(hist_rows[None, :], score_t, keep_t)

@@ -93,13 +93,13 @@ def test_every_variant_compiles_for_sm_90_without_spills(compiled):
 
 def test_below_sm_90_the_switches_leave_the_row_kernels():
     """For sm_80 the clusters and bulk copies compile out (``TOPK_CLUSTERS``, ``TOPK_BULK``): the whole source builds
-    the two row kernels, without spills."""
+    the row kernels (one CTA and one warp a row), without spills."""
     built = nvrtc.compile_cubin(SOURCE, "sm_80", name="native_topk.cu")
     report = nvrtc.ptxas_report(built.log)
-    assert set(report) == {"topk_rows_256", "topk_rows_512"}
+    assert set(report) == {"topk_rows_256", "topk_rows_512", "topk_warp_rows_256"}
     assert all((r.spill_store_bytes, r.spill_load_bytes, r.stack_bytes) == (0, 0, 0) for r in report.values())
     ampere = Platform("sm_80", "cuda", (8, 0), 108, False)
-    assert [v.name for v in nt.variants_for(ampere)] == ["topk_rows_256", "topk_rows_512"]
+    assert [v.name for v in nt.variants_for(ampere)] == ["topk_rows_256", "topk_rows_512", "topk_warp_rows_256"]
 
 
 def test_ptxas_report_reads_each_kernel():
@@ -398,7 +398,7 @@ def test_a_launch_passes_the_arguments_by_address(stand_in):
     plan = nt.choose_plan(256, 25088, 512, Platform.named(ARCH))
     call = nt.launch_arguments(plan, 256, 25088, 25088, 512, True)
     names = tuple(name for name, _ in call.pointers)
-    addresses = (0x1000, 0x2000, 0x3000, 0, 0, 0, 0)
+    addresses = (0x1000, 0x2000, 0x3000, 0, 0, 0, 0, 0)
     stand_in.calls.clear()
     native.PreparedLaunch("native_topk", kernel, call.grid, call.block, call.shared_bytes, names,
                           call.scalars)(*addresses, stream=77)
@@ -407,8 +407,8 @@ def test_a_launch_passes_the_arguments_by_address(stand_in):
     assert attribute[1:] == (native.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, plan.shared_bytes)
     args = next(args for name, args in stand_in.calls if name == "cuLaunchKernel")
     assert args[1:8] == (256, 1, 1, 512, 1, 1, plan.shared_bytes) and args[8].value == 77 and args[10] is None
-    pointers = [as_pointer or 0 for as_pointer, _ in stand_in.arguments[:7]]
-    scalars = [as_int for _, as_int in stand_in.arguments[7:]]
+    pointers = [as_pointer or 0 for as_pointer, _ in stand_in.arguments[:len(names)]]
+    scalars = [as_int for _, as_int in stand_in.arguments[len(names):]]
     assert pointers == list(addresses) and scalars == [value for _, _, value in call.scalars]
     stand_in.calls.clear()
     native.PreparedLaunch("native_topk", kernel, call.grid, call.block, call.shared_bytes, names,
