@@ -7,11 +7,9 @@ Per work point (the selection targets' points by default), CUDA-graph medians (`
 - ``score``: the registry's scorer as the op launches it; ``score_hist``: the same kernel built with
   ``ScoreProblem.histogram``, the histogram zeroed first (``zero``: the zeroing alone; ``score_hist_only``: the
   launch without it);
-- ``topk``: the native top-k's automatic plan; ``topk_hist``: the same plan from the scorer's histogram;
-  ``topk_warp``: the warp kernel (one warp a row, the row streamed once) from the histogram; ``topk_auto_hist``: the
-  plan ``choose_plan`` makes when a histogram is given;
-- ``select_hist``: the arithmetic of a selection built on it (score_hist + topk_auto_hist) against ``select``, the
-  op's selection as shipped, timed in the same run.
+- ``topk``: the native top-k's automatic plan; ``topk_hist``: the same plan starting from the scorer's histogram;
+- ``select``: the op's selection as shipped, timed in the same run; ``select_hist``: the arithmetic of a selection
+  built on the histogram (score_hist + topk_hist; the expansion, fused in ``select``, left out).
 
 Every top-k result is checked equal to ``torch_block_topk`` and the scorer's histogram to ``torch_score_histogram``
 of the logits it stored.
@@ -36,16 +34,15 @@ from qsa_aiter.runtime.dispatch import plan_for
 from qsa_aiter.tools.cli_args import cache_format
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
-from qsa_aiter.tools.work_points import work_points
+from qsa_aiter.tools.work_points import SELECTION_POINTS, work_points
 
 COLUMNS = ("point", "scorer", "score", "score_hist", "score_hist_only", "zero", "topk_plan", "topk", "topk_hist",
-           "topk_warp", "topk_auto_hist_plan", "topk_auto_hist", "select", "select_hist")
+           "select", "select_hist")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default="9x4@64K-128K,4x4@262K,1x1@262K,64x4@98K,128x1@98K,prefill 4096@32K,"
-                                        "prefill 16K@96K")
+    ap.add_argument("--points", default=",".join(SELECTION_POINTS))
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
     ap.add_argument("--replays", type=int, default=30)
@@ -90,11 +87,7 @@ def main() -> None:
         expected = torch.empty_like(groups)
         torch_block_topk(logits, visible, k, expected)
         auto = native_topk.choose_plan(rows, columns, k, platform)
-        auto_hist = native_topk.choose_plan(rows, columns, k, platform, histogram=True)
-        runs = {"topk": (auto, None), "topk_hist": (auto, histogram), "topk_auto_hist": (auto_hist, histogram)}
-        if columns <= native_topk.MAX_CACHED_COLUMNS:
-            runs["topk_warp"] = (native_topk.warp_plan(columns), histogram)
-        for name, (plan, hist) in runs.items():
+        for name, (plan, hist) in {"topk": (auto, None), "topk_hist": (auto, histogram)}.items():
             def launch(plan=plan, hist=hist):
                 registries.native_block_topk(logits, visible, groups, k, plan=plan, histogram=hist)
             groups.fill_(-7)
@@ -104,9 +97,9 @@ def main() -> None:
             times[name] = time_graph(launch, 1, a.replays)
             tested += 1
         times["select"] = time_graph(inputs.select, 1, a.replays)
-        times["select_hist"] = times["score_hist"] + times["topk_auto_hist"]
+        times["select_hist"] = times["score_hist"] + times["topk_hist"]
         cells = {**{key: f"{value:.2f}" for key, value in times.items()}, "point": point.name, "scorer": chosen,
-                 "topk_plan": auto.variant.name, "topk_auto_hist_plan": auto_hist.variant.name}
+                 "topk_plan": auto.variant.name}
         print(",".join(cells.get(column, "") for column in COLUMNS), flush=True)
     if not tested:
         raise SystemExit("no work point was measured (check --points)")

@@ -24,7 +24,7 @@ from qsa_aiter.runtime.settings import get_settings
 from qsa_aiter.tools.cli_args import RenamedOption, cache_format
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
-from qsa_aiter.tools.work_points import work_points
+from qsa_aiter.tools.work_points import SELECTION_POINTS, work_points
 
 
 def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -36,8 +36,7 @@ def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default="9x4@64K-128K,4x4@262K,1x1@262K,64x4@98K,128x1@98K,prefill 4096@32K,"
-                                        "prefill 16K@96K")
+    ap.add_argument("--points", default=",".join(SELECTION_POINTS))
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
     ap.add_argument("--kv", dest="cache", type=cache_format, action=RenamedOption, renamed_to="--cache")

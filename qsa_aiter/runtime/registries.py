@@ -223,7 +223,7 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
                                   or not histogram.is_contiguous() or histogram.device != logits.device):
         raise ValueError(f"histogram must be a contiguous int32 [{rows}, {native_topk.HISTOGRAM_BINS}] tensor on "
                          f"{logits.device} (got {histogram.dtype} {tuple(histogram.shape)} on {histogram.device})")
-    plan = plan or native_topk.choose_plan(rows, columns, block_topk, platform, histogram=histogram is not None)
+    plan = plan or native_topk.choose_plan(rows, columns, block_topk, platform)
     row_stride = logits.stride(0) if rows > 1 else max(columns, 1)
     # float4 loads and bulk copies need every row to start 16-byte aligned
     vectorised = logits.data_ptr() % 16 == 0 and (row_stride % 4 == 0 or rows == 1)
@@ -247,8 +247,7 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     else:
         addresses += [0, 0, 0, 0]
     addresses.append(0 if histogram is None else histogram.data_ptr())
-    call = native_topk.launch_arguments(plan, rows, columns, row_stride, block_topk, vectorised, expansion,
-                                        histogram is not None)
+    call = native_topk.launch_arguments(plan, rows, columns, row_stride, block_topk, vectorised, expansion)
     variant = plan.variant
     kernel = native.kernel_for(native_topk.source(), variant.name, variant.defines, device, platform.arch, settings,
                                non_portable_cluster=variant.non_portable_cluster)

@@ -18,6 +18,9 @@ K = 1024
 #: The model's index shapes (README.md, "What the op computes"): 4 index heads of head_dim 128, R = 4, and its token
 #: top-k budget (2048 tokens: 512 groups).
 HEADS, HEAD_DIM, COMPRESS_RATIO, TOKEN_TOPK = 4, 128, 4, 2048
+#: The points of the selection targets (docs/selection.md), which the selection benchmarks time by default.
+SELECTION_POINTS = ("9x4@64K-128K", "4x4@262K", "1x1@262K", "64x4@98K", "128x1@98K", "prefill 4096@32K",
+                    "prefill 16K@96K")
 
 
 @dataclass(frozen=True)

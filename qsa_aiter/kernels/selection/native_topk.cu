@@ -30,7 +30,8 @@
 //            share one digit (runs of exact 0.0, constant rows) adds once (TOPK_HIST=3).
 //   fast path (TOPK_FAST, default): when the threshold bin b0 holds <= cand_cap keys,
 //     pass 2 reads every cached key once: digit > b0 -> set its bit in the column bitmap SB;
-//            digit == b0 -> append its column (u16) to the candidate list;
+//            digit == b0 -> append its column (u16) to the candidate list (a quad at a time: one OR
+//            into SB and one candidate-counter update per quad);
 //     passes 3/4 histogram the candidates only; candidates with key > T are marked in SB,
 //            ties (key == T) in a tie bitmap TB; the first e ties in column order move to SB
 //            via a block prefix popcount over TB;
@@ -40,6 +41,10 @@
 //     is not cached): passes 2/3 histogram the whole cached row (or re-read global memory);
 //     a final ordered pass over the row writes the selected columns using block-wide
 //     exclusive scans of packed per-thread counts (eq << 16 | gt).
+//
+// The scorer's histogram: with histogram != nullptr (int32 [rows, 2048], row r counting the top 11 bits of the
+// keys of logits[r, 0:n), kernels/scoring/histogram.py) pass 1 only caches the keys and takes its histogram from
+// there (a cluster: the whole row's, so the CTAs exchange none).
 //
 // Kernels (all extern "C", launched with dynamic shared memory; the layouts and the plan that
 // sizes them are mirrored in native_topk.py beside this file):
@@ -122,9 +127,6 @@ __device__ __forceinline__ int warp_all(bool p) { return __all(p); }
 __device__ __forceinline__ int warp_any(bool p) { return __any(p); }
 __device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shfl(v, src); }
 __device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up(v, d); }
-__device__ __forceinline__ lanemask_t warp_ballot(bool p) { return __ballot(p); }
-__device__ __forceinline__ unsigned lane_popc(lanemask_t m) { return (unsigned)__popcll(m); }
-__device__ __forceinline__ int lane_first(lanemask_t m) { return __ffsll((long long)m) - 1; }
 #else
 typedef unsigned lanemask_t;
 #define FULLMASK 0xFFFFFFFFu
@@ -132,12 +134,7 @@ __device__ __forceinline__ int warp_all(bool p) { return __all_sync(FULLMASK, p)
 __device__ __forceinline__ int warp_any(bool p) { return __any_sync(FULLMASK, p); }
 __device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shfl_sync(FULLMASK, v, src); }
 __device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up_sync(FULLMASK, v, d); }
-__device__ __forceinline__ lanemask_t warp_ballot(bool p) { return __ballot_sync(FULLMASK, p); }
-__device__ __forceinline__ unsigned lane_popc(lanemask_t m) { return (unsigned)__popc(m); }
-__device__ __forceinline__ int lane_first(lanemask_t m) { return __ffs((int)m) - 1; }
 #endif
-// The lanes below this one.
-__device__ __forceinline__ lanemask_t lanes_below() { return (((lanemask_t)1) << (threadIdx.x % WS)) - 1; }
 
 __device__ __forceinline__ unsigned f2key(float x) {
     unsigned b = __float_as_uint(x);
@@ -514,25 +511,30 @@ __device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K
 template <int BLOCK>
 __device__ __forceinline__ void pass_classify(const unsigned* cache, int len, unsigned b0, bool exhausted,
                                               unsigned* SB, unsigned short* cand, unsigned* s_ncand) {
-    const unsigned thr = exhausted ? b0 : b0 + 1u;  // mark top digit >= thr
+    const unsigned thr = exhausted ? b0 : b0 + 1u;     // mark top digit >= thr
+    const unsigned want = exhausted ? 0xFFFFFFFFu : b0;  // list top digit == want (no digit is 0xFFFFFFFF)
     const int nq = (len + 3) >> 2;
 #pragma unroll 2
     for (int q = threadIdx.x; q < nq; q += BLOCK) {
+        // A quad's four columns are bits 4 (q & 7) .. 4 (q & 7) + 3 of bitmap word q >> 3: one OR per quad, and
+        // one counter update per quad holding candidates.
         const uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
-        const unsigned kk[4] = {t.x, t.y, t.z, t.w};
-        const int nv = quad_valid(len, q);
+        const unsigned d[4] = {t.x >> 21, t.y >> 21, t.z >> 21, t.w >> 21};
+        const unsigned valid = (1u << quad_valid(len, q)) - 1u;
+        unsigned kept = 0, listed = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            if (i < nv) {
-                const unsigned d = kk[i] >> 21;
-                const int col = 4 * q + i;
-                if (d >= thr) {
-                    atomicOr(&SB[col >> 5], 1u << (col & 31));
-                } else if (d == b0) {  // only reached when !exhausted
-                    const unsigned slot = atomicAdd(s_ncand, 1u);
-                    cand[slot] = (unsigned short)col;
-                }
-            }
+            kept |= (d[i] >= thr ? 1u : 0u) << i;
+            listed |= (d[i] == want ? 1u : 0u) << i;
+        }
+        kept &= valid;
+        listed &= valid;
+        if (kept) atomicOr(&SB[q >> 3], kept << (4 * (q & 7)));
+        if (listed) {
+            unsigned slot = atomicAdd(s_ncand, (unsigned)__popc(listed));
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if ((listed >> i) & 1u) cand[slot++] = (unsigned short)(4 * q + i);
         }
     }
 }
@@ -772,37 +774,21 @@ __device__ __forceinline__ unsigned tokens_kept(long long g, long long limit, in
     return (unsigned)(c < R ? c : R);
 }
 
-// Warp-wide exclusive scan of one unsigned per lane; `total` gets the warp's sum.
-__device__ __forceinline__ unsigned warp_excl_scan(unsigned v, unsigned& total) {
-    const int lane = threadIdx.x % WS;
-    unsigned x = v;
-#pragma unroll
-    for (int o = 1; o < WS; o <<= 1) {
-        unsigned y = shfl_up(x, o);
-        if (lane >= o) x += y;
-    }
-    total = shfl_idx(x, WS - 1);
-    return x - v;
-}
-
-// Expands one row, run by THREADS threads: a whole CTA (WARP false; `s_scan` its scan buffer) or one warp (WARP
-// true; no shared memory, no block barrier).
-template <int THREADS, bool WARP>
+template <int BLOCK>
 __device__ __forceinline__ void expand_row(const int* grow, int K, int row, const void* pos, const void* ctx,
                                            const void* t2r, int* __restrict__ tok, int num_requests, int R,
                                            int width, int tok_ld, int idx_wide, unsigned* s_scan) {
-    const int tid = WARP ? (int)(threadIdx.x % WS) : (int)threadIdx.x;
     const long long req = load_index(t2r, row, idx_wide & 4);
     const bool ok = req >= 0 && req < num_requests;
     long long limit = ok ? load_index(ctx, req, idx_wide & 2) : 0;
     limit = limit < 0 ? 0 : (limit > TOPK_TOKEN_LIMIT ? TOPK_TOKEN_LIMIT : limit);
     const long long p = load_index(pos, row, idx_wide & 1);
-    const int per = (K + THREADS - 1) / THREADS;
-    const int i0 = imin(K, tid * per), i1 = imin(K, i0 + per);
+    const int per = (K + BLOCK - 1) / BLOCK;
+    const int i0 = imin(K, threadIdx.x * per), i1 = imin(K, i0 + per);
     unsigned mine = 0;
     for (int i = i0; i < i1; ++i) mine += tokens_kept(load_group(grow + i), limit, R);
     unsigned total;
-    unsigned slot = WARP ? warp_excl_scan(mine, total) : block_excl_scan<THREADS>(mine, total, s_scan);
+    unsigned slot = block_excl_scan<BLOCK>(mine, total, s_scan);
     int* trow = tok + (long long)row * tok_ld;
     for (int i = i0; i < i1; ++i) {
         const long long g = load_group(grow + i);
@@ -813,7 +799,7 @@ __device__ __forceinline__ void expand_row(const int* grow, int K, int row, cons
     const long long tail_start = p >= 0 ? (p + 1) / R * R : 0;
     long long tail_len = (p + 1 < limit ? p + 1 : limit) - tail_start;
     tail_len = tail_len < 0 ? 0 : tail_len;
-    for (int w = (int)total + tid; w < width; w += THREADS) {
+    for (int w = (int)total + threadIdx.x; w < width; w += BLOCK) {
         const long long rel = w - (long long)total;
         trow[w] = rel < tail_len ? (int)(tail_start + rel) : -1;
     }
@@ -838,7 +824,7 @@ __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
     const int row = blockIdx.x;
     if (tokens != nullptr && row < rows) {
         __syncthreads();  // the row's groups are written (block-uniform: every path of row_topk returns here)
-        expand_row<BLOCK, false>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
+        expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
     }
 }
 
@@ -856,251 +842,6 @@ extern "C" __global__ void __launch_bounds__(512, 2) topk_rows_512(TOPK_ROW_PARA
 #endif
 
 // ---------------------------------------------------------------------------------------
-// One warp per row, fed by the scorer's histogram (many rows: prefill).  The histogram (2048 bins of the keys' top
-// 11 bits, counted over [0, n) by the scorer) gives the threshold bin b0 before the row is read, so the row is
-// streamed from global memory once and not cached: each 32-column step is one coalesced load per lane; the ballot
-// of (digit above b0) is that step's word of the column bitmap SB, and the keys of bin b0 are compacted, in column
-// order, into the warp's candidate list (ballot and popcount: no atomics decide a position).  The other 21 bits are
-// resolved over the candidates, 8 + 8 + 5 bits with a 256-bin warp histogram each; the selected candidates (ties
-// in column order, a ballot prefix) join SB, and a warp prefix popcount over SB writes the columns in ascending
-// order.  No block barrier: the CTA's warps are independent rows.  When bin b0 holds more keys than the list
-// (heavy ties), the digits and the output come from the row re-read from global memory instead.  The histogram
-// must be the one of these logits: it is trusted (guards keep every access in bounds, not the result exact).
-// Shared memory per warp (words): H[256] | SB[nwcap] | keys[cand_cap] | columns[cand_cap / 2] (u16; columns of a
-// row below 65536).
-#define WARP_FIXED_WORDS 256
-#define WARP_UNROLL 16
-
-// The bitmap words of the WS columns c0 .. c0 + WS - 1 (c0 a multiple of WS) from their ballot.
-__device__ __forceinline__ void put_mask_words(unsigned* SB, int c0, lanemask_t m) {
-#if TOPK_WARP_SIZE == 64
-    SB[c0 >> 5] = (unsigned)m;
-    SB[(c0 >> 5) + 1] = (unsigned)(m >> 32);
-#else
-    SB[c0 >> 5] = m;
-#endif
-}
-
-// The bin of rank `krem` (1-based, from the top) of the NB-bin histogram Hs (global or shared, walked from the
-// top, NB / WS bins per lane): bin, rank left inside it, its count.  false when no bin holds that rank (an
-// inconsistent histogram).
-template <int NB>
-__device__ __forceinline__ bool warp_select_bin(const unsigned* Hs, unsigned krem, unsigned& bin, unsigned& left,
-                                                unsigned& count) {
-    constexpr int PER = NB / WS;
-    const int lane = threadIdx.x % WS;
-    const unsigned* own = Hs + NB - PER * (lane + 1);  // this lane's bins, own[PER - 1] the highest
-    unsigned sum = 0;
-#pragma unroll
-    for (int i = 0; i < PER; i += 4) {  // own is 16-byte aligned (NB - PER * (lane + 1) is a multiple of 4)
-        const uint4 t = *reinterpret_cast<const uint4*>(own + i);
-        sum += t.x + t.y + t.z + t.w;
-    }
-    unsigned total;
-    const unsigned above = warp_excl_scan(sum, total);
-    const bool here = above < krem && above + sum >= krem;
-    const lanemask_t found = warp_ballot(here);
-    if (found == 0) return false;
-    unsigned b = 0, l = 0, c = 0;
-    if (here) {
-        unsigned a = above;
-        for (int i = PER - 1; i >= 0; --i) {
-            const unsigned h = own[i];
-            if (a + h >= krem) {
-                b = NB - PER * (lane + 1) + i;
-                l = krem - a;
-                c = h;
-                break;
-            }
-            a += h;
-        }
-    }
-    const int src = lane_first(found);
-    bin = shfl_idx(b, src);
-    left = shfl_idx(l, src);
-    count = shfl_idx(c, src);
-    return true;
-}
-
-// Keys of the row's columns [0, n), WARP_UNROLL steps of WS columns loaded before any is used; f(c0, key, valid) is
-// called by every lane for each step (c0: the step's first column, warp-uniform).
-template <typename F>
-__device__ __forceinline__ void stream_keys(const float* __restrict__ g, int n, F&& f) {
-    const int lane = threadIdx.x % WS;
-    for (int base = 0; base < n; base += WS * WARP_UNROLL) {
-        float v[WARP_UNROLL];
-#pragma unroll
-        for (int j = 0; j < WARP_UNROLL; ++j) {
-            const int c = base + j * WS + lane;
-            v[j] = c < n ? __ldg(g + c) : 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < WARP_UNROLL; ++j) {
-            const int c0 = base + j * WS;
-            if (c0 < n) f(c0, f2key(v[j]), c0 + lane < n);
-        }
-    }
-}
-
-template <int WARPS>
-__device__ __forceinline__ bool warp_rows_topk(const float* __restrict__ logits, const int* __restrict__ visible,
-                                               int* __restrict__ out, int rows, int columns, int ld, int K,
-                                               int buf_cap, int cand_cap, const unsigned* __restrict__ hist) {
-    extern __shared__ __align__(16) unsigned smem_w[];
-    const int warp = threadIdx.x / WS, lane = threadIdx.x % WS;
-    const int row = blockIdx.x * WARPS + warp;
-    if (row >= rows) return false;
-    const int nwcap = (((buf_cap + 31) >> 5) + 3) & ~3;
-    unsigned* H = smem_w + warp * (WARP_FIXED_WORDS + nwcap + cand_cap + cand_cap / 2);
-    unsigned* SB = H + WARP_FIXED_WORDS;
-    unsigned* ckey = SB + nwcap;
-    unsigned short* ccol = reinterpret_cast<unsigned short*>(ckey + cand_cap);
-    int n = visible[row];
-    n = n < 0 ? 0 : (n > columns ? columns : n);
-    int* orow = out + (long long)row * K;
-    if (n <= K) {
-        write_short(orow, n, K, lane, WS);
-        return true;
-    }
-    const float* g = logits + (long long)row * ld;
-    const lanemask_t below = lanes_below();
-
-    // 1. the threshold bin from the scorer's histogram; without one that holds rank K, all 32 bits from the row
-    unsigned b0 = 0, krem = (unsigned)K, cnt = 0;
-    const bool from_hist = warp_select_bin<2048>(hist + (long long)row * 2048, (unsigned)K, b0, krem, cnt);
-    if (!from_hist) krem = (unsigned)K;
-    const bool exhausted = from_hist && cnt == krem;  // the whole bin b0 is kept
-    const bool fast = from_hist && (exhausted || cnt <= (unsigned)cand_cap);
-    unsigned prefix = from_hist ? b0 << 21 : 0u, mask = from_hist ? 0xFFE00000u : 0u;
-    unsigned T = prefix, e = TOPK_ALL;
-
-    // 2. the only read of the row on the fast path: bitmap words of the keys above b0, candidates of b0
-    unsigned ncand = 0;
-    if (fast) {
-        const unsigned thr = exhausted ? b0 : b0 + 1u;
-        stream_keys(g, n, [&](int c0, unsigned key, bool valid) {
-            const unsigned d = key >> 21;
-            const lanemask_t kept = warp_ballot(valid && d >= thr);
-            if (lane == 0) put_mask_words(SB, c0, kept);
-            if (!exhausted) {
-                const bool mine = valid && d == b0;
-                const lanemask_t cm = warp_ballot(mine);
-                const unsigned slot = ncand + lane_popc(cm & below);
-                if (mine && slot < (unsigned)cand_cap) {
-                    ckey[slot] = key;
-                    ccol[slot] = (unsigned short)(c0 + lane);
-                }
-                ncand += lane_popc(cm);
-            }
-        });
-        ncand = umin(ncand, (unsigned)cand_cap);
-    }
-
-    // 3. the remaining digits (8, 8, then 5 bits below b0; 8 x 4 without a histogram)
-    bool done = exhausted;
-    int sh = from_hist ? 21 : 32;
-    while (!done) {
-        const int wbits = sh >= 8 ? 8 : sh;
-        sh -= wbits;
-        const unsigned dm = (1u << wbits) - 1u;
-        for (int i = lane; i < 256; i += WS) H[i] = 0u;
-        __syncwarp();
-        if (fast) {
-            for (int i = lane; i < (int)ncand; i += WS) {
-                const unsigned k = ckey[i];
-                if ((k & mask) == prefix) atomicAdd(&H[(k >> sh) & dm], 1u);
-            }
-        } else {
-            stream_keys(g, n, [&](int, unsigned key, bool valid) {
-                if (valid && (key & mask) == prefix) atomicAdd(&H[(key >> sh) & dm], 1u);
-            });
-        }
-        __syncwarp();
-        unsigned b, left, count;
-        if (!warp_select_bin<256>(H, krem, b, left, count)) {  // inconsistent histogram: stop in bounds
-            b = 0;
-            left = count = 0;
-        }
-        prefix |= b << sh;
-        mask |= dm << sh;
-        krem = left;
-        if (count == left || sh == 0) {
-            T = prefix;
-            e = count == left ? TOPK_ALL : left;
-            done = true;
-        }
-        __syncwarp();  // every lane has read H before it is zeroed again
-    }
-
-    // 4. the output, in ascending column order
-    if (fast) {
-        if (!exhausted) {  // the kept candidates join SB (ties: the first e in column order)
-            unsigned eqseen = 0;
-            for (int i0 = 0; i0 < (int)ncand; i0 += WS) {
-                const int i = i0 + lane;
-                const bool valid = i < (int)ncand;
-                const unsigned k = valid ? ckey[i] : 0u;
-                const bool eq = valid && k == T;
-                const lanemask_t em = warp_ballot(eq);
-                const unsigned rank = eqseen + lane_popc(em & below);
-                if (valid && (k > T || (eq && (e == TOPK_ALL || rank < e)))) {
-                    const unsigned c = ccol[i];
-                    atomicOr(&SB[c >> 5], 1u << (c & 31));
-                }
-                eqseen += lane_popc(em);
-            }
-            __syncwarp();
-        }
-        const int nw = (n + 31) >> 5;
-        unsigned base = 0;
-        for (int w0 = 0; w0 < nw && base < (unsigned)K; w0 += WS) {
-            const int w = w0 + lane;
-            unsigned bits = w < nw ? SB[w] : 0u;
-            unsigned total;
-            unsigned pos = base + warp_excl_scan(__popc(bits), total);
-            while (bits) {
-                if (pos < (unsigned)K) orow[pos] = 32 * w + __ffs(bits) - 1;
-                ++pos;
-                bits &= bits - 1u;
-            }
-            base += total;
-        }
-    } else {
-        unsigned pos = 0, eqseen = 0;
-        stream_keys(g, n, [&](int c0, unsigned key, bool valid) {
-            const bool eq = valid && key == T;
-            const lanemask_t em = warp_ballot(eq);
-            const unsigned rank = eqseen + lane_popc(em & below);
-            const bool sel = valid && (key > T || (eq && (e == TOPK_ALL || rank < e)));
-            const lanemask_t sm = warp_ballot(sel);
-            const unsigned slot = pos + lane_popc(sm & below);
-            if (sel && slot < (unsigned)K) orow[slot] = c0 + lane;
-            pos += lane_popc(sm);
-            eqseen += lane_popc(em);
-        });
-    }
-    return true;
-}
-
-// One warp per row (WARPS rows per CTA): the top-k, then (with tokens) the row's expansion by the same warp.
-template <int WARPS>
-__device__ __forceinline__ void warp_kernel(TOPK_ROW_PARAMS) {
-    if (warp_rows_topk<WARPS>(logits, visible, out, rows, columns, ld, K, buf_cap, cand_cap, histogram) &&
-        tokens != nullptr) {
-        __syncwarp();  // the row's groups are written
-        const int row = blockIdx.x * WARPS + threadIdx.x / WS;
-        expand_row<WS, true>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, nullptr);
-    }
-}
-
-#if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_warp_rows_256)
-extern "C" __global__ void __launch_bounds__(256, 3) topk_warp_rows_256(TOPK_ROW_PARAMS) {
-    warp_kernel<256 / WS>(logits, visible, out, positions, contexts, requests, tokens, histogram, rows, columns, ld,
-                          K, buf_cap, cached, vec_ok, cand_cap, num_requests, ratio, width, tok_ld, idx_wide);
-}
-#endif
-
-// ---------------------------------------------------------------------------------------
 // One thread-block cluster of CL CTAs per row (sm_90+).
 #if TOPK_CLUSTERS
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -1112,6 +853,13 @@ __device__ __forceinline__ unsigned cluster_rank() {
 // reduction issued by any thread of the cluster before it is visible to all threads after it.
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The same barrier in two halves: work between arrive and wait overlaps the other CTAs' arrival.
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 // 32-bit shared::cta address of a generic pointer to shared memory.
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -1191,7 +939,8 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     const bool vec = vec_ok != 0;
 
     for (int i = threadIdx.x; i < CL_FIXED_WORDS + nwcap; i += BLOCK) smem_cl[i] = 0u;
-    cluster_sync();  // (0)
+    // (0): every CTA's sums are zeroed before any remote push; pass 1 is local, so it runs between the halves
+    cluster_arrive();
     const bool count = hist == nullptr;  // else S0 is the scorer's histogram of the whole row
 #if TOPK_BULK
     if (vec)
@@ -1201,11 +950,13 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         pass_first<BLOCK, U>(g, len, vec, cache, H, count);
     if (count) {
         __syncthreads();
+        cluster_wait();  // (0)
         push_hist<BLOCK, 2048, CL>(H, S0);
         cluster_sync();  // (1)
     } else {
         const unsigned* hrow = hist + (long long)row * 2048;
         for (int i = threadIdx.x; i < 2048; i += BLOCK) S0[i] = hrow[i];
+        cluster_wait();  // (0)
         __syncthreads();
     }
     unsigned T, e;
@@ -1367,7 +1118,7 @@ __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
         __threadfence();
         cluster_sync();
         if (cluster_rank() == 0)
-            expand_row<512, false>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_cl + 7168);
+            expand_row<512>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_cl + 7168);
     }
 }
 #define TOPK_CL_CALL(CL)                                                                                   \

@@ -57,12 +57,6 @@ TWO_PER_SM_MARGIN = 2 * 1024
 #: Bins of the scorer's per-row histogram the kernels start from: the top 11 bits of the order-preserving key
 #: (``kernels/scoring/histogram.py``).
 HISTOGRAM_BINS = 2048
-#: The warp-per-row kernel (``topk_warp_rows_256``): rows a CTA serves (one per warp), the fixed words of a warp's
-#: shared memory (its 256-bin histogram, ``WARP_FIXED_WORDS``), and its candidate list's entries.
-WARP_ROWS_PER_BLOCK, WARP_FIXED_BYTES, WARP_CANDIDATES = 8, 256 * 4, 1024
-#: The warp kernel serves calls of at least this many rows (a warp streams a row at a fraction of what a CTA does:
-#: it pays where rows, not row length, fill the GPU).
-WARP_MIN_ROWS = 1024
 #: Every launch argument after the three pointers is a C ``int``: the kernels compute row offsets in 64 bits, but
 #: columns, the row stride and block_topk must be below 2**31.
 INT_LIMIT = 2**31
@@ -87,19 +81,12 @@ def source() -> str:
 @dataclass(frozen=True)
 class Variant:
     """One kernel of the source: its ``extern "C"`` name, threads per CTA, CTAs per cluster (1: one CTA per row) and
-    the CTAs per multiprocessor its ``__launch_bounds__`` promise (which caps its registers); ``rows_per_block``: the
-    rows one CTA serves (the warp kernel: one per warp), which then needs the scorer's histogram."""
+    the CTAs per multiprocessor its ``__launch_bounds__`` promise (which caps its registers)."""
 
     name: str
     threads: int
     cluster: int
     blocks_per_multiprocessor: int
-    rows_per_block: int = 1
-
-    @property
-    def needs_histogram(self) -> bool:
-        """The warp kernel starts from the scorer's histogram (it has no pass that builds one)."""
-        return self.rows_per_block > 1
 
     @property
     def defines(self) -> tuple[str, ...]:
@@ -129,7 +116,6 @@ VARIANTS = (
     Variant("topk_cluster4_512", 512, 4, 2),
     Variant("topk_cluster8_512", 512, 8, 2),
     Variant("topk_cluster16_512", 512, 16, 2),
-    Variant("topk_warp_rows_256", 256, 1, 3, WARP_ROWS_PER_BLOCK),
 )
 BY_NAME = {variant.name: variant for variant in VARIANTS}
 
@@ -182,16 +168,10 @@ class Plan:
         """Dynamic shared memory of one CTA (the layouts of the source's header)."""
         if self.variant.cluster > 1:
             return CLUSTER_FIXED_BYTES + 4 * (_bitmap_words(self.buffer) + self.candidates // 2 + self.buffer)
-        if self.variant.needs_histogram:  # per warp: H | SB | candidate keys | candidate columns (u16)
-            per_warp = WARP_FIXED_BYTES + 4 * (_bitmap_words(self.buffer) + self.candidates + self.candidates // 2)
-            return self.variant.rows_per_block * per_warp
         bitmap = _bitmap_words(self.buffer) if self.cached else 0
         return ROW_FIXED_BYTES + 4 * (bitmap + self.candidates // 2 + self.buffer)
 
     def describe(self) -> str:
-        if self.variant.needs_histogram:
-            return (f"{self.variant.name} (one warp a row from the scorer's histogram, {self.candidates} candidates, "
-                    f"{self.shared_bytes} B shared memory per CTA)")
         mode = "cached" if self.cached else f"uncached, {self.buffer}-key buffer"
         return (f"{self.variant.name} ({mode}, {self.candidates} candidates, {self.shared_bytes} B shared memory "
                 "per CTA)")
@@ -218,12 +198,6 @@ def cluster_plan(cluster: int, columns: int, platform: Platform) -> Plan:
     return Plan(BY_NAME[f"topk_cluster{cluster}_512"], True, cap, _candidates(CLUSTER_FIXED_BYTES, cap, platform))
 
 
-def warp_plan(columns: int) -> Plan:
-    """The warp-per-row plan (``topk_warp_rows_256``, fed by the scorer's histogram) for rows of ``columns``: a
-    bitmap of ``columns`` bits and ``WARP_CANDIDATES`` candidates per warp (the row is streamed, not cached)."""
-    return Plan(BY_NAME["topk_warp_rows_256"], False, _round4(columns), WARP_CANDIDATES)
-
-
 def trivial_plan() -> Plan:
     """The plan when every row has at most ``block_topk`` columns: each row writes ``0 .. visible-1`` and ``-1``
     (no score read, no buffers)."""
@@ -237,7 +211,7 @@ def _fits(plan: Plan, platform: Platform) -> bool:
 
 @lru_cache(maxsize=512)  # a launch asks for it every call; it depends on these arguments only
 def choose_plan(rows: int, columns: int, block_topk: int, platform: Platform,
-                cluster_sizes: tuple[int, ...] = CLUSTER_SIZES, histogram: bool = False) -> Plan:
+                cluster_sizes: tuple[int, ...] = CLUSTER_SIZES) -> Plan:
     """The launch plan for ``rows`` rows of ``columns`` fp32 logits, ``block_topk`` kept per row, on ``platform``.
 
     - ``columns <= block_topk``: the trivial plan (no row reads a score).
@@ -248,20 +222,12 @@ def choose_plan(rows: int, columns: int, block_topk: int, platform: Platform,
       in shared memory where it fits (the per-block limit, and ``MAX_CACHED_COLUMNS``), else the uncached 512-thread
       kernel (later passes re-read the row, mostly from L2).
 
-    With the scorer's ``histogram``, calls of at least ``WARP_MIN_ROWS`` rows of at most ``MAX_CACHED_COLUMNS``
-    columns take the warp kernel (one warp a row, the row streamed once) where its CTA fits; the other plans start
-    from the histogram too.
-
     Raises ``ValueError`` where not even the uncached kernel fits the platform's shared memory (``plan_reason``)."""
     reason = plan_reason(columns, block_topk, platform)
     if reason:
         raise ValueError(reason)
     if columns <= block_topk:
         return trivial_plan()
-    if histogram and rows >= WARP_MIN_ROWS and columns <= MAX_CACHED_COLUMNS:
-        plan = warp_plan(columns)
-        if plan.shared_bytes <= platform.shared_memory_per_block:
-            return plan
     if (platform.capability >= (9, 0) and 2 * rows <= platform.multiprocessors
             and columns >= CLUSTER_MIN_COLUMNS):
         for size in cluster_sizes:
@@ -332,13 +298,12 @@ NO_EXPANSION = {name: 0 for name in EXPANSION_SCALARS}
 
 
 def launch_arguments(plan: Plan, rows: int, columns: int, row_stride: int, block_topk: int,
-                     vectorised: bool, expansion: Expansion | None = None, histogram: bool = False) -> NativeLaunch:
+                     vectorised: bool, expansion: Expansion | None = None) -> NativeLaunch:
     """The launch of ``plan`` over ``rows`` rows of ``columns`` fp32 logits ``row_stride`` elements apart (last dim
     contiguous), writing int32 ``[rows, block_topk]`` (rows ``block_topk`` apart), and with ``expansion`` each row's
     token indices too. ``vectorised``: the logits' base is 16-byte aligned and every row starts 16-byte aligned
-    (``row_stride % 4 == 0``, or one row): float4 loads and bulk copies. ``histogram``: the launch is given the
-    scorer's histogram (the warp kernel needs one). One CTA per row, ``cluster`` CTAs per row, or one CTA per
-    ``rows_per_block`` rows."""
+    (``row_stride % 4 == 0``, or one row): float4 loads and bulk copies. One CTA per row, or ``cluster`` CTAs per
+    row."""
     if rows < 1 or rows * plan.variant.cluster >= INT_LIMIT:
         raise ValueError(f"rows must be in [1, 2**31 / CTAs per row); got {rows}")
     if row_stride >= INT_LIMIT or columns >= INT_LIMIT or block_topk >= INT_LIMIT:
@@ -348,10 +313,6 @@ def launch_arguments(plan: Plan, rows: int, columns: int, row_stride: int, block
     if any(value >= INT_LIMIT for value in extra.values()):
         raise ValueError(f"the expansion's scalars must be below 2**31 (got {extra})")
     variant = plan.variant
-    if variant.needs_histogram and not histogram:
-        raise ValueError(f"{variant.name} starts from the scorer's histogram: the launch needs one")
-    if variant.needs_histogram and columns > MAX_CACHED_COLUMNS:
-        raise ValueError(f"{variant.name} serves rows of at most {MAX_CACHED_COLUMNS} columns (got {columns})")
     common = {"rows": rows, "columns": columns, "ld": row_stride, "K": block_topk, "vec_ok": int(vectorised),
               "cand_cap": plan.candidates, **extra}
     if variant.cluster > 1:
@@ -360,6 +321,5 @@ def launch_arguments(plan: Plan, rows: int, columns: int, row_stride: int, block
     else:
         values = {**common, "buf_cap": plan.buffer, "cached": int(plan.cached)}
         names = ROW_SCALARS
-    blocks = -(-rows // variant.rows_per_block) * variant.cluster
-    return NativeLaunch(variant.name, (blocks, 1, 1), (variant.threads, 1, 1), plan.shared_bytes,
+    return NativeLaunch(variant.name, (rows * variant.cluster, 1, 1), (variant.threads, 1, 1), plan.shared_bytes,
                         POINTERS, tuple((name, "int", values[name]) for name in names))

@@ -64,7 +64,7 @@ def test_every_variant_is_a_kernel_of_the_source(variant):
     assert re.search(pattern, SOURCE), pattern
     assert f"defined(TOPK_KERNEL_{variant.name})" in SOURCE
     assert variant.defines == ("TOPK_SINGLE", f"TOPK_KERNEL_{variant.name}")
-    assert variant.max_registers == (85 if variant.needs_histogram else 64)
+    assert variant.max_registers == 64
 
 
 def test_the_source_is_portable_and_self_contained():
@@ -79,9 +79,9 @@ def test_the_source_is_portable_and_self_contained():
 def test_variants_per_platform():
     assert nt.variants_for(H200) == nt.VARIANTS
     ampere = dataclasses.replace(H200, arch="sm_80", capability=(8, 0))
-    assert [v.name for v in nt.variants_for(ampere)] == ["topk_rows_256", "topk_rows_512", "topk_warp_rows_256"]
+    assert [v.name for v in nt.variants_for(ampere)] == ["topk_rows_256", "topk_rows_512"]
     assert nt.variants_for(Platform.named("gfx950")) == ()
-    assert [v.non_portable_cluster for v in nt.VARIANTS] == [False] * 5 + [True, False]
+    assert [v.non_portable_cluster for v in nt.VARIANTS] == [False] * 5 + [True]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -416,16 +416,6 @@ def test_every_plan_equals_the_oracle(rows, columns, block_topk, kind):
         assert torch.equal(out, want), plan.describe()
 
 
-def _histogram_plans(rows: int, columns: int, k: int) -> list[nt.Plan]:
-    """The plans a launch with the scorer's histogram may take: every forced plan, and the warp kernel with its
-    candidate list and with an 8-entry one (which forces its re-reading path)."""
-    plans = _forced_plans(rows, columns, k)
-    if columns <= nt.MAX_CACHED_COLUMNS:
-        warp = nt.warp_plan(columns)
-        plans += [warp, dataclasses.replace(warp, candidates=8)]
-    return plans
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows, columns, block_topk", [(7, 9000, 512), (3, 40000, 512), (20, 3000, 64),
@@ -442,7 +432,7 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(rows, columns, 
     torch_block_topk(logits, visible, block_topk, want)
     histogram = torch_score_histogram(logits, visible)
     poisoned = _poisoned(logits, visible)
-    for plan in _histogram_plans(rows, columns, block_topk):
+    for plan in _forced_plans(rows, columns, block_topk):
         out = torch.full_like(want, -7)
         native_block_topk(poisoned, visible, out, block_topk, plan=plan, histogram=histogram)
         assert torch.equal(out, want), plan.describe()
@@ -454,44 +444,34 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(rows, columns, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("wide", [False, True])
-def test_the_warp_kernel_expands_as_the_row_kernel(wide):
-    """Both kernels' fused expansion equals the torch expansion of the oracle's groups, with groups past their
-    request's context (the lengths here do not bound the visible counts), bad request ids and int32/int64 indices."""
+def test_the_fused_expansion_equals_the_torch_expansion(wide):
+    """The fused expansion of every plan (with and without the scorer's histogram) equals the torch expansion of the
+    oracle's groups, with groups past their request's context (the lengths here do not bound the visible counts),
+    bad request ids and int32/int64 indices."""
     from qsa_aiter.kernels.scoring.histogram import torch_score_histogram
     from qsa_aiter.kernels.selection.reference import torch_expand_block_indices
     from qsa_aiter.runtime.registries import native_block_topk
 
     gen = torch.Generator().manual_seed(11)
-    rows, columns, k, ratio, token_topk = 1100, 5000, 128, 4, 512
+    rows, columns, k, ratio, token_topk = 6, 9000, 128, 4, 512
     logits = _logits(gen, rows, columns, "relu")
     visible = _visible(gen, rows, columns, k)
     index = torch.int64 if wide else torch.int32
-    requests = torch.randint(-1, 5, (rows,), generator=gen).to(index).cuda()
-    contexts = torch.randint(0, 4 * columns + 9, (4,), generator=gen).to(index).cuda()
+    requests = torch.tensor([0, 1, 2, 3, 4, -1]).to(index).cuda()
+    contexts = torch.tensor([4 * columns, 100, 3 * columns + 2, 0]).to(index).cuda()
     positions = torch.randint(-1, 4 * columns, (rows,), generator=gen).to(index).cuda()
     want = torch.empty((rows, k), dtype=torch.int32, device="cuda")
     torch_block_topk(logits, visible, k, want)
     want_tokens = torch.empty((rows, token_topk + ratio - 1), dtype=torch.int32, device="cuda")
     torch_expand_block_indices(want, positions, contexts, requests, ratio, token_topk, want_tokens)
     histogram = torch_score_histogram(logits, visible)
-    for plan, hist in ((nt.rows_plan(256, columns, Platform.of(torch.device("cuda"))), None),
-                       (nt.warp_plan(columns), histogram)):
-        groups = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
-        tokens = torch.full_like(want_tokens, -7)
-        native_block_topk(logits, visible, groups, k, plan=plan, histogram=hist,
-                          expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
-        assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
-
-
-def test_the_warp_kernel_needs_the_histogram():
-    plan = nt.warp_plan(8192)
-    with pytest.raises(ValueError, match="histogram"):
-        nt.launch_arguments(plan, 4096, 8192, 8192, 512, True)
-    call = nt.launch_arguments(plan, 4097, 8192, 8192, 512, True, histogram=True)
-    assert call.grid == (513, 1, 1) and call.block == (256, 1, 1)
-    assert call.shared_bytes == 8 * (1024 + 4 * (256 + 1024 + 512)) == plan.shared_bytes
-    with pytest.raises(ValueError, match="65536"):
-        nt.launch_arguments(nt.warp_plan(70000), 4096, 70000, 70000, 512, True, histogram=True)
+    for plan in _forced_plans(rows, columns, k):
+        for hist in (None, histogram):
+            groups = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
+            tokens = torch.full_like(want_tokens, -7)
+            native_block_topk(logits, visible, groups, k, plan=plan, histogram=hist,
+                              expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
+            assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
 
 @pytest.mark.gpu

@@ -93,13 +93,13 @@ def test_every_variant_compiles_for_sm_90_without_spills(compiled):
 
 def test_below_sm_90_the_switches_leave_the_row_kernels():
     """For sm_80 the clusters and bulk copies compile out (``TOPK_CLUSTERS``, ``TOPK_BULK``): the whole source builds
-    the row kernels (one CTA and one warp a row), without spills."""
+    the two row kernels, without spills."""
     built = nvrtc.compile_cubin(SOURCE, "sm_80", name="native_topk.cu")
     report = nvrtc.ptxas_report(built.log)
-    assert set(report) == {"topk_rows_256", "topk_rows_512", "topk_warp_rows_256"}
+    assert set(report) == {"topk_rows_256", "topk_rows_512"}
     assert all((r.spill_store_bytes, r.spill_load_bytes, r.stack_bytes) == (0, 0, 0) for r in report.values())
     ampere = Platform("sm_80", "cuda", (8, 0), 108, False)
-    assert [v.name for v in nt.variants_for(ampere)] == ["topk_rows_256", "topk_rows_512", "topk_warp_rows_256"]
+    assert [v.name for v in nt.variants_for(ampere)] == ["topk_rows_256", "topk_rows_512"]
 
 
 def test_ptxas_report_reads_each_kernel():
