@@ -211,18 +211,19 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     expansion into the launch, as the Triton top-k does; ``plan``: a ``native_topk.Plan`` instead of the one
     ``choose_plan`` makes (tests, benchmarks); ``histogram``: the scorer's per-row histogram of these logits (int32
     ``[tokens, HISTOGRAM_BINS]``, contiguous; ``kernels/scoring/histogram.py``), which the kernels start from
-    instead of counting the row's top bits themselves. One launch on the current stream; the kernel is compiled into the JIT
-    cache, or loaded from it, at its first use in a process. A launch whose tensors the kernel takes as they are is
-    recorded (``kernels.spec.record``) for the replay of later calls."""
+    instead of counting the row's top bits themselves. One launch on the current stream; the kernel is compiled
+    into the JIT cache, or loaded from it, at its first use in a process. A launch whose tensors the kernel takes as
+    they are is recorded (``kernels.spec.record``) for the replay of later calls (one with a histogram is not)."""
     rows, columns = logits.shape
     if rows == 0:
         return
+    bins = native_topk.HISTOGRAM_BINS
+    if histogram is not None and (histogram.shape != (rows, bins) or histogram.dtype != torch.int32
+                                  or not histogram.is_contiguous() or histogram.device != logits.device):
+        raise ValueError(f"histogram must be a contiguous int32 [{rows}, {bins}] tensor on {logits.device} (got "
+                         f"{histogram.dtype} {tuple(histogram.shape)} on {histogram.device})")
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     platform = Platform.of(torch.device("cuda", device))
-    if histogram is not None and (histogram.shape != (rows, native_topk.HISTOGRAM_BINS) or histogram.dtype != torch.int32
-                                  or not histogram.is_contiguous() or histogram.device != logits.device):
-        raise ValueError(f"histogram must be a contiguous int32 [{rows}, {native_topk.HISTOGRAM_BINS}] tensor on "
-                         f"{logits.device} (got {histogram.dtype} {tuple(histogram.shape)} on {histogram.device})")
     plan = plan or native_topk.choose_plan(rows, columns, block_topk, platform)
     row_stride = logits.stride(0) if rows > 1 else max(columns, 1)
     # float4 loads and bulk copies need every row to start 16-byte aligned

@@ -441,6 +441,18 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(rows, columns, 
         assert torch.equal(again, out), f"{plan.describe()}: not bitwise repeatable"
 
 
+@pytest.mark.parametrize("shape, dtype", [((4, 2047), torch.int32), ((3, 2048), torch.int32), ((4, 2048), torch.int64)])
+def test_a_histogram_of_another_shape_or_dtype_is_refused(shape, dtype):
+    from qsa_aiter.runtime.registries import native_block_topk
+
+    logits, visible = torch.zeros(4, 9000), torch.full((4,), 9000, dtype=torch.int32)
+    out = torch.empty(4, 512, dtype=torch.int32)
+    with pytest.raises(ValueError, match="histogram must be a contiguous int32"):
+        native_block_topk(logits, visible, out, 512, histogram=torch.zeros(shape, dtype=dtype))
+    with pytest.raises(ValueError, match="histogram must be a contiguous int32"):
+        native_block_topk(logits, visible, out, 512, histogram=torch.zeros(2048, 4, dtype=torch.int32).t())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("wide", [False, True])
