@@ -17,20 +17,21 @@ import triton
 import triton.language as tl
 
 from ..selection.native_topk import HISTOGRAM_BINS
+from ..selection.topk import order_key
 
 #: ``HISTOGRAM_BINS`` for the kernels.
 BINS = tl.constexpr(HISTOGRAM_BINS)
 #: The bits of the key below a bin: a bin is the key's top 11 bits (sign, exponent, two mantissa bits of the score).
 BIN_SHIFT = 21
+_SHIFT = tl.constexpr(BIN_SHIFT)
 
 
 @triton.jit
 def count_scores(hist_rows, score, keep):
     """Add each ``score`` where ``keep`` (None: every one) to its bin of the histogram row at ``hist_rows``
     (pointers to the rows' first bins, broadcast to ``score``'s shape; ``score`` fp32)."""
-    bits = score.to(tl.uint32, bitcast=True)
-    key = tl.where(bits == 0x80000000, 0x80000000, tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000))
-    tl.atomic_add(hist_rows + (key >> 21).to(tl.int32), 1, mask=keep, sem="relaxed")
+    bins = (order_key(score) >> _SHIFT).to(tl.int32)
+    tl.atomic_add(hist_rows + bins, 1, mask=keep, sem="relaxed")
 
 
 def score_keys(scores: torch.Tensor) -> torch.Tensor:

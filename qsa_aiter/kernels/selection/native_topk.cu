@@ -827,17 +827,18 @@ __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
         expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
     }
 }
+#define TOPK_ROW_CALL(BLOCK)                                                                                  \
+    row_kernel<BLOCK>(logits, visible, out, positions, contexts, requests, tokens, histogram, rows, columns, ld, K, \
+                      buf_cap, cached, vec_ok, cand_cap, num_requests, ratio, width, tok_ld, idx_wide)
 
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_256)
 extern "C" __global__ void __launch_bounds__(256, 4) topk_rows_256(TOPK_ROW_PARAMS) {
-    row_kernel<256>(logits, visible, out, positions, contexts, requests, tokens, histogram, rows, columns, ld, K,
-                    buf_cap, cached, vec_ok, cand_cap, num_requests, ratio, width, tok_ld, idx_wide);
+    TOPK_ROW_CALL(256);
 }
 #endif
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_512)
 extern "C" __global__ void __launch_bounds__(512, 2) topk_rows_512(TOPK_ROW_PARAMS) {
-    row_kernel<512>(logits, visible, out, positions, contexts, requests, tokens, histogram, rows, columns, ld, K,
-                    buf_cap, cached, vec_ok, cand_cap, num_requests, ratio, width, tok_ld, idx_wide);
+    TOPK_ROW_CALL(512);
 }
 #endif
 

@@ -51,8 +51,9 @@ FLOOR_BLOCKS = tl.constexpr(2)
 
 
 @triton.jit
-def _order_key(scores):
-    """fp32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 keyed as +0.0, they compare equal)."""
+def order_key(scores):
+    """fp32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 keyed as +0.0, they compare equal):
+    the native top-k's ``f2key``, and the key the scorers' histogram bins (``scoring/histogram.py``)."""
     bits = scores.to(tl.int32, bitcast=True)
     bits = tl.where(bits == -2147483648, 0, bits)
     flipped = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse the magnitude order
@@ -62,7 +63,7 @@ def _order_key(scores):
 @triton.jit
 def _key_to_float(key):
     """The float whose order key is ``key`` (``-inf`` for keys at or below that of ``-inf``, which would decode to
-    NaN), so that ``x >= _key_to_float(key)`` is ``_order_key(x) >= key`` for every non-NaN ``x``."""
+    NaN), so that ``x >= _key_to_float(key)`` is ``order_key(x) >= key`` for every non-NaN ``x``."""
     flipped = (key ^ 0x80000000).to(tl.int32, bitcast=True)
     bits = flipped ^ ((flipped >> 31) & 0x7FFFFFFF)
     return tl.where(key <= 0x007FFFFF, float("-inf"), bits.to(tl.float32, bitcast=True))
@@ -109,7 +110,7 @@ def _kth_key_of_row(src, n, k, CHUNK: tl.constexpr):
         hist = tl.zeros((16,), tl.int32)
         for start in range(0, n, CHUNK):
             cols = start + offs
-            keys = _order_key(tl.load(src + cols, mask=cols < n, other=0.0))
+            keys = order_key(tl.load(src + cols, mask=cols < n, other=0.0))
             match = (cols < n) & ((keys & prefix_mask) == prefix)
             hist += tl.histogram(((keys >> shift) & 0xF).to(tl.int32), 16, mask=match)
         prefix, prefix_mask, need = _descend(hist, need, prefix, prefix_mask, shift)
@@ -129,7 +130,7 @@ def _chosen(keys, valid, threshold, need, equal_before):
 def _select_row(src, cols, valid, k, out_row):
     """Exact top ``k`` of the columns ``cols`` (ascending, where ``valid``; at least ``k``) of the row at ``src``:
     writes them, in column order, to ``out_row[0:k]``."""
-    keys = _order_key(tl.load(src + cols, mask=valid, other=0.0))
+    keys = order_key(tl.load(src + cols, mask=valid, other=0.0))
     threshold, need = _kth_key(keys, valid, k, 8)
     chosen, _ = _chosen(keys, valid, threshold, need, 0)
     slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
@@ -145,7 +146,7 @@ def _select_whole_row(src, n, k, out_row, CHUNK: tl.constexpr):
     equal_seen = tl.zeros((), tl.int32)
     for start in range(0, n, CHUNK):
         cols = start + offs
-        keys = _order_key(tl.load(src + cols, mask=cols < n, other=0.0))
+        keys = order_key(tl.load(src + cols, mask=cols < n, other=0.0))
         chosen, equal = _chosen(keys, cols < n, threshold, need, equal_seen)
         slot = taken + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
         tl.store(out_row + slot, cols, mask=chosen)
@@ -182,7 +183,7 @@ def lane_floor(lane_max, n, k, CAPACITY: tl.constexpr):
     """A score at least ``k`` of the row's ``n > CAPACITY`` columns reach: the top 16 bits of the ``k``-th largest
     lane maximum (``k`` distinct columns reach that maximum)."""
     lanes = tl.arange(0, CAPACITY)
-    return _key_to_float(_kth_key(_order_key(lane_max), lanes < n, k, 4)[0])
+    return _key_to_float(_kth_key(order_key(lane_max), lanes < n, k, 4)[0])
 
 
 @triton.jit
@@ -224,7 +225,7 @@ def block_candidates(src, n, max_row, buf_row, k, B: tl.constexpr, MAX_BLOCKS: t
     b = tl.arange(0, MAX_BLOCKS)
     blocks = tl.cdiv(n, B)
     maxima = tl.load(max_row + b, mask=b < blocks, other=float("-inf"))
-    floor = _key_to_float(_kth_key(_order_key(maxima), b < blocks, k, 4)[0])
+    floor = _key_to_float(_kth_key(order_key(maxima), b < blocks, k, 4)[0])
     reach = ((b < blocks) & (maxima >= floor)).to(tl.int32)
     reaching = tl.sum(reach, axis=0)
     slot = tl.cumsum(reach, axis=0) - reach

@@ -16,6 +16,7 @@ import torch
 
 import qsa_aiter
 from qsa_aiter.kernels.platform import Platform
+from qsa_aiter.kernels.scoring.histogram import score_keys
 from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.kernels.selection.reference import reference_block_topk, torch_block_topk
 
@@ -240,20 +241,13 @@ def test_launch_arguments_refuse_what_a_c_int_cannot_hold():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def order_keys(scores: torch.Tensor) -> torch.Tensor:
-    """The kernels' ``f2key`` as int64: -0.0 as +0.0, negative floats' bits inverted, positive ones' top bit set."""
-    bits = scores.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
-    bits = torch.where(bits == 0x80000000, 0, bits)
-    return torch.where(bits >= 0x80000000, ~bits & 0xFFFFFFFF, bits | 0x80000000)
-
-
 def emulate_row(scores: torch.Tensor, k: int) -> list[int]:
     """The kernels' radix select on one row of ``n > k`` scores: digits of 11, 11 and 10 bits from the top; in each
     pass the threshold bin is the one where the count of keys above it is below the rank still owed and the count
     including it reaches it; a bin taken whole ends the search (threshold: the bin's lowest key, every tie taken).
     Then a column is selected iff its key is above the threshold, or equal to it and among the first ``e`` equal
     ones in column order."""
-    keys = order_keys(scores)
+    keys = score_keys(scores)
     prefix, mask, owed, threshold, ties = 0, 0, k, None, ALL
     for shift, width in ((21, 11), (10, 11), (0, 10)):
         digits = (keys >> shift) & ((1 << width) - 1)
@@ -285,7 +279,7 @@ def emulate_block_topk(logits: torch.Tensor, visible: torch.Tensor, k: int) -> t
 
 def test_order_keys_sort_as_the_floats():
     values = torch.tensor([float("-inf"), -3.4e38, -1.5, -1e-45, -0.0, 0.0, 1e-45, 1e-38, 1.0, 3.4e38, float("inf")])
-    keys = order_keys(values)
+    keys = score_keys(values)
     assert bool((keys[1:] >= keys[:-1]).all()) and int(keys[4]) == int(keys[5]) == 0x80000000
     assert bool((keys[1:4] > keys[:3]).all()) and bool((keys[6:] > keys[5:-1]).all())
     assert int(keys[0]) == 0x007FFFFF  # -inf: the lowest key a float has
