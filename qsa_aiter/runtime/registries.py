@@ -29,7 +29,7 @@ from ..kernels.selection import expand, native_topk, topk
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from ..kernels.spec import record
 from . import rocm
-from .jit import native, nvrtc
+from .jit import emulated, native, nvrtc
 from .dispatch import ANY_PHASE, Candidate, Registry, plan_for, register, spec_candidate
 
 BLOCK_SIZES = (16, 64)
@@ -202,6 +202,51 @@ def native_topk_reasons(problem: TopkProblem, platform: Platform, settings) -> l
     return found
 
 
+def _check_histogram(logits: torch.Tensor, histogram: torch.Tensor | None) -> None:
+    """A scorer's histogram for ``logits`` is a contiguous int32 ``[rows, HISTOGRAM_BINS]`` on their device."""
+    rows, bins = logits.shape[0], native_topk.HISTOGRAM_BINS
+    if histogram is not None and (histogram.shape != (rows, bins) or histogram.dtype != torch.int32
+                                  or not histogram.is_contiguous() or histogram.device != logits.device):
+        raise ValueError(f"histogram must be a contiguous int32 [{rows}, {bins}] tensor on {logits.device} (got "
+                         f"{histogram.dtype} {tuple(histogram.shape)} on {histogram.device})")
+
+
+def _native_topk_call(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
+                      plan: native_topk.Plan, expand_into: tuple | None, histogram: torch.Tensor | None):
+    """The launch of ``plan`` for ``native_block_topk``'s arguments: ``(call, addresses, target, direct, keep)``, where
+    ``target`` is ``out`` or the contiguous buffer the kernel writes instead, ``direct`` says the kernel takes the
+    tensors as they are (no copies), and ``keep`` holds the copies ``addresses`` point into (alive until the launch
+    is issued)."""
+    rows, columns = logits.shape
+    row_stride = logits.stride(0) if rows > 1 else max(columns, 1)
+    # float4 loads and bulk copies need every row to start 16-byte aligned
+    vectorised = logits.data_ptr() % 16 == 0 and (row_stride % 4 == 0 or rows == 1)
+    # The kernel reads visible[row] (and the expansion's positions, lengths and requests) at stride 1 and writes
+    # groups rows block_topk apart: other layouts go through contiguous copies, and such a launch is not recorded.
+    inputs = (visible,) if expand_into is None else (visible, *expand_into[:3])
+    direct = all(t.stride(0) == 1 for t in inputs) and out.is_contiguous()
+    visible = visible if visible.stride(0) == 1 else visible.contiguous()
+    target = out if out.is_contiguous() else torch.empty(out.shape, dtype=torch.int32, device=out.device)
+    addresses = [logits.data_ptr(), visible.data_ptr(), target.data_ptr()]
+    expansion = None
+    keep = [visible]  # copies the addresses point into, alive until the launch is issued
+    if expand_into is not None:
+        positions, context_lens, token_to_request, tokens_out, ratio, token_topk = expand_into
+        positions, context_lens, token_to_request = (t if t.stride(0) == 1 else t.contiguous()
+                                                     for t in (positions, context_lens, token_to_request))
+        keep += [positions, context_lens, token_to_request]
+        expansion = native_topk.Expansion(
+            context_lens.shape[0], ratio, token_topk + ratio - 1, tokens_out.stride(0) if rows > 1 else 0,
+            positions.dtype == torch.int64, context_lens.dtype == torch.int64, token_to_request.dtype == torch.int64)
+        addresses += [positions.data_ptr(), context_lens.data_ptr(), token_to_request.data_ptr(),
+                      tokens_out.data_ptr()]
+    else:
+        addresses += [0, 0, 0, 0]
+    addresses.append(0 if histogram is None else histogram.data_ptr())
+    call = native_topk.launch_arguments(plan, rows, columns, row_stride, block_topk, vectorised, expansion)
+    return call, addresses, target, direct, keep
+
+
 def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
                       settings=None, plan: native_topk.Plan | None = None, expand_into: tuple | None = None,
                       histogram: torch.Tensor | None = None) -> None:
@@ -217,42 +262,16 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     rows, columns = logits.shape
     if rows == 0:
         return
-    bins = native_topk.HISTOGRAM_BINS
-    if histogram is not None and (histogram.shape != (rows, bins) or histogram.dtype != torch.int32
-                                  or not histogram.is_contiguous() or histogram.device != logits.device):
-        raise ValueError(f"histogram must be a contiguous int32 [{rows}, {bins}] tensor on {logits.device} (got "
-                         f"{histogram.dtype} {tuple(histogram.shape)} on {histogram.device})")
+    _check_histogram(logits, histogram)  # before any device work
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     platform = Platform.of(torch.device("cuda", device))
     plan = plan or native_topk.choose_plan(rows, columns, block_topk, platform)
-    row_stride = logits.stride(0) if rows > 1 else max(columns, 1)
-    # float4 loads and bulk copies need every row to start 16-byte aligned
-    vectorised = logits.data_ptr() % 16 == 0 and (row_stride % 4 == 0 or rows == 1)
-    # The kernel reads visible[row] (and the expansion's positions, lengths and requests) at stride 1 and writes
-    # groups rows block_topk apart: other layouts go through contiguous copies, and such a launch is not recorded.
-    inputs = (visible,) if expand_into is None else (visible, *expand_into[:3])
-    direct = all(t.stride(0) == 1 for t in inputs) and out.is_contiguous()
-    visible = visible if visible.stride(0) == 1 else visible.contiguous()
-    target = out if out.is_contiguous() else torch.empty(out.shape, dtype=torch.int32, device=out.device)
-    addresses = [logits.data_ptr(), visible.data_ptr(), target.data_ptr()]
-    expansion = None
-    if expand_into is not None:
-        positions, context_lens, token_to_request, tokens_out, ratio, token_topk = expand_into
-        positions, context_lens, token_to_request = (t if t.stride(0) == 1 else t.contiguous()
-                                                     for t in (positions, context_lens, token_to_request))
-        expansion = native_topk.Expansion(
-            context_lens.shape[0], ratio, token_topk + ratio - 1, tokens_out.stride(0) if rows > 1 else 0,
-            positions.dtype == torch.int64, context_lens.dtype == torch.int64, token_to_request.dtype == torch.int64)
-        addresses += [positions.data_ptr(), context_lens.data_ptr(), token_to_request.data_ptr(),
-                      tokens_out.data_ptr()]
-    else:
-        addresses += [0, 0, 0, 0]
-    addresses.append(0 if histogram is None else histogram.data_ptr())
-    call = native_topk.launch_arguments(plan, rows, columns, row_stride, block_topk, vectorised, expansion)
+    call, addresses, target, direct, _keep = _native_topk_call(logits, visible, out, block_topk, plan, expand_into,
+                                                               histogram)
     variant = plan.variant
     kernel = native.kernel_for(native_topk.source(), variant.name, variant.defines, device, platform.arch, settings,
                                non_portable_cluster=variant.non_portable_cluster)
-    name = NATIVE_TOPK_LAUNCH if expansion is None else NATIVE_TOPK_EXPAND_LAUNCH
+    name = NATIVE_TOPK_LAUNCH if expand_into is None else NATIVE_TOPK_EXPAND_LAUNCH
     prepared = native.PreparedLaunch(name, kernel, call.grid, call.block, call.shared_bytes,
                                      tuple(pointer for pointer, _ in call.pointers), call.scalars)
     prepared(*addresses)
@@ -260,6 +279,26 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
         out.copy_(target)
     elif direct and histogram is None:  # a later call of the same signature replays this launch with its addresses
         record(prepared)
+
+
+def emulated_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
+                        plan: native_topk.Plan, expand_into: tuple | None = None,
+                        histogram: torch.Tensor | None = None, order_seed: int = 0) -> None:
+    """``native_block_topk`` on CPU tensors: the kernel of ``plan`` run by the CUDA emulator
+    (``runtime/jit/emulated.py``; tests on machines without a GPU). ``order_seed`` picks the order the emulator
+    resumes waiting threads in. Raises ``emulated.EmulationError`` where the emulated kernel fails."""
+    if logits.shape[0] == 0:
+        return
+    _check_histogram(logits, histogram)
+    call, addresses, target, _direct, _keep = _native_topk_call(logits, visible, out, block_topk, plan, expand_into,
+                                                                histogram)
+    kernels = tuple((variant.name, tuple(ctype for _, ctype in native_topk.POINTERS),
+                     len(native_topk.CLUSTER_SCALARS if variant.cluster > 1 else native_topk.ROW_SCALARS))
+                    for variant in native_topk.VARIANTS)
+    lib = emulated.build(native_topk.SOURCE_PATH, kernels)
+    emulated.run(lib, call, addresses, plan.variant.cluster, order_seed)
+    if target is not out:
+        out.copy_(target)
 
 
 def _launch_native_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:

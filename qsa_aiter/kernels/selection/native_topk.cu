@@ -79,6 +79,13 @@
 #endif
 #define WS TOPK_WARP_SIZE
 
+// TOPK_EMULATE: the CPU build of runtime/jit/cuda_emulator.h (tests without a GPU), which defines the inline-assembly
+// primitives below and the dynamic shared memory.
+#ifndef TOPK_EMULATE
+#define TOPK_EMULATE 0
+#define TOPK_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned name[]
+#endif
+
 #if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
 #define TOPK_HIP 1
 #else
@@ -114,6 +121,28 @@
 // 0 = always the full-scan path (three radix passes over the cached keys + ordered scan pass).
 #ifndef TOPK_FAST
 #define TOPK_FAST 1
+#endif
+// TOPK_TRACE (diagnostic builds only, benchmarks/topk_trace.py): thread 0 of each of the first TOPK_TRACE CTAs
+// stores the SM clock at the numbered stage boundaries (and the global timer at entry and exit) into topk_trace.
+#ifdef TOPK_TRACE
+#define TOPK_TRACE_SLOTS 32
+__device__ long long topk_trace[TOPK_TRACE * TOPK_TRACE_SLOTS];
+__device__ __forceinline__ long long global_ns() {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define TRACE(i)                                                                                       \
+    do {                                                                                               \
+        if (threadIdx.x == 0 && blockIdx.x < TOPK_TRACE) topk_trace[blockIdx.x * TOPK_TRACE_SLOTS + (i)] = clock64(); \
+    } while (0)
+#define TRACE_NS(i)                                                                                    \
+    do {                                                                                               \
+        if (threadIdx.x == 0 && blockIdx.x < TOPK_TRACE) topk_trace[blockIdx.x * TOPK_TRACE_SLOTS + (i)] = global_ns(); \
+    } while (0)
+#else
+#define TRACE(i) do {} while (0)
+#define TRACE_NS(i) do {} while (0)
 #endif
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
@@ -290,12 +319,16 @@ __device__ __forceinline__ void pass_first(const float* __restrict__ g, int len,
     }
 }
 
-#if TOPK_BULK
-__device__ __forceinline__ unsigned smem_addr32(const void* p) {
+#if !TOPK_EMULATE && (TOPK_BULK || TOPK_CLUSTERS)
+// 32-bit shared::cta address of a generic pointer to shared memory.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
+#endif
+#if TOPK_BULK
+#if !TOPK_EMULATE
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -313,6 +346,12 @@ __device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// The initialised mbarriers visible to the bulk-copy engine before the first copy is issued.
+__device__ __forceinline__ void mbar_fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+#endif  // !TOPK_EMULATE
 
 // Pass 1 through the bulk-copy engine.  Requires g and cache 16-byte aligned.  The full quads
 // arrive as floats in `cache` and are converted to keys in place (each quad has one owner).
@@ -326,12 +365,11 @@ __device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int
     int piece_q = (nfull + TOPK_MAX_PIECES - 1) / TOPK_MAX_PIECES;
     piece_q = piece_q < 512 ? 512 : piece_q;  // >= 8 KB per copy
     const int npieces = (nfull + piece_q - 1) / piece_q;
-    const unsigned bar0 = smem_addr32(bars);
+    const unsigned bar0 = smem_u32(bars);
     if (threadIdx.x == 0) {
         for (int p = 0; p < npieces; ++p) mbar_init(bar0 + 8u * p, 1u);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        const unsigned dst0 = smem_addr32(cache);
+        mbar_fence_init();
+        const unsigned dst0 = smem_u32(cache);
         for (int p = 0; p < npieces; ++p) {
             const int q0 = p * piece_q;
             const int nq = imin(piece_q, nfull - q0);
@@ -608,7 +646,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
                                          int* __restrict__ out, int rows, int columns, int ld, int K,
                                          int buf_cap, int cached, int vec_ok, int cand_cap,
                                          const unsigned* __restrict__ hist) {
-    extern __shared__ __align__(16) unsigned smem_row[];
+    TOPK_DYNAMIC_SMEM(smem_row);
     unsigned* H = smem_row;              // 2048
     unsigned* s_scan = smem_row + 2048;  // 2 x 64
     unsigned* s_res = smem_row + 2176;   // 8: [0..2] select_bin result, [7] candidate count
@@ -617,10 +655,13 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     unsigned* SB = smem_row + ROW_FIXED_WORDS;
     unsigned short* cand = reinterpret_cast<unsigned short*>(SB + nwcap);
     unsigned* buf = SB + nwcap + (cand_cap >> 1);
+    TRACE_NS(30);
+    TRACE(0);
     const int row = blockIdx.x;
     if (row >= rows) return;
     int n = visible[row];
     n = n < 0 ? 0 : (n > columns ? columns : n);
+    TRACE(1);
     int* orow = out + (long long)row * K;
     if (n <= K) {
         write_short(orow, n, K, threadIdx.x, BLOCK);
@@ -636,6 +677,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     for (int i = threadIdx.x; i < nwcap; i += BLOCK) SB[i] = 0u;
     if (threadIdx.x == 0) s_res[7] = 0u;
     __syncthreads();
+    TRACE(2);
 #if TOPK_BULK
     if (cached && vec)
         pass_first_bulk<BLOCK>(g, n, buf, H, reinterpret_cast<unsigned long long*>(smem_row + 2184), hrow == nullptr);
@@ -644,6 +686,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     if (cached || hrow == nullptr)  // uncached with the scorer's histogram: nothing for pass 1 to do
         pass_first<BLOCK, U>(g, n, vec, cached ? buf : nullptr, H, hrow == nullptr);
     __syncthreads();
+    TRACE(3);
 
     unsigned T, e;
     {
@@ -653,11 +696,13 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
         select_bin<BLOCK, 2048>(loc, (unsigned)K, s_scan, s_res);
     }
     const unsigned b0 = s_res[0], krem1 = s_res[1], cnt1 = s_res[2];
+    TRACE(6);
 #if TOPK_FAST
     if (cached && (cnt1 == krem1 || cnt1 <= (unsigned)cand_cap)) {
         const bool exhausted1 = cnt1 == krem1;
         pass_classify<BLOCK>(buf, n, b0, exhausted1, SB, cand, s_res + 7);
         __syncthreads();
+        TRACE(7);
         const int nw = (n + 31) >> 5;
         unsigned T = 0, e = TOPK_ALL;
         if (!exhausted1) {
@@ -667,6 +712,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
             const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
             cand_hist<BLOCK>(buf, cand, ncand, H, c1);
             __syncthreads();
+            TRACE(8);
             {
                 unsigned loc[2048 / BLOCK];
 #pragma unroll
@@ -674,6 +720,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
                 select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
             }
             const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
+            TRACE(10);
             const unsigned prefix = (b0 << 21) | (b1 << 10);
             if (cnt2 == krem2) {
                 T = prefix;
@@ -694,10 +741,13 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
             }
             for (int i = threadIdx.x; i < nw; i += BLOCK) H[i] = 0u;  // H becomes the tie bitmap TB
             __syncthreads();
+            TRACE(11);
             cand_mark<BLOCK>(buf, cand, ncand, T, e, SB, H);
             __syncthreads();
+            TRACE(12);
         }
         bitmap_emit<BLOCK>(SB, H, nw, e, 0u, 0u, e != TOPK_ALL, 0, orow, s_scan);
+        TRACE(15);
         return;
     }
 #endif
@@ -819,13 +869,16 @@ __device__ __forceinline__ void expand_row(const int* grow, int K, int row, cons
 // One CTA per row: the top-k, then (with tokens) the row's expansion by the same CTA.
 template <int BLOCK>
 __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
-    extern __shared__ __align__(16) unsigned smem_row[];
+    TOPK_DYNAMIC_SMEM(smem_row);
     row_topk<BLOCK, 4>(TOPK_ROW_ARGS);
     const int row = blockIdx.x;
     if (tokens != nullptr && row < rows) {
         __syncthreads();  // the row's groups are written (block-uniform: every path of row_topk returns here)
         expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
+        TRACE(17);
     }
+    TRACE(29);
+    TRACE_NS(31);
 }
 #define TOPK_ROW_CALL(BLOCK)                                                                                  \
     row_kernel<BLOCK>(logits, visible, out, positions, contexts, requests, tokens, histogram, rows, columns, ld, K, \
@@ -845,6 +898,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) topk_rows_512(TOPK_ROW_PARA
 // ---------------------------------------------------------------------------------------
 // One thread-block cluster of CL CTAs per row (sm_90+).
 #if TOPK_CLUSTERS
+#if !TOPK_EMULATE
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -862,12 +916,6 @@ __device__ __forceinline__ void cluster_arrive() {
 __device__ __forceinline__ void cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// 32-bit shared::cta address of a generic pointer to shared memory.
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
 // shared::cluster address of the same variable in CTA `r`.
 __device__ __forceinline__ unsigned mapa_u32(unsigned a, unsigned r) {
     unsigned o;
@@ -878,6 +926,7 @@ __device__ __forceinline__ unsigned mapa_u32(unsigned a, unsigned r) {
 __device__ __forceinline__ void red_add_cluster(unsigned a, unsigned v) {
     asm volatile("red.relaxed.cluster.shared::cluster.add.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
 }
+#endif  // !TOPK_EMULATE
 
 // Push the non-zero bins of the local histogram H[0, NB) into S[0, NB) of every CTA of the
 // cluster (including this one).  Sums are order-independent, so this stays deterministic.
@@ -909,7 +958,7 @@ template <int BLOCK, int U, int CL>
 __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, const int* __restrict__ visible,
                                              int* __restrict__ out, int rows, int columns, int ld, int K,
                                              int vec_ok, int cap, int cand_cap, const unsigned* __restrict__ hist) {
-    extern __shared__ __align__(16) unsigned smem_cl[];
+    TOPK_DYNAMIC_SMEM(smem_cl);
     unsigned* H = smem_cl;
     unsigned* S0 = smem_cl + 2048;
     unsigned* S1 = smem_cl + 4096;
@@ -922,11 +971,14 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     unsigned* SB = smem_cl + CL_FIXED_WORDS;
     unsigned short* cand = reinterpret_cast<unsigned short*>(SB + nwcap);
     unsigned* cache = SB + nwcap + (cand_cap >> 1);
+    TRACE_NS(30);
+    TRACE(0);
     const int row = blockIdx.x / CL;  // whole cluster shares the row (cluster dims (CL,1,1))
     const unsigned rank = cluster_rank();
     if (row >= rows) return;
     int n = visible[row];
     n = n < 0 ? 0 : (n > columns ? columns : n);
+    TRACE(1);
     int* orow = out + (long long)row * K;
     if (n <= K) {  // uniform over the cluster: no DSMEM traffic, every CTA returns here
         write_short(orow, n, K, (int)rank * BLOCK + threadIdx.x, CL * BLOCK);
@@ -940,6 +992,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     const bool vec = vec_ok != 0;
 
     for (int i = threadIdx.x; i < CL_FIXED_WORDS + nwcap; i += BLOCK) smem_cl[i] = 0u;
+    TRACE(2);
     // (0): every CTA's sums are zeroed before any remote push; pass 1 is local, so it runs between the halves
     cluster_arrive();
     const bool count = hist == nullptr;  // else S0 is the scorer's histogram of the whole row
@@ -951,9 +1004,12 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         pass_first<BLOCK, U>(g, len, vec, cache, H, count);
     if (count) {
         __syncthreads();
+        TRACE(3);
         cluster_wait();  // (0)
+        TRACE(4);
         push_hist<BLOCK, 2048, CL>(H, S0);
         cluster_sync();  // (1)
+        TRACE(5);
     } else {
         const unsigned* hrow = hist + (long long)row * 2048;
         for (int i = threadIdx.x; i < 2048; i += BLOCK) S0[i] = hrow[i];
@@ -967,12 +1023,14 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         select_bin<BLOCK, 2048>(loc, (unsigned)K, s_scan, s_res);
     }
     const unsigned b0 = s_res[0], krem1 = s_res[1], cnt1 = s_res[2];
+    TRACE(6);
 #if TOPK_FAST
     // cnt1 is the cluster-wide count, so this branch is uniform over the cluster
     if (cnt1 == krem1 || cnt1 <= (unsigned)cand_cap) {
         const bool exhausted1 = cnt1 == krem1;
         pass_classify<BLOCK>(cache, len, b0, exhausted1, SB, cand, s_res + 7);
         __syncthreads();
+        TRACE(7);
         const int nw = (len + 31) >> 5;
         T = 0;
         e = TOPK_ALL;
@@ -983,14 +1041,17 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
             const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
             cand_hist<BLOCK>(cache, cand, ncand, H, c1);
             __syncthreads();
+            TRACE(8);
             push_hist<BLOCK, 2048, CL>(H, S1);
             cluster_sync();  // (2)
+            TRACE(9);
             {
                 unsigned loc[2048 / BLOCK];
                 load_loc<BLOCK, 2048>(S1, loc);
                 select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
             }
             const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
+            TRACE(10);
             const unsigned prefix = (b0 << 21) | (b1 << 10);
             if (cnt2 == krem2) {
                 T = prefix;
@@ -1012,8 +1073,10 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
             }
             for (int i = threadIdx.x; i < nw; i += BLOCK) H[i] = 0u;  // H becomes the tie bitmap TB
             __syncthreads();
+            TRACE(11);
             cand_mark<BLOCK>(cache, cand, ncand, T, e, SB, H);
             __syncthreads();
+            TRACE(12);
         }
         {
             const int W = (nw + BLOCK - 1) / BLOCK;
@@ -1028,8 +1091,11 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
                 if (teq) red_add_cluster(mapa_u32(a + 4u, r), teq);
             }
         }
+        TRACE(13);
         cluster_sync();  // (4) after this no CTA touches another CTA's shared memory
+        TRACE(14);
         bitmap_emit<BLOCK>(SB, H, nw, e, s_base[0], s_base[1], e != TOPK_ALL, start, orow, s_scan);
+        TRACE(15);
         return;
     }
 #endif
@@ -1112,15 +1178,19 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
 // the cluster's first CTA once every CTA's groups are visible to it.
 template <int CL>
 __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
-    extern __shared__ __align__(16) unsigned smem_cl[];
+    TOPK_DYNAMIC_SMEM(smem_cl);
     cluster_topk<512, 4, CL>(TOPK_CL_ARGS);
     const int row = blockIdx.x / CL;
     if (tokens != nullptr && row < rows) {  // uniform over the cluster: every path of cluster_topk returns here
         __threadfence();
         cluster_sync();
+        TRACE(16);
         if (cluster_rank() == 0)
             expand_row<512>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_cl + 7168);
+        TRACE(17);
     }
+    TRACE(29);
+    TRACE_NS(31);
 }
 #define TOPK_CL_CALL(CL)                                                                                   \
     cluster_kernel<CL>(logits, visible, out, positions, contexts, requests, tokens, histogram, rows, columns, ld, K, \

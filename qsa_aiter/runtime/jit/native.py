@@ -346,6 +346,9 @@ _DRIVER_FUNCTIONS = {
     "cuLaunchKernel": [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                        ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                        ctypes.c_void_p],
+    "cuModuleGetGlobal_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+                             ctypes.c_char_p],
+    "cuMemcpyDtoH_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t],
 }
 DRIVER_LIBRARY = "libcuda.so.1"
 
@@ -460,6 +463,19 @@ def load_cubin(cubin: bytes, kernel: str, entry_id: str, device: int,
             check(lib.cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
                   f"cuFuncSetAttribute({kernel}, NON_PORTABLE_CLUSTER_SIZE_ALLOWED)")
     return LoadedKernel(kernel, entry_id, device, module, function)
+
+
+def read_global(kernel: LoadedKernel, name: str) -> bytes:
+    """The bytes of the ``__device__`` variable ``name`` of ``kernel``'s module (a diagnostic build's trace buffer),
+    copied to the host after the device's pending work."""
+    lib = driver()
+    with _in_context(kernel.device):
+        address, size = ctypes.c_uint64(), ctypes.c_size_t()
+        check(lib.cuModuleGetGlobal_v2(ctypes.byref(address), ctypes.byref(size), kernel.module, name.encode()),
+              f"cuModuleGetGlobal({name})")
+        host = ctypes.create_string_buffer(size.value)
+        check(lib.cuMemcpyDtoH_v2(host, address.value, size.value), f"cuMemcpyDtoH({name})")
+    return host.raw
 
 
 def kernel_for(source: str, kernel: str, defines: tuple[str, ...], device: int, arch: str,

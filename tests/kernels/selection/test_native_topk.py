@@ -21,6 +21,7 @@ from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.kernels.selection.reference import reference_block_topk, torch_block_topk
 
 from helpers import random_logits, visible_counts, write_new_lengths
+from native_cases import edge_visible, nan_past_visible, native_case_logits, native_plans
 
 ON_GPU = torch.cuda.is_available()
 H200 = Platform.named("sm_90")
@@ -309,39 +310,6 @@ def _native(monkeypatch):
     monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
 
 
-def _logits(gen, tokens: int, columns: int, kind: str) -> torch.Tensor:
-    """The selection tests' score kinds, plus ReLU scores (long runs of exact 0.0), constant rows and -inf-heavy
-    rows."""
-    if kind in ("random", "ties", "equal"):
-        return random_logits(gen, tokens, columns, kind)
-    logits = torch.randn(tokens, columns, generator=gen)
-    if kind == "relu":
-        logits = logits.clamp_min(0.0)
-        logits[0, : columns // 2] = 0.0
-    elif kind == "relu_sparse":
-        logits = (logits - 1.8).clamp_min(0.0)
-    elif kind == "constant":
-        logits = torch.full((tokens, columns), -2.5)
-        logits[1::2] = 0.0
-    elif kind == "neg_inf":
-        logits[torch.rand(tokens, columns, generator=gen) < 0.8] = float("-inf")
-        logits[0] = float("-inf")
-    return logits.cuda()
-
-
-def _poisoned(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """NaN past each row's visible count: never read."""
-    cols = torch.arange(logits.shape[1], device=logits.device)
-    return torch.where(cols[None, :] < visible[:, None].long(), logits, torch.full_like(logits, float("nan")))
-
-
-def _visible(gen, tokens: int, columns: int, k: int) -> torch.Tensor:
-    vis = torch.randint(0, columns + 1, (tokens,), generator=gen)
-    edges = torch.tensor([columns, columns - 1, k, k + 1, 0, 3, -4, columns + 7, k - 1])[:tokens]
-    vis[: edges.numel()] = edges
-    return vis.to(torch.int32).cuda()
-
-
 SHAPES = [  # (rows, columns, block_topk): the work points' shapes and the selection tests' small ones
     (11, 1500, 16), (11, 1500, 100), (6, 1400, 64), (3, 333, 5), (9, 7, 512),
     (36, 32768, 512), (16, 67072, 512), (1, 65536, 512), (2, 131072, 512),
@@ -358,9 +326,9 @@ def test_native_topk_equals_the_oracle(monkeypatch, rows, columns, block_topk, k
     """``qsa_block_topk`` forced to the native top-k (its automatic plan) on NaN-poisoned rows equals the torch path
     (and the row-by-row oracle where it is quick), and repeats bitwise."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{rows} {columns} {block_topk} {kind}".encode()))
-    logits = _logits(gen, rows, columns, kind)
-    visible = _visible(gen, rows, columns, block_topk)
-    poisoned = _poisoned(logits, visible)
+    logits = native_case_logits(gen, rows, columns, kind)
+    visible = edge_visible(gen, rows, columns, block_topk)
+    poisoned = nan_past_visible(logits, visible)
     want = torch.empty((rows, block_topk), dtype=torch.int32, device="cuda")
     torch_block_topk(logits, visible, block_topk, want)
     if rows <= 64:
@@ -373,24 +341,6 @@ def test_native_topk_equals_the_oracle(monkeypatch, rows, columns, block_topk, k
     assert torch.equal(again, got), "not bitwise repeatable"
 
 
-def _forced_plans(rows: int, columns: int, k: int) -> list[nt.Plan]:
-    """Every plan that can serve the shape on this GPU: both row kernels cached (and with an 8-entry candidate list,
-    which forces the full-scan path), uncached with the full and an 8-key buffer, every cluster size."""
-    platform = Platform.of(torch.device("cuda"))
-    plans = []
-    for threads in (256, 512):
-        cached = nt.rows_plan(threads, columns, platform)
-        plans += [cached, dataclasses.replace(cached, candidates=8)]
-        plans += [nt.rows_plan(threads, columns, platform, cached=False),
-                  nt.rows_plan(threads, columns, platform, cached=False, buffer=8)]
-    if platform.capability >= (9, 0):
-        for size in (2, 4, 8, 16):
-            plan = nt.cluster_plan(size, columns, platform)
-            plans += [plan, dataclasses.replace(plan, candidates=8)]
-    return [p for p in plans if p.shared_bytes <= platform.shared_memory_per_block
-            and (not p.cached or p.buffer <= nt.MAX_CACHED_COLUMNS)]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows, columns, block_topk", [(7, 9000, 512), (3, 40000, 512), (20, 3000, 64)])
@@ -399,12 +349,12 @@ def test_every_plan_equals_the_oracle(rows, columns, block_topk, kind):
     from qsa_aiter.runtime.registries import native_block_topk
 
     gen = torch.Generator().manual_seed(7)
-    logits = _logits(gen, rows, columns, kind)
-    visible = _visible(gen, rows, columns, block_topk)
+    logits = native_case_logits(gen, rows, columns, kind)
+    visible = edge_visible(gen, rows, columns, block_topk)
     want = torch.empty((rows, block_topk), dtype=torch.int32, device="cuda")
     torch_block_topk(logits, visible, block_topk, want)
-    poisoned = _poisoned(logits, visible)
-    for plan in _forced_plans(rows, columns, block_topk):
+    poisoned = nan_past_visible(logits, visible)
+    for plan in native_plans(rows, columns, block_topk):
         out = torch.full_like(want, -7)
         native_block_topk(poisoned, visible, out, block_topk, plan=plan)
         assert torch.equal(out, want), plan.describe()
@@ -420,13 +370,13 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(rows, columns, 
     from qsa_aiter.runtime.registries import native_block_topk
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"hist {rows} {columns} {kind}".encode()))
-    logits = _logits(gen, rows, columns, kind)
-    visible = _visible(gen, rows, columns, block_topk)
+    logits = native_case_logits(gen, rows, columns, kind)
+    visible = edge_visible(gen, rows, columns, block_topk)
     want = torch.empty((rows, block_topk), dtype=torch.int32, device="cuda")
     torch_block_topk(logits, visible, block_topk, want)
     histogram = torch_score_histogram(logits, visible)
-    poisoned = _poisoned(logits, visible)
-    for plan in _forced_plans(rows, columns, block_topk):
+    poisoned = nan_past_visible(logits, visible)
+    for plan in native_plans(rows, columns, block_topk):
         out = torch.full_like(want, -7)
         native_block_topk(poisoned, visible, out, block_topk, plan=plan, histogram=histogram)
         assert torch.equal(out, want), plan.describe()
@@ -460,8 +410,8 @@ def test_the_fused_expansion_equals_the_torch_expansion(wide):
 
     gen = torch.Generator().manual_seed(11)
     rows, columns, k, ratio, token_topk = 6, 9000, 128, 4, 512
-    logits = _logits(gen, rows, columns, "relu")
-    visible = _visible(gen, rows, columns, k)
+    logits = native_case_logits(gen, rows, columns, "relu")
+    visible = edge_visible(gen, rows, columns, k)
     index = torch.int64 if wide else torch.int32
     requests = torch.tensor([0, 1, 2, 3, 4, -1]).to(index).cuda()
     contexts = torch.tensor([4 * columns, 100, 3 * columns + 2, 0]).to(index).cuda()
@@ -471,7 +421,7 @@ def test_the_fused_expansion_equals_the_torch_expansion(wide):
     want_tokens = torch.empty((rows, token_topk + ratio - 1), dtype=torch.int32, device="cuda")
     torch_expand_block_indices(want, positions, contexts, requests, ratio, token_topk, want_tokens)
     histogram = torch_score_histogram(logits, visible)
-    for plan in _forced_plans(rows, columns, k):
+    for plan in native_plans(rows, columns, k):
         for hist in (None, histogram):
             groups = torch.full((rows, k), -7, dtype=torch.int32, device="cuda")
             tokens = torch.full_like(want_tokens, -7)
@@ -487,9 +437,9 @@ def test_layouts_the_kernel_does_not_take_directly(monkeypatch):
     ``visible`` and an ``out`` whose rows are not ``block_topk`` apart."""
     gen = torch.Generator().manual_seed(9)
     rows, columns, k = 40, 5000, 128
-    wide = _logits(gen, rows, columns + 3, "random")
+    wide = native_case_logits(gen, rows, columns + 3, "random")
     logits = wide[:, 1:columns + 1]
-    visible = _visible(gen, 2 * rows, columns, k)[::2]
+    visible = edge_visible(gen, 2 * rows, columns, k)[::2]
     want = torch.empty((rows, k), dtype=torch.int32, device="cuda")
     torch_block_topk(logits, visible, k, want)
     _native(monkeypatch)
@@ -505,8 +455,8 @@ def test_cuda_graph_replay_with_new_lengths(monkeypatch, rows, columns):
 
     gen = torch.Generator().manual_seed(rows)
     k = 512
-    logits = _logits(gen, rows, columns, "random")
-    visible = _visible(gen, rows, columns, k)
+    logits = native_case_logits(gen, rows, columns, "random")
+    visible = edge_visible(gen, rows, columns, k)
     out = torch.empty((rows, k), dtype=torch.int32, device="cuda")
     want = torch.empty_like(out)
     _native(monkeypatch)
@@ -600,7 +550,7 @@ def test_a_repeated_native_call_replays_its_launches(monkeypatch, contexts, rows
     assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*args, 2048, 4, **batch.kwargs(), **hints), first)
 
     logits = torch.randn(36, 32768, generator=gen).cuda()
-    visible = _visible(gen, 36, 32768, 512)
+    visible = edge_visible(gen, 36, 32768, 512)
     want = torch.empty((36, 512), dtype=torch.int32, device="cuda")
     torch_block_topk(logits, visible, 512, want)
     for _ in range(3):  # the first call, then two replays

@@ -1,0 +1,406 @@
+// cuda_emulator.h -- runs the native top-k's CUDA C++ on the CPU, for tests on machines without a GPU.
+//
+// g++ compiles native_topk.cu with -DTOPK_EMULATE and this header force-included (runtime/jit/emulated.py). Every
+// CUDA thread of a launch becomes a cooperative thread (a ucontext with its own stack) of one OS thread; a thread
+// runs until it must wait (__syncthreads, a warp collective, a cluster barrier, an unfinished mbarrier), then the
+// next one runs. The CTAs of a thread-block cluster run together, so their barriers and distributed shared memory
+// (mapa + red.shared::cluster) behave as on sm_90; clusters (or CTAs) run one after another. Bulk copies complete
+// when issued. Atomics are plain read-modify-writes: one thread runs at a time.
+//
+// What it checks is the kernels' logic: barriers, warp collectives, cluster exchanges, shared-memory layouts and
+// the results. It does not model timing or memory-ordering races between warps (every interleaving it runs is
+// sequentially consistent), and it is slow (a launch of a few thousand threads takes milliseconds).
+//
+// The source's side of the contract: under TOPK_EMULATE it declares dynamic shared memory with
+// TOPK_DYNAMIC_SMEM(name) and leaves out its inline-assembly primitives; this header defines them.
+#pragma once
+#include <stdint.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __cluster_dims__(...)
+#define __align__(n) alignas(n)
+
+struct dim3 {
+    unsigned x = 0, y = 0, z = 0;
+};
+struct uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+static_assert(sizeof(uint4) == 16, "uint4 is four words");
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+inline float __uint_as_float(unsigned u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+template <class T>
+inline T __ldcg(const T* p) { return *p; }
+inline void __threadfence() {}
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+inline unsigned atomicOr(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p = old | v;
+    return old;
+}
+
+namespace emu {
+
+constexpr int kWarp = 32;
+constexpr size_t kStackBytes = 64 * 1024;
+
+struct Cta;
+struct Thread {
+    ucontext_t context;
+    Cta* cta = nullptr;
+    dim3 thread_idx, block_idx;
+    bool done = false;
+    unsigned barrier_phase = 0;  // the CTA barrier generation this thread waits to see pass
+    unsigned warp_phase = 0;
+    unsigned cluster_phase = 0;  // the cluster barrier generation it arrived at (barrier.cluster.arrive)
+    const unsigned* wait_on = nullptr;  // a waiting thread is not resumed while *wait_on == wait_value
+    unsigned wait_value = 0;
+};
+
+struct Warp {
+    int live = 0, arrived = 0, op = -1;
+    unsigned generation = 0;
+    unsigned values[kWarp] = {}, results[kWarp] = {};
+    int arg = 0;
+};
+
+struct Cluster;
+struct Cta {
+    std::vector<uint4> smem;  // dynamic shared memory, 16-byte aligned
+    size_t smem_bytes = 0;
+    unsigned rank = 0;  // in its cluster
+    Cluster* cluster = nullptr;
+    int live = 0, arrived = 0;
+    unsigned generation = 0;
+    std::vector<Warp> warps;
+    std::vector<unsigned> mbarrier_done;  // word offsets of mbarriers whose bytes have all arrived
+};
+
+struct Cluster {
+    std::vector<Cta> ctas;
+    int live = 0, arrived = 0;
+    unsigned generation = 0;
+};
+
+struct Scheduler {
+    ucontext_t main;
+    Thread* current = nullptr;
+    std::string error;
+    unsigned long long progress = 0;  // arrivals, copies and exits: a round without any is a deadlock
+};
+inline Scheduler& scheduler() {
+    static thread_local Scheduler s;
+    return s;
+}
+inline Thread& current() { return *scheduler().current; }
+inline void fail(const std::string& what) { throw std::runtime_error(what); }
+// Give the other threads a turn; the scheduler resumes this one in a later round.
+inline void yield() {
+    Thread& t = current();
+    swapcontext(&t.context, &scheduler().main);
+}
+// Wait until *counter (a barrier's generation) moves past `value`; the scheduler skips this thread until then.
+inline void wait_while(const unsigned* counter, unsigned value) {
+    Thread& t = current();
+    while (*counter == value) {
+        t.wait_on = counter;
+        t.wait_value = value;
+        yield();
+    }
+    t.wait_on = nullptr;
+}
+
+inline unsigned* dynamic_smem() { return reinterpret_cast<unsigned*>(current().cta->smem.data()); }
+
+// __syncthreads: every live thread of the CTA arrives; the last one opens the barrier. Every thread leaves it in the
+// scheduler's order, so a read that a missing barrier leaves unordered sees what the order gives.
+inline void syncthreads() {
+    Thread& t = current();
+    Cta& c = *t.cta;
+    const unsigned gen = c.generation;
+    ++scheduler().progress;
+    if (++c.arrived == c.live) {  // the last to arrive opens the barrier, and lets the others run first
+        c.arrived = 0;
+        ++c.generation;
+        yield();
+        return;
+    }
+    wait_while(&c.generation, gen);
+}
+
+enum WarpOp { kShflIdx, kShflUp, kAll, kAny };
+// A warp collective: every live lane of the warp brings a value; the last to arrive computes all lanes' results.
+inline unsigned warp_collective(WarpOp op, unsigned value, int arg) {
+    Thread& t = current();
+    Warp& w = t.cta->warps[t.thread_idx.x / kWarp];
+    const int lane = t.thread_idx.x % kWarp;
+    if (w.arrived == 0) {
+        w.op = op;
+        w.arg = arg;
+    } else if (w.op != op || w.arg != arg) {
+        fail("warp collective with lanes in different calls (a divergent __*_sync)");
+    }
+    w.values[lane] = value;
+    const unsigned gen = w.generation;
+    ++scheduler().progress;
+    if (++w.arrived == w.live) {
+        if (w.live != kWarp) fail("a warp collective with exited lanes");
+        unsigned all = 1, any = 0;
+        for (int l = 0; l < kWarp; ++l) {
+            all &= w.values[l] != 0;
+            any |= w.values[l] != 0;
+        }
+        for (int l = 0; l < kWarp; ++l) {
+            switch (op) {
+                case kShflIdx: w.results[l] = w.values[arg & (kWarp - 1)]; break;
+                case kShflUp: w.results[l] = l >= arg ? w.values[l - arg] : w.values[l]; break;
+                case kAll: w.results[l] = all; break;
+                case kAny: w.results[l] = any; break;
+            }
+        }
+        w.arrived = 0;
+        ++w.generation;
+    } else {
+        wait_while(&w.generation, gen);
+    }
+    return w.results[lane];
+}
+
+// barrier.cluster: arrive counts this thread into the current generation; wait blocks until it has passed.
+inline void cluster_arrive() {
+    Thread& t = current();
+    Cluster& cl = *t.cta->cluster;
+    t.cluster_phase = cl.generation;
+    ++scheduler().progress;
+    if (++cl.arrived == cl.live) {
+        cl.arrived = 0;
+        ++cl.generation;
+    }
+}
+inline void cluster_wait() {
+    Thread& t = current();
+    wait_while(&t.cta->cluster->generation, t.cluster_phase);
+}
+
+// Shared-memory addresses: a CTA-relative byte offset; mapa puts (rank + 1) in the top byte.
+inline unsigned smem_offset(const void* p) {
+    const Cta& c = *current().cta;
+    const char* base = reinterpret_cast<const char*>(c.smem.data());
+    const ptrdiff_t off = reinterpret_cast<const char*>(p) - base;
+    if (off < 0 || (size_t)off >= c.smem_bytes) fail("a shared-memory address outside the CTA's dynamic shared memory");
+    return (unsigned)off;
+}
+inline unsigned* cluster_word(unsigned address) {
+    Cluster& cl = *current().cta->cluster;
+    const unsigned tag = address >> 24;
+    if (tag == 0 || tag > cl.ctas.size()) fail("a shared::cluster address that mapa did not make");
+    Cta& c = cl.ctas[tag - 1];
+    const unsigned off = address & 0xFFFFFFu;
+    if (off + 4 > c.smem_bytes || off % 4) fail("a remote shared-memory address outside the target CTA");
+    return reinterpret_cast<unsigned*>(reinterpret_cast<char*>(c.smem.data()) + off);
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::current().thread_idx)
+#define blockIdx (emu::current().block_idx)
+#define TOPK_DYNAMIC_SMEM(name) unsigned* name = emu::dynamic_smem()
+
+inline void __syncthreads() { emu::syncthreads(); }
+inline int __all_sync(unsigned, bool p) { return (int)emu::warp_collective(emu::kAll, p ? 1u : 0u, 0); }
+inline int __any_sync(unsigned, bool p) { return (int)emu::warp_collective(emu::kAny, p ? 1u : 0u, 0); }
+inline unsigned __shfl_sync(unsigned, unsigned v, int src) { return emu::warp_collective(emu::kShflIdx, v, src); }
+inline unsigned __shfl_up_sync(unsigned, unsigned v, int d) { return emu::warp_collective(emu::kShflUp, v, d); }
+
+// The primitives the source writes in inline assembly on sm_90.
+inline unsigned smem_u32(const void* p) { return emu::smem_offset(p); }
+inline void mbar_init(unsigned, unsigned) {}
+inline void mbar_fence_init() {}
+inline void mbar_expect_tx(unsigned, unsigned) {}
+inline void bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    emu::Cta& c = *emu::current().cta;
+    if (dst + bytes > c.smem_bytes || dst % 16 || bytes % 16 || reinterpret_cast<uintptr_t>(src) % 16)
+        emu::fail("a bulk copy outside the CTA's shared memory or not 16-byte aligned");
+    memcpy(reinterpret_cast<char*>(c.smem.data()) + dst, src, bytes);
+    c.mbarrier_done.push_back(bar);
+    ++emu::scheduler().progress;
+}
+inline void mbar_wait0(unsigned bar) {
+    for (;;) {
+        for (unsigned b : emu::current().cta->mbarrier_done)
+            if (b == bar) return;
+        emu::yield();
+    }
+}
+inline unsigned cluster_rank() { return emu::current().cta->rank; }
+inline void cluster_arrive() { emu::cluster_arrive(); }
+inline void cluster_wait() { emu::cluster_wait(); }
+inline void cluster_sync() {
+    emu::cluster_arrive();
+    emu::cluster_wait();
+}
+inline unsigned mapa_u32(unsigned a, unsigned r) {
+    if (r >= emu::current().cta->cluster->ctas.size()) emu::fail("mapa to a rank outside the cluster");
+    return ((r + 1) << 24) | (a & 0xFFFFFFu);
+}
+inline void red_add_cluster(unsigned a, unsigned v) { *emu::cluster_word(a) += v; }
+
+namespace emu {
+
+// Threads of the running cluster, and the body each runs (the kernel call).
+struct Launch {
+    std::vector<Thread> threads;
+    std::vector<char*> stacks;  // one per thread, reused by the next cluster (never zeroed: pages are touched lazily)
+    Cluster cluster;
+    void (*body)(void*) = nullptr;
+    void* body_arg = nullptr;
+    ~Launch() {
+        for (char* stack : stacks) delete[] stack;
+    }
+};
+inline Launch& launch() {
+    static thread_local Launch l;
+    return l;
+}
+
+// A finished thread leaves its CTA's, warp's and cluster's counts; a barrier that only waited for it opens.
+inline void retire(Thread& t) {
+    Cta& c = *t.cta;
+    Warp& w = c.warps[t.thread_idx.x / kWarp];
+    Cluster& cl = *c.cluster;
+    t.done = true;
+    ++scheduler().progress;
+    if (w.arrived > 0) fail("a thread exited while its warp waited in a collective");
+    --w.live;
+    if (--c.live > 0 && c.arrived == c.live) {
+        c.arrived = 0;
+        ++c.generation;
+    }
+    if (--cl.live > 0 && cl.arrived == cl.live) {
+        cl.arrived = 0;
+        ++cl.generation;
+    }
+}
+
+inline void thread_entry(int index) {
+    Thread& t = launch().threads[index];
+    try {
+        launch().body(launch().body_arg);
+        retire(t);
+    } catch (const std::exception& e) {
+        if (scheduler().error.empty())
+            scheduler().error = std::string(e.what()) + " (thread " + std::to_string(t.thread_idx.x) + " of CTA " +
+                                std::to_string(t.block_idx.x) + ")";
+        t.done = true;
+    }
+}
+
+// Runs `body` as every thread of a grid of `grid` CTAs of `block` threads, `cluster` CTAs a cluster, with
+// `smem_bytes` of dynamic shared memory (filled with 0xA5 bytes: never-written shared memory reads as garbage).
+// `order_seed` 0 resumes the waiting threads in thread order; another value shuffles the order every round. Returns
+// an empty string, or what went wrong (a deadlock, a bad address, a divergent collective).
+inline std::string run(int grid, int block, int cluster, size_t smem_bytes, void (*body)(void*), void* arg,
+                       unsigned order_seed) {
+    Scheduler& sched = scheduler();
+    sched.error.clear();
+    if (block % kWarp || block <= 0 || cluster <= 0 || grid % cluster) return "bad launch shape";
+    Launch& l = launch();
+    l.body = body;
+    l.body_arg = arg;
+    unsigned rng = order_seed * 2654435761u + 12345u;
+    for (int c0 = 0; c0 < grid && sched.error.empty(); c0 += cluster) {
+        l.cluster = Cluster();
+        l.cluster.ctas.resize(cluster);
+        l.cluster.live = cluster * block;
+        for (int r = 0; r < cluster; ++r) {
+            Cta& c = l.cluster.ctas[r];
+            c.smem.assign((smem_bytes + 15) / 16 + 1, uint4{0xA5A5A5A5u, 0xA5A5A5A5u, 0xA5A5A5A5u, 0xA5A5A5A5u});
+            c.smem_bytes = smem_bytes;
+            c.rank = r;
+            c.cluster = &l.cluster;
+            c.live = block;
+            c.warps.assign(block / kWarp, Warp());
+            for (Warp& w : c.warps) w.live = kWarp;
+        }
+        l.threads.clear();
+        l.threads.resize((size_t)cluster * block);
+        while (l.stacks.size() < l.threads.size()) l.stacks.push_back(new char[kStackBytes]);
+        for (int r = 0; r < cluster; ++r)
+            for (int x = 0; x < block; ++x) {
+                Thread& t = l.threads[(size_t)r * block + x];
+                t.cta = &l.cluster.ctas[r];
+                t.thread_idx.x = x;
+                t.block_idx.x = c0 + r;
+                getcontext(&t.context);
+                t.context.uc_stack.ss_sp = l.stacks[(size_t)r * block + x];
+                t.context.uc_stack.ss_size = kStackBytes;
+                t.context.uc_link = &sched.main;
+                makecontext(&t.context, reinterpret_cast<void (*)()>(thread_entry), 1, (int)((size_t)r * block + x));
+            }
+        std::vector<int> order(l.threads.size());
+        for (size_t i = 0; i < order.size(); ++i) order[i] = (int)i;
+        for (;;) {
+            const unsigned long long before = sched.progress;
+            if (order_seed)
+                for (size_t i = order.size(); i > 1; --i) {
+                    rng = rng * 1664525u + 1013904223u;
+                    const size_t j = (rng >> 8) % i;
+                    const int tmp = order[i - 1];
+                    order[i - 1] = order[j];
+                    order[j] = tmp;
+                }
+            bool running = false;
+            for (int i : order) {
+                Thread& t = l.threads[i];
+                if (t.done) continue;
+                running = true;
+                if (t.wait_on != nullptr && *t.wait_on == t.wait_value) continue;
+                sched.current = &t;
+                swapcontext(&sched.main, &t.context);
+                sched.current = nullptr;
+                if (!sched.error.empty()) break;
+            }
+            if (!running || !sched.error.empty()) break;
+            if (sched.progress == before) {
+                sched.error = "deadlock: every thread waits and no barrier can open";
+                break;
+            }
+        }
+    }
+    l.threads.clear();
+    return sched.error;
+}
+
+}  // namespace emu

@@ -1,0 +1,112 @@
+"""The native kernels run on the CPU, through ``cuda_emulator.h`` beside this file: the tests' way to check their
+device code on a machine without a GPU.
+
+``build(source_path, kernels)`` compiles a CUDA source with the host's C++ compiler (``g++``, or ``$CXX``) and the
+emulator force-included, into a shared library in a temporary directory (once per process and source); ``run(call,
+addresses)`` executes one ``NativeLaunch`` (``kernels/selection/native_topk.py``) on CPU memory: every CUDA thread a
+cooperative thread, thread-block clusters with their distributed shared memory, bulk copies done when issued
+(the header says what it does not model). A failure inside the emulated kernel (a deadlock, a shared-memory address
+out of range, a divergent warp collective) raises ``EmulationError``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+HEADER_PATH = Path(__file__).with_name("cuda_emulator.h")
+#: The switches of an emulated build: the emulator's primitives, and the sm_90 paths (clusters, bulk copies) that a
+#: CPU build would otherwise leave out.
+EMULATION_DEFINES = ("TOPK_EMULATE=1", "TOPK_CLUSTERS=1", "TOPK_BULK=1")
+MAX_POINTERS, MAX_SCALARS = 16, 32
+
+
+class EmulationError(RuntimeError):
+    """The emulated kernel failed (what the emulator found), or no C++ compiler could build it."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler the emulator builds with (``$CXX``, else ``g++``), or None where there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def unavailable_reason() -> str | None:
+    """Why kernels cannot be emulated here (None: they can)."""
+    if compiler() is None:
+        return f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH"
+    return None
+
+
+def _wrapper(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int], ...]) -> str:
+    """C++ that includes ``source_path`` and gives each kernel (name, pointer C types, scalar count) a body the
+    emulator runs per thread, and ``emu_launch`` that picks one by name."""
+    lines = [f'#include "{source_path}"', "#include <string.h>",
+             "struct EmuArgs { void* p[%d]; int s[%d]; };" % (MAX_POINTERS, MAX_SCALARS)]
+    dispatch = []
+    for name, pointer_types, scalars in kernels:
+        args = [f"({ctype})a.p[{i}]" for i, ctype in enumerate(pointer_types)]
+        args += [f"a.s[{i}]" for i in range(scalars)]
+        lines.append(f"static void body_{name}(void* raw) {{ EmuArgs& a = *(EmuArgs*)raw; {name}({', '.join(args)}); }}")
+        dispatch.append(f'    if (!strcmp(kernel, "{name}")) body = body_{name};')
+    lines += [
+        'extern "C" const char* emu_launch(const char* kernel, int grid, int block, int cluster, '
+        "unsigned long long smem, void** p, int np, const int* s, int ns, unsigned seed) {",
+        "    static thread_local std::string error;",
+        "    void (*body)(void*) = nullptr;",
+        *dispatch,
+        '    if (!body) { error = std::string("no kernel ") + kernel; return error.c_str(); }',
+        "    EmuArgs a = {};",
+        "    for (int i = 0; i < np; ++i) a.p[i] = p[i];",
+        "    for (int i = 0; i < ns; ++i) a.s[i] = s[i];",
+        "    error = emu::run(grid, block, cluster, smem, body, &a, seed);",
+        "    return error.c_str();",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@lru_cache(maxsize=8)
+def build(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int], ...],
+          defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Compile ``source_path``'s ``kernels`` (name, pointer C types, scalar count) for the emulator, with
+    ``EMULATION_DEFINES`` and ``defines``; the library is built once per process and argument set."""
+    reason = unavailable_reason()
+    if reason:
+        raise EmulationError(f"cannot emulate native kernels: {reason}")
+    text = _wrapper(source_path.resolve(), kernels)
+    digest = hashlib.sha256((text + source_path.read_text() + HEADER_PATH.read_text() + repr(defines)).encode())
+    directory = Path(tempfile.mkdtemp(prefix="qsa_emulated_"))
+    wrapper = directory / "launch.cpp"
+    wrapper.write_text(text)
+    library = directory / f"emulated_{digest.hexdigest()[:16]}.so"
+    command = [compiler(), "-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-include", str(HEADER_PATH),
+               *[f"-D{d}" for d in (*EMULATION_DEFINES, *defines)], str(wrapper), "-o", str(library)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise EmulationError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
+    lib = ctypes.CDLL(str(library))
+    lib.emu_launch.restype = ctypes.c_char_p
+    lib.emu_launch.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong,
+                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                               ctypes.c_int, ctypes.c_uint]
+    return lib
+
+
+def run(lib: ctypes.CDLL, call, addresses: list[int], cluster: int, order_seed: int = 0) -> None:
+    """Execute ``call`` (a ``NativeLaunch``: kernel, grid, block, shared bytes, pointers, scalars) with the pointer
+    ``addresses`` (host memory) in ``lib`` (``build``), ``cluster`` CTAs a cluster. ``order_seed``: 0 resumes
+    waiting threads in thread order, another value in a shuffled order (other interleavings of the same launch)."""
+    if len(addresses) != len(call.pointers):
+        raise ValueError(f"{call.kernel} takes {len(call.pointers)} pointers, got {len(addresses)}")
+    pointers = (ctypes.c_void_p * MAX_POINTERS)(*[ctypes.c_void_p(a or None) for a in addresses])
+    scalars = (ctypes.c_int * MAX_SCALARS)(*[value for _, _, value in call.scalars])
+    error = lib.emu_launch(call.kernel.encode(), call.grid[0], call.block[0], cluster, call.shared_bytes, pointers,
+                           len(addresses), scalars, len(call.scalars), order_seed)
+    if error:
+        raise EmulationError(f"{call.kernel} (grid {call.grid}, block {call.block}): {error.decode()}")
