@@ -249,16 +249,18 @@ def _native_topk_call(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
 
 def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
                       settings=None, plan: native_topk.Plan | None = None, expand_into: tuple | None = None,
-                      histogram: torch.Tensor | None = None) -> None:
+                      histogram: torch.Tensor | None = None, defines: tuple[str, ...] = ()) -> None:
     """The native CUDA block top-k into ``out`` (int32 ``[tokens, block_topk]``, last dim contiguous) from fp32
     ``logits [tokens, columns]`` (last dim contiguous, any row stride) and int32 ``visible [tokens]`` (read on the
     device, clamped to ``[0, columns]``), on CUDA tensors; ``expand_into`` (``TopkArgs.expand_into``) fuses the
     expansion into the launch, as the Triton top-k does; ``plan``: a ``native_topk.Plan`` instead of the one
     ``choose_plan`` makes (tests, benchmarks); ``histogram``: the scorer's per-row histogram of these logits (int32
     ``[tokens, HISTOGRAM_BINS]``, contiguous; ``kernels/scoring/histogram.py``), which the kernels start from
-    instead of counting the row's top bits themselves. One launch on the current stream; the kernel is compiled
+    instead of counting the row's top bits themselves; ``defines``: compile-time switches of the source
+    (``NAME=VALUE``; benchmarks of its candidate changes). One launch on the current stream; the kernel is compiled
     into the JIT cache, or loaded from it, at its first use in a process. A launch whose tensors the kernel takes as
-    they are is recorded (``kernels.spec.record``) for the replay of later calls (one with a histogram is not)."""
+    they are is recorded (``kernels.spec.record``) for the replay of later calls (one with a histogram or defines is
+    not)."""
     rows, columns = logits.shape
     if rows == 0:
         return
@@ -269,24 +271,26 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     call, addresses, target, direct, _keep = _native_topk_call(logits, visible, out, block_topk, plan, expand_into,
                                                                histogram)
     variant = plan.variant
-    kernel = native.kernel_for(native_topk.source(), variant.name, variant.defines, device, platform.arch, settings,
-                               non_portable_cluster=variant.non_portable_cluster)
+    kernel = native.kernel_for(native_topk.source(), variant.name, (*variant.defines, *defines), device,
+                               platform.arch, settings, non_portable_cluster=variant.non_portable_cluster)
     name = NATIVE_TOPK_LAUNCH if expand_into is None else NATIVE_TOPK_EXPAND_LAUNCH
     prepared = native.PreparedLaunch(name, kernel, call.grid, call.block, call.shared_bytes,
                                      tuple(pointer for pointer, _ in call.pointers), call.scalars)
     prepared(*addresses)
     if target is not out:
         out.copy_(target)
-    elif direct and histogram is None:  # a later call of the same signature replays this launch with its addresses
+    elif direct and histogram is None and not defines:  # a later call of the same signature replays this launch
         record(prepared)
 
 
 def emulated_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
                         plan: native_topk.Plan, expand_into: tuple | None = None,
-                        histogram: torch.Tensor | None = None, order_seed: int = 0) -> None:
+                        histogram: torch.Tensor | None = None, order_seed: int = 0,
+                        defines: tuple[str, ...] = ()) -> None:
     """``native_block_topk`` on CPU tensors: the kernel of ``plan`` run by the CUDA emulator
     (``runtime/jit/emulated.py``; tests on machines without a GPU). ``order_seed`` picks the order the emulator
-    resumes waiting threads in. Raises ``emulated.EmulationError`` where the emulated kernel fails."""
+    resumes waiting threads in; ``defines`` are the source's compile-time switches (``NAME=VALUE``). Raises
+    ``emulated.EmulationError`` where the emulated kernel fails."""
     if logits.shape[0] == 0:
         return
     _check_histogram(logits, histogram)
@@ -295,7 +299,7 @@ def emulated_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.
     kernels = tuple((variant.name, tuple(ctype for _, ctype in native_topk.POINTERS),
                      len(native_topk.CLUSTER_SCALARS if variant.cluster > 1 else native_topk.ROW_SCALARS))
                     for variant in native_topk.VARIANTS)
-    lib = emulated.build(native_topk.SOURCE_PATH, kernels)
+    lib = emulated.build(native_topk.SOURCE_PATH, kernels, tuple(defines))
     emulated.run(lib, call, addresses, plan.variant.cluster, order_seed)
     if target is not out:
         out.copy_(target)

@@ -144,9 +144,28 @@ __device__ __forceinline__ long long global_ns() {
 #define TRACE(i) do {} while (0)
 #define TRACE_NS(i) do {} while (0)
 #endif
+// Candidate changes, each off by default until timed on a GPU (benchmarks/native_variants.py sweeps them):
+//   TOPK_KEY_FADD=1    key(x) from bits(x + 0.0f): the add turns -0.0 into +0.0 and leaves every other value, so
+//                      the key is one shift and one logic op (no compare and select for -0.0).
+//   TOPK_OWNER_ZERO=1  a histogram's bins are zeroed by the thread that reads them for the bin search (or pushes
+//                      them to the cluster), before the barrier that ends it: the zeroing loops before the next
+//                      digit and before the tie bitmap, and their barriers, go.
+//   TOPK_EARLY_COPY=1  the row's bulk copies are issued before the shared memory is zeroed, so the zeroing runs
+//                      under the copies' latency and one barrier goes.
+#ifndef TOPK_KEY_FADD
+#define TOPK_KEY_FADD 0
+#endif
+#ifndef TOPK_OWNER_ZERO
+#define TOPK_OWNER_ZERO 0
+#endif
+#ifndef TOPK_EARLY_COPY
+#define TOPK_EARLY_COPY 0
+#endif
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
 #define CL_FIXED_WORDS 7344    // H[2048] | S0[2048] | S1[2048] | S2[1024] | scan[128] | res[8] | base[8] | mbarriers[16 x u64] | cache...
+#define CL_MBAR_WORD 7312      // the cluster kernels' mbarriers: words [CL_MBAR_WORD, CL_FIXED_WORDS)
+#define ROW_MBAR_WORD 2184     // the row kernels' mbarriers: words [ROW_MBAR_WORD, ROW_FIXED_WORDS)
 
 // ---------------------------------------------------------------------------------------
 // warp primitives
@@ -166,9 +185,14 @@ __device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_u
 #endif
 
 __device__ __forceinline__ unsigned f2key(float x) {
+#if TOPK_KEY_FADD
+    const unsigned b = __float_as_uint(x + 0.0f);  // -0 + 0 = +0 (round to nearest); x otherwise (NaN never comes)
+    return b ^ ((unsigned)((int)b >> 31) | 0x80000000u);
+#else
     unsigned b = __float_as_uint(x);
     if (b == 0x80000000u) b = 0u;  // -0 == +0
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+#endif
 }
 
 __device__ __forceinline__ unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
@@ -237,6 +261,21 @@ __device__ __forceinline__ void select_bin(const unsigned (&loc)[NB / BLOCK], un
         above += c;
     }
     __syncthreads();
+}
+
+// The bins of H[0, NB) this thread owns in select_bin (NB-1-(t*PER+i)); with TOPK_OWNER_ZERO it also zeroes them,
+// which select_bin's closing barrier orders before any later pass adds into H.
+template <int BLOCK, int NB>
+__device__ __forceinline__ void take_loc(unsigned* H, unsigned (&loc)[NB / BLOCK]) {
+    constexpr int PER = NB / BLOCK;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int b = NB - 1 - (threadIdx.x * PER + i);
+        loc[i] = H[b];
+#if TOPK_OWNER_ZERO
+        H[b] = 0u;
+#endif
+    }
 }
 
 // Histogram one quad of keys (nvalid of them valid).  Must be called by all lanes of the warp.
@@ -355,15 +394,15 @@ __device__ __forceinline__ void mbar_fence_init() {
 
 // Pass 1 through the bulk-copy engine.  Requires g and cache 16-byte aligned.  The full quads
 // arrive as floats in `cache` and are converted to keys in place (each quad has one owner).
-// The caller must __syncthreads() between zeroing H and calling this (the function itself
-// syncs once after the mbarrier setup).
-template <int BLOCK>
-__device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int len, unsigned* cache, unsigned* H,
-                                                unsigned long long* bars, bool count) {
-    const PassCfg c = {0u, 0u, 21, 0x7FFu};
-    const int nfull = len >> 2;
-    int piece_q = (nfull + TOPK_MAX_PIECES - 1) / TOPK_MAX_PIECES;
-    piece_q = piece_q < 512 ? 512 : piece_q;  // >= 8 KB per copy
+// bulk_issue (thread 0) sets up one mbarrier per piece and starts the copies; a __syncthreads() must
+// separate it from pass_first_bulk, and the zeroing of H from pass_first_bulk's histogram.
+__device__ __forceinline__ int bulk_piece_quads(int len) {
+    const int piece_q = ((len >> 2) + TOPK_MAX_PIECES - 1) / TOPK_MAX_PIECES;
+    return piece_q < 512 ? 512 : piece_q;  // >= 8 KB per copy
+}
+__device__ __forceinline__ void bulk_issue(const float* __restrict__ g, int len, unsigned* cache,
+                                           unsigned long long* bars) {
+    const int nfull = len >> 2, piece_q = bulk_piece_quads(len);
     const int npieces = (nfull + piece_q - 1) / piece_q;
     const unsigned bar0 = smem_u32(bars);
     if (threadIdx.x == 0) {
@@ -377,7 +416,14 @@ __device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int
             bulk_g2s(dst0 + 16u * q0, g + 4 * q0, 16u * nq, bar0 + 8u * p);
         }
     }
-    __syncthreads();
+}
+template <int BLOCK>
+__device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int len, unsigned* cache, unsigned* H,
+                                                unsigned long long* bars, bool count) {
+    const PassCfg c = {0u, 0u, 21, 0x7FFu};
+    const int nfull = len >> 2, piece_q = bulk_piece_quads(len);
+    const int npieces = (nfull + piece_q - 1) / piece_q;
+    const unsigned bar0 = smem_u32(bars);
     for (int p = 0; p < npieces; ++p) {
         const int q0 = p * piece_q;
         const int q1 = imin(q0 + piece_q, nfull);
@@ -673,15 +719,25 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
 
     // With the scorer's histogram (hist != nullptr) pass 1 only caches the keys: its histogram is the scorer's.
     const unsigned* hrow = hist != nullptr ? hist + (long long)row * 2048 : nullptr;
+#if TOPK_BULK
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem_row + ROW_MBAR_WORD);
+#if TOPK_EARLY_COPY
+    if (cached && vec) bulk_issue(g, n, buf, bars);  // the barrier after the zeroing covers the mbarriers' setup
+#endif
+#endif
     for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = hrow != nullptr ? hrow[i] : 0u;
     for (int i = threadIdx.x; i < nwcap; i += BLOCK) SB[i] = 0u;
     if (threadIdx.x == 0) s_res[7] = 0u;
     __syncthreads();
     TRACE(2);
 #if TOPK_BULK
-    if (cached && vec)
-        pass_first_bulk<BLOCK>(g, n, buf, H, reinterpret_cast<unsigned long long*>(smem_row + 2184), hrow == nullptr);
-    else
+    if (cached && vec) {
+#if !TOPK_EARLY_COPY
+        bulk_issue(g, n, buf, bars);
+        __syncthreads();
+#endif
+        pass_first_bulk<BLOCK>(g, n, buf, H, bars, hrow == nullptr);
+    } else
 #endif
     if (cached || hrow == nullptr)  // uncached with the scorer's histogram: nothing for pass 1 to do
         pass_first<BLOCK, U>(g, n, vec, cached ? buf : nullptr, H, hrow == nullptr);
@@ -691,8 +747,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     unsigned T, e;
     {
         unsigned loc[2048 / BLOCK];
-#pragma unroll
-        for (int i = 0; i < 2048 / BLOCK; ++i) loc[i] = H[2047 - (threadIdx.x * (2048 / BLOCK) + i)];
+        take_loc<BLOCK, 2048>(H, loc);
         select_bin<BLOCK, 2048>(loc, (unsigned)K, s_scan, s_res);
     }
     const unsigned b0 = s_res[0], krem1 = s_res[1], cnt1 = s_res[2];
@@ -707,16 +762,17 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
         unsigned T = 0, e = TOPK_ALL;
         if (!exhausted1) {
             const int ncand = (int)s_res[7];
+#if !TOPK_OWNER_ZERO
             for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;
             __syncthreads();
+#endif
             const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
             cand_hist<BLOCK>(buf, cand, ncand, H, c1);
             __syncthreads();
             TRACE(8);
             {
                 unsigned loc[2048 / BLOCK];
-#pragma unroll
-                for (int i = 0; i < 2048 / BLOCK; ++i) loc[i] = H[2047 - (threadIdx.x * (2048 / BLOCK) + i)];
+                take_loc<BLOCK, 2048>(H, loc);
                 select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
             }
             const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
@@ -725,22 +781,25 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
             if (cnt2 == krem2) {
                 T = prefix;
             } else {
+#if !TOPK_OWNER_ZERO
                 for (int i = threadIdx.x; i < 1024; i += BLOCK) H[i] = 0u;
                 __syncthreads();
+#endif
                 const PassCfg c2 = {0xFFFFFC00u, prefix, 0, 0x3FFu};
                 cand_hist<BLOCK>(buf, cand, ncand, H, c2);
                 __syncthreads();
                 {
                     unsigned loc[1024 / BLOCK];
-#pragma unroll
-                    for (int i = 0; i < 1024 / BLOCK; ++i) loc[i] = H[1023 - (threadIdx.x * (1024 / BLOCK) + i)];
+                    take_loc<BLOCK, 1024>(H, loc);
                     select_bin<BLOCK, 1024>(loc, krem2, s_scan, s_res);
                 }
                 T = prefix | s_res[0];
                 e = s_res[1];
             }
+#if !TOPK_OWNER_ZERO  // else every bin was zeroed by its owner already
             for (int i = threadIdx.x; i < nw; i += BLOCK) H[i] = 0u;  // H becomes the tie bitmap TB
             __syncthreads();
+#endif
             TRACE(11);
             cand_mark<BLOCK>(buf, cand, ncand, T, e, SB, H);
             __syncthreads();
@@ -931,10 +990,13 @@ __device__ __forceinline__ void red_add_cluster(unsigned a, unsigned v) {
 // Push the non-zero bins of the local histogram H[0, NB) into S[0, NB) of every CTA of the
 // cluster (including this one).  Sums are order-independent, so this stays deterministic.
 template <int BLOCK, int NB, int CL>
-__device__ __forceinline__ void push_hist(const unsigned* H, unsigned* S) {
+__device__ __forceinline__ void push_hist(unsigned* H, unsigned* S) {
     const unsigned base = smem_u32(S);
     for (int b = threadIdx.x; b < NB; b += BLOCK) {
         const unsigned v = H[b];
+#if TOPK_OWNER_ZERO
+        H[b] = 0u;  // the cluster barrier after the push orders this before the next pass adds into H
+#endif
         if (v) {
 #pragma unroll
             for (int r = 0; r < CL; ++r) red_add_cluster(mapa_u32(base + 4u * b, (unsigned)r), v);
@@ -991,17 +1053,33 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     const float* g = logits + (long long)row * ld + start;
     const bool vec = vec_ok != 0;
 
-    for (int i = threadIdx.x; i < CL_FIXED_WORDS + nwcap; i += BLOCK) smem_cl[i] = 0u;
+#if TOPK_BULK
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem_cl + CL_MBAR_WORD);
+#if TOPK_EARLY_COPY
+    if (vec) bulk_issue(g, len, cache, bars);
+#endif
+#endif
+    // Everything but the mbarriers (thread 0 sets them up, maybe while other threads still zero): the sums, the
+    // scratch and the chunk's bitmap.
+    for (int i = threadIdx.x; i < CL_MBAR_WORD; i += BLOCK) smem_cl[i] = 0u;
+    for (int i = threadIdx.x; i < nwcap; i += BLOCK) smem_cl[CL_FIXED_WORDS + i] = 0u;
     TRACE(2);
     // (0): every CTA's sums are zeroed before any remote push; pass 1 is local, so it runs between the halves
     cluster_arrive();
     const bool count = hist == nullptr;  // else S0 is the scorer's histogram of the whole row
 #if TOPK_BULK
-    if (vec)
-        pass_first_bulk<BLOCK>(g, len, cache, H, reinterpret_cast<unsigned long long*>(smem_cl + 7312), count);
-    else
+    if (vec) {
+#if !TOPK_EARLY_COPY
+        bulk_issue(g, len, cache, bars);
 #endif
+        __syncthreads();  // the mbarriers set up, H zeroed
+        pass_first_bulk<BLOCK>(g, len, cache, H, bars, count);
+    } else
+#endif
+    {
+        __syncthreads();  // H zeroed before pass 1 counts into it
         pass_first<BLOCK, U>(g, len, vec, cache, H, count);
+    }
     if (count) {
         __syncthreads();
         TRACE(3);
@@ -1036,8 +1114,10 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         e = TOPK_ALL;
         if (!exhausted1) {
             const int ncand = (int)s_res[7];
+#if !TOPK_OWNER_ZERO  // else push_hist zeroed H before barrier (1); without a push H was never written
             for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;
             __syncthreads();
+#endif
             const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
             cand_hist<BLOCK>(cache, cand, ncand, H, c1);
             __syncthreads();
@@ -1056,8 +1136,10 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
             if (cnt2 == krem2) {
                 T = prefix;
             } else {
+#if !TOPK_OWNER_ZERO
                 for (int i = threadIdx.x; i < 1024; i += BLOCK) H[i] = 0u;
                 __syncthreads();
+#endif
                 const PassCfg c2 = {0xFFFFFC00u, prefix, 0, 0x3FFu};
                 cand_hist<BLOCK>(cache, cand, ncand, H, c2);
                 __syncthreads();
@@ -1071,8 +1153,10 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
                 T = prefix | s_res[0];
                 e = s_res[1];
             }
+#if !TOPK_OWNER_ZERO  // else the pushes zeroed every bin
             for (int i = threadIdx.x; i < nw; i += BLOCK) H[i] = 0u;  // H becomes the tie bitmap TB
             __syncthreads();
+#endif
             TRACE(11);
             cand_mark<BLOCK>(cache, cand, ncand, T, e, SB, H);
             __syncthreads();

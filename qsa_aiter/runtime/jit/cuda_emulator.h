@@ -105,7 +105,6 @@ struct Cta {
     int live = 0, arrived = 0;
     unsigned generation = 0;
     std::vector<Warp> warps;
-    std::vector<unsigned> mbarrier_done;  // word offsets of mbarriers whose bytes have all arrived
 };
 
 struct Cluster {
@@ -244,23 +243,39 @@ inline int __any_sync(unsigned, bool p) { return (int)emu::warp_collective(emu::
 inline unsigned __shfl_sync(unsigned, unsigned v, int src) { return emu::warp_collective(emu::kShflIdx, v, src); }
 inline unsigned __shfl_up_sync(unsigned, unsigned v, int d) { return emu::warp_collective(emu::kShflUp, v, d); }
 
-// The primitives the source writes in inline assembly on sm_90.
+// The primitives the source writes in inline assembly on sm_90. An mbarrier lives in its 8 bytes of shared memory
+// as a state word (initialised, expecting bytes, complete), so code that overwrites a live one is caught.
+namespace emu {
+constexpr uint64_t kMbarInit = 0x4D42415249u, kMbarExpect = 0x4D42415258u, kMbarDone = 0x4D42415244u;
+inline uint64_t* mbarrier(unsigned bar) {
+    Cta& c = *current().cta;
+    if (bar % 8 || bar + 8 > c.smem_bytes) fail("an mbarrier address outside the CTA's shared memory");
+    return reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(c.smem.data()) + bar);
+}
+}  // namespace emu
 inline unsigned smem_u32(const void* p) { return emu::smem_offset(p); }
-inline void mbar_init(unsigned, unsigned) {}
+inline void mbar_init(unsigned bar, unsigned) { *emu::mbarrier(bar) = emu::kMbarInit; }
 inline void mbar_fence_init() {}
-inline void mbar_expect_tx(unsigned, unsigned) {}
+inline void mbar_expect_tx(unsigned bar, unsigned) {
+    if (*emu::mbarrier(bar) != emu::kMbarInit) emu::fail("expect_tx on an mbarrier that is not initialised");
+    *emu::mbarrier(bar) = emu::kMbarExpect;
+}
 inline void bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
     emu::Cta& c = *emu::current().cta;
     if (dst + bytes > c.smem_bytes || dst % 16 || bytes % 16 || reinterpret_cast<uintptr_t>(src) % 16)
         emu::fail("a bulk copy outside the CTA's shared memory or not 16-byte aligned");
+    if (*emu::mbarrier(bar) != emu::kMbarExpect) emu::fail("a bulk copy on an mbarrier that expects no bytes");
+    if (dst < bar + 8 && bar < dst + bytes) emu::fail("a bulk copy over its own mbarrier");
     memcpy(reinterpret_cast<char*>(c.smem.data()) + dst, src, bytes);
-    c.mbarrier_done.push_back(bar);
+    *emu::mbarrier(bar) = emu::kMbarDone;
     ++emu::scheduler().progress;
 }
 inline void mbar_wait0(unsigned bar) {
     for (;;) {
-        for (unsigned b : emu::current().cta->mbarrier_done)
-            if (b == bar) return;
+        const uint64_t state = *emu::mbarrier(bar);
+        if (state == emu::kMbarDone) return;
+        if (state != emu::kMbarInit && state != emu::kMbarExpect)
+            emu::fail("a wait on an mbarrier that is not initialised (or was overwritten)");
         emu::yield();
     }
 }

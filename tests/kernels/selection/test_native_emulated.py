@@ -122,6 +122,26 @@ def test_the_output_does_not_depend_on_the_threads_order(kind):
             assert torch.equal(_emulated(logits, visible, k, plan, order_seed=seed), want), (plan.describe(), seed)
 
 
+#: The source's candidate switches (off by default until timed on a GPU; docs/selection.md), each alone and together.
+SWITCHES = [("TOPK_KEY_FADD=1",), ("TOPK_OWNER_ZERO=1",), ("TOPK_EARLY_COPY=1",),
+            ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1")]
+
+
+@pytest.mark.parametrize("defines", SWITCHES, ids=lambda d: "+".join(x.split("=")[0][5:].lower() for x in d))
+@pytest.mark.parametrize("kind", ["random", "relu", "neg_inf"])
+def test_the_candidate_switches_equal_the_oracle(defines, kind):
+    """Every plan built with each candidate switch, every other one from the scorer's histogram, in three thread
+    orders."""
+    rows, columns, k = 6, 9000, 512
+    _, logits, visible, want = _case("switches", rows, columns, k, kind)
+    poisoned = nan_past_visible(logits, visible)
+    histogram = torch_score_histogram(logits, visible)
+    for i, plan in enumerate(native_plans(rows, columns, k, H200)):
+        got = _emulated(poisoned, visible, k, plan, histogram=histogram if i % 2 else None, order_seed=i % 3,
+                        defines=defines)
+        assert torch.equal(got, want), plan.describe()
+
+
 def test_fuzz_random_shapes_and_plans():
     """A seeded fuzz over shapes, budgets, score kinds, plans and thread orders."""
     rng = random.Random(38)

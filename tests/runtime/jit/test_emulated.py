@@ -2,7 +2,7 @@
 barriers, warp collectives and a cluster's distributed shared memory give the results CUDA defines; a read that a
 missing barrier leaves unordered sees the other thread's old value; and what a GPU would hang on or fault on (a
 barrier nobody opens, a remote address outside the cluster, lanes of one warp in different collectives, a bulk
-copy out of shared memory) is reported as ``EmulationError``."""
+copy out of shared memory, an mbarrier overwritten while live) is reported as ``EmulationError``."""
 
 from __future__ import annotations
 
@@ -54,13 +54,23 @@ extern "C" __global__ void cluster_sum(int* out, int mode) {
     if (threadIdx.x == 0) out[blockIdx.x] = (int)s[0];
 }
 // What a GPU would hang on or fault on: mode 0 waits on an mbarrier no copy completes; mode 1 splits a warp over
-// two shuffles; mode 2 copies past the CTA's shared memory.
+// two shuffles; mode 2 copies past the CTA's shared memory; mode 3 waits on an mbarrier zeroed after its setup.
 extern "C" __global__ void faults(int* out, int mode) {
     TOPK_DYNAMIC_SMEM(s);
-    if (mode == 0) mbar_wait0(smem_u32(s));
+    if (mode == 0 || mode == 3) {
+        if (threadIdx.x == 0) mbar_init(smem_u32(s), 1);
+        __syncthreads();
+        if (mode == 3 && threadIdx.x == 1) s[0] = 0u;
+        __syncthreads();
+        mbar_wait0(smem_u32(s));
+    }
     if (mode == 1) out[threadIdx.x] = (int)(threadIdx.x < 16 ? __shfl_sync(0xFFFFFFFFu, 1u, 0)
                                                               : __shfl_sync(0xFFFFFFFFu, 1u, 1));
-    if (mode == 2 && threadIdx.x == 0) bulk_g2s(smem_u32(s), out, 4096, 0);
+    if (mode == 2 && threadIdx.x == 0) {
+        mbar_init(smem_u32(s), 1);
+        mbar_expect_tx(smem_u32(s), 4096);
+        bulk_g2s(smem_u32(s) + 16, out, 4096, 0);
+    }
 }
 """
 KERNELS = tuple((name, ("int*",), 1) for name in ("block_sum", "ordered_read", "cluster_sum", "faults"))
@@ -98,7 +108,8 @@ def test_a_clusters_distributed_shared_memory(lib):
 
 
 @pytest.mark.parametrize("mode, message", [(0, "deadlock"), (1, "lanes in different calls"),
-                                           (2, "bulk copy outside the CTA's shared memory")])
+                                           (2, "bulk copy outside the CTA's shared memory"),
+                                           (3, "mbarrier that is not initialised")])
 def test_faults_are_reported(lib, mode, message):
     with pytest.raises(emulated.EmulationError, match=message):
         _run(lib, "faults", 1, mode, threads=32)

@@ -1,0 +1,95 @@
+"""The native top-k's candidate changes and plans side by side, on a GPU: which to make the default.
+
+    python benchmarks/native_variants.py [--points 9x4@64K-128K,...] [--page 64] [--cache bf16] [--replays 30]
+
+For each work point (the selection targets' by default) the logits are scored once (``tools.inputs``), then the
+native top-k alone is timed (``time_graph``, CUDA-graph medians, as ``benchmarks/selection.py`` times it) for:
+
+- the plan the op chooses, built as shipped and with each of the source's candidate switches (``SWITCHES``: off by
+  default in ``native_topk.cu`` until measured), one at a time and all together;
+- the other plans that serve the shape (``PLANS``: the cluster sizes for few long rows, the 256- and 512-thread
+  row kernels, the uncached row kernel), as shipped.
+
+Every timed launch's output is checked equal to ``torch_block_topk`` on the timed inputs. Printed per point and
+variant: µs and the ratio to the shipped kernel of the op's plan, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from qsa_aiter.kernels.platform import Platform
+from qsa_aiter.kernels.selection import native_topk as nt
+from qsa_aiter.kernels.selection.reference import torch_block_topk
+from qsa_aiter.runtime.registries import native_block_topk
+from qsa_aiter.tools.cli_args import cache_format
+from qsa_aiter.tools.inputs import selection_inputs
+from qsa_aiter.tools.timing import time_graph
+from qsa_aiter.tools.work_points import SELECTION_POINTS, work_points
+
+#: The source's candidate switches, each alone and all together (``native_topk.cu``, "Candidate changes").
+SWITCHES = {
+    "key_fadd": ("TOPK_KEY_FADD=1",),
+    "owner_zero": ("TOPK_OWNER_ZERO=1",),
+    "early_copy": ("TOPK_EARLY_COPY=1",),
+    "plain_atomics": ("TOPK_HIST=1",),
+    "all": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1"),
+}
+
+
+def other_plans(rows: int, columns: int, chosen: nt.Plan, platform: Platform) -> dict[str, nt.Plan]:
+    """The plans other than ``chosen`` that serve ``rows x columns`` on ``platform``, by name."""
+    plans = {f"rows_{threads}": nt.rows_plan(threads, columns, platform) for threads in (256, 512)}
+    plans["rows_512_uncached"] = nt.rows_plan(512, columns, platform, cached=False)
+    if platform.capability >= (9, 0) and columns >= nt.CLUSTER_MIN_COLUMNS:
+        plans |= {f"cluster{size}": nt.cluster_plan(size, columns, platform) for size in (2, 4, 8)}
+    return {name: plan for name, plan in plans.items()
+            if plan != chosen and plan.shared_bytes <= platform.shared_memory_per_block
+            and (not plan.cached or plan.buffer <= nt.MAX_CACHED_COLUMNS)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", default=",".join(SELECTION_POINTS))
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
+    ap.add_argument("--replays", type=int, default=30)
+    a = ap.parse_args()
+    wanted = a.points.split(",")
+    print("point,rows,columns,plan,variant,topk_us,over_shipped")
+    timed = 0
+    for point in work_points():
+        if point.name not in wanted:
+            continue
+        inputs = selection_inputs(point, a.page, a.cache)
+        logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
+        rows, columns = logits.shape
+        k = groups.shape[1]
+        platform = Platform.of(logits.device)
+        chosen = nt.choose_plan(rows, columns, k, platform)
+        expected = torch.empty_like(groups)
+        torch_block_topk(logits, visible, k, expected)
+        runs = [(chosen, "shipped", ())] + [(chosen, name, defines) for name, defines in SWITCHES.items()]
+        runs += [(plan, "shipped", ()) for plan in other_plans(rows, columns, chosen, platform).values()]
+        baseline = None
+        for plan, variant, defines in runs:
+            def launch(plan=plan, defines=defines):
+                native_block_topk(logits, visible, groups, k, plan=plan, defines=defines)
+
+            groups.fill_(-7)
+            launch()
+            if not torch.equal(groups, expected):
+                raise SystemExit(f"{point.name}: {plan.variant.name} {variant} differs from torch_block_topk")
+            us = time_graph(launch, 1, a.replays)
+            baseline = baseline or us
+            print(f"{point.name},{rows},{columns},{plan.variant.name}{'' if plan.cached else '_uncached'},{variant},"
+                  f"{us:.2f},{us / baseline:.3f}")
+            timed += 1
+    if not timed:
+        raise SystemExit(f"no work point named in {wanted}")
+
+
+if __name__ == "__main__":
+    main()
