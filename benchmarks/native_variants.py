@@ -6,7 +6,8 @@ For each work point (the selection targets' by default) the logits are scored on
 native top-k alone is timed (``time_graph``, CUDA-graph medians, as ``benchmarks/selection.py`` times it) for:
 
 - the plan the op chooses, built as shipped and with each of the source's candidate switches (``SWITCHES``: off by
-  default in ``native_topk.cu`` until measured), one at a time and all together;
+  default in ``native_topk.cu`` until measured; ``TOPK_GATHER`` changes the cluster kernels only), one at a time and
+  all together;
 - the other plans that serve the shape (``PLANS``: the cluster sizes for few long rows, the 256- and 512-thread
   row kernels, the uncached row kernel), as shipped.
 
@@ -34,8 +35,10 @@ SWITCHES = {
     "key_fadd": ("TOPK_KEY_FADD=1",),
     "owner_zero": ("TOPK_OWNER_ZERO=1",),
     "early_copy": ("TOPK_EARLY_COPY=1",),
+    "gather": ("TOPK_GATHER=1",),
     "plain_atomics": ("TOPK_HIST=1",),
-    "all": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1"),
+    "all": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1"),
+    "all_plain_atomics": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1", "TOPK_HIST=1"),
 }
 
 

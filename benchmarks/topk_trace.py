@@ -1,6 +1,7 @@
 """Where the native top-k's time goes inside one launch, stage by stage, on a GPU.
 
-    python benchmarks/topk_trace.py [--points 9x4@64K-128K,...] [--page 64] [--cache bf16] [--plan rows_256|cluster4|...]
+    python benchmarks/topk_trace.py [--points 9x4@64K-128K,...] [--page 64] [--cache bf16] [--plan cluster4|...]
+                                    [--defines TOPK_GATHER=1,...]
 
 Each point's logits are scored once (``tools.inputs.selection_inputs``); the kernel the op would launch
 (``native_topk.choose_plan``) is built once more with ``-DTOPK_TRACE=<CTAs>``, which makes thread 0 of every CTA
@@ -29,7 +30,8 @@ from qsa_aiter.tools.work_points import SELECTION_POINTS, work_points
 STAGES = {
     1: "visible read", 2: "zeroing", 3: "pass 1 (load, keys, histogram)", 4: "cluster barrier (0) wait",
     5: "histogram push + cluster barrier (1)", 6: "threshold bin 1", 7: "classify", 8: "candidate histogram 2",
-    9: "push + cluster barrier (2)", 10: "threshold bin 2", 11: "digit 3 (when needed)", 12: "candidate marks",
+    9: "second exchange + cluster barrier (2)", 10: "threshold bin 2", 11: "digit 3 (when needed)",
+    12: "candidate marks",
     13: "chunk counts + push", 14: "cluster barrier (4)", 15: "bitmap output", 16: "expansion barrier",
     17: "expansion", 29: "exit",
 }
@@ -70,7 +72,8 @@ def plan_named(name: str, columns: int, platform: Platform) -> nt.Plan:
     return nt.rows_plan(int(name.split("_")[1]), columns, platform)
 
 
-def trace_point(point, page: int, cache: str, plan_name: str | None, launches: int) -> None:
+def trace_point(point, page: int, cache: str, plan_name: str | None, launches: int,
+                defines: tuple[str, ...] = ()) -> None:
     inputs = selection_inputs(point, page, cache)
     logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
     rows, columns = logits.shape
@@ -80,7 +83,8 @@ def trace_point(point, page: int, cache: str, plan_name: str | None, launches: i
     variant = plan.variant
     ctas = rows * variant.cluster
     built = nvrtc.compile_cubin(nt.source(), platform.arch,
-                                (*[f"-D{d}" for d in variant.defines], f"-DTOPK_TRACE={ctas}"), name="native_topk.cu")
+                                (*[f"-D{d}" for d in (*variant.defines, *defines)], f"-DTOPK_TRACE={ctas}"),
+                                name="native_topk.cu")
     kernel = native.load_cubin(built.cubin, variant.name, variant.name + "-trace", logits.device.index or 0,
                                variant.non_portable_cluster)
     call = nt.launch_arguments(plan, rows, columns, logits.stride(0), k, logits.stride(0) % 4 == 0 or rows == 1)
@@ -96,8 +100,8 @@ def trace_point(point, page: int, cache: str, plan_name: str | None, launches: i
     trace = read_trace(kernel, ctas)
     ns_per_cycle, stages = stage_times(trace)
     traced = trace[trace[:, START_NS] > 0]
-    print(f"# {point.name}: {rows} x {columns}, {plan.describe()}, {traced.shape[0]} CTAs traced, "
-          f"{ns_per_cycle:.3f} ns per cycle")
+    print(f"# {point.name}: {rows} x {columns}, {plan.describe()}{' with ' + ' '.join(defines) if defines else ''}, "
+          f"{traced.shape[0]} CTAs traced, {ns_per_cycle:.3f} ns per cycle")
     print("point,stage,median_ns,max_ns,ctas")
     for stage, median, largest, ctas_seen in stages:
         print(f"{point.name},{stage},{median:.0f},{largest:.0f},{ctas_seen}")
@@ -115,12 +119,13 @@ def main() -> None:
     ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
     ap.add_argument("--plan", default=None, help="a variant (rows_256, rows_512, cluster2/4/8/16); default the op's")
     ap.add_argument("--launches", type=int, default=5)
+    ap.add_argument("--defines", default="", help="the source's switches to build with (NAME=VALUE,...)")
     a = ap.parse_args()
     wanted = a.points.split(",")
     traced = 0
     for point in work_points():
         if point.name in wanted:
-            trace_point(point, a.page, a.cache, a.plan, a.launches)
+            trace_point(point, a.page, a.cache, a.plan, a.launches, tuple(d for d in a.defines.split(",") if d))
             traced += 1
     if not traced:
         raise SystemExit(f"no work point named in {wanted}")

@@ -132,14 +132,13 @@ __device__ __forceinline__ long long global_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-#define TRACE(i)                                                                                       \
-    do {                                                                                               \
-        if (threadIdx.x == 0 && blockIdx.x < TOPK_TRACE) topk_trace[blockIdx.x * TOPK_TRACE_SLOTS + (i)] = clock64(); \
+#define TRACE_STORE(i, value)                                                                  \
+    do {                                                                                       \
+        if (threadIdx.x == 0 && blockIdx.x < TOPK_TRACE)                                       \
+            topk_trace[blockIdx.x * TOPK_TRACE_SLOTS + (i)] = (value);                         \
     } while (0)
-#define TRACE_NS(i)                                                                                    \
-    do {                                                                                               \
-        if (threadIdx.x == 0 && blockIdx.x < TOPK_TRACE) topk_trace[blockIdx.x * TOPK_TRACE_SLOTS + (i)] = global_ns(); \
-    } while (0)
+#define TRACE(i) TRACE_STORE(i, clock64())
+#define TRACE_NS(i) TRACE_STORE(i, global_ns())
 #else
 #define TRACE(i) do {} while (0)
 #define TRACE_NS(i) do {} while (0)
@@ -152,6 +151,10 @@ __device__ __forceinline__ long long global_ns() {
 //                      digit and before the tie bitmap, and their barriers, go.
 //   TOPK_EARLY_COPY=1  the row's bulk copies are issued before the shared memory is zeroed, so the zeroing runs
 //                      under the copies' latency and one barrier goes.
+//   TOPK_GATHER=1      clusters: after the first digit every CTA writes its threshold-bin keys (with their
+//                      columns) into every CTA's shared memory and its count of surely kept columns into the
+//                      higher ranks'; after one cluster barrier each CTA finishes the select and its output offsets
+//                      alone (two cluster barriers and the second histogram exchange fewer).
 #ifndef TOPK_KEY_FADD
 #define TOPK_KEY_FADD 0
 #endif
@@ -161,10 +164,18 @@ __device__ __forceinline__ long long global_ns() {
 #ifndef TOPK_EARLY_COPY
 #define TOPK_EARLY_COPY 0
 #endif
+#ifndef TOPK_GATHER
+#define TOPK_GATHER 0
+#endif
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
 #define CL_FIXED_WORDS 7344    // H[2048] | S0[2048] | S1[2048] | S2[1024] | scan[128] | res[8] | base[8] | mbarriers[16 x u64] | cache...
 #define CL_MBAR_WORD 7312      // the cluster kernels' mbarriers: words [CL_MBAR_WORD, CL_FIXED_WORDS)
+// TOPK_GATHER: the gathered (key, column) pairs take S1 and S2, less their last 16 words (each source CTA's slot
+// offset in every target).
+#define CL_GATHER_WORD 4096
+#define CL_GATHER_PAIRS 1520
+#define CL_GATHER_OFFSETS_WORD 7152
 #define ROW_MBAR_WORD 2184     // the row kernels' mbarriers: words [ROW_MBAR_WORD, ROW_FIXED_WORDS)
 
 // ---------------------------------------------------------------------------------------
@@ -593,8 +604,9 @@ __device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K
 // in TB; the first e ties in column order are moved to SB by a prefix popcount over TB, and a
 // prefix popcount over SB gives every selected column its output slot, in column order.
 template <int BLOCK>
-__device__ __forceinline__ void pass_classify(const unsigned* cache, int len, unsigned b0, bool exhausted,
-                                              unsigned* SB, unsigned short* cand, unsigned* s_ncand) {
+__device__ __forceinline__ unsigned pass_classify(const unsigned* cache, int len, unsigned b0, bool exhausted,
+                                                  unsigned* SB, unsigned short* cand, unsigned* s_ncand) {
+    unsigned marked = 0;  // the columns this thread marked (callers that need the count use it)
     const unsigned thr = exhausted ? b0 : b0 + 1u;     // mark top digit >= thr
     const unsigned want = exhausted ? 0xFFFFFFFFu : b0;  // list top digit == want (no digit is 0xFFFFFFFF)
     const int nq = (len + 3) >> 2;
@@ -614,6 +626,7 @@ __device__ __forceinline__ void pass_classify(const unsigned* cache, int len, un
         kept &= valid;
         listed &= valid;
         if (kept) atomicOr(&SB[q >> 3], kept << (4 * (q & 7)));
+        marked += __popc(kept);
         if (listed) {
             unsigned slot = atomicAdd(s_ncand, (unsigned)__popc(listed));
 #pragma unroll
@@ -621,6 +634,7 @@ __device__ __forceinline__ void pass_classify(const unsigned* cache, int len, un
                 if ((listed >> i) & 1u) cand[slot++] = (unsigned short)(4 * q + i);
         }
     }
+    return marked;
 }
 
 template <int BLOCK>
@@ -985,6 +999,16 @@ __device__ __forceinline__ unsigned mapa_u32(unsigned a, unsigned r) {
 __device__ __forceinline__ void red_add_cluster(unsigned a, unsigned v) {
     asm volatile("red.relaxed.cluster.shared::cluster.add.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
 }
+// Atomic add into another CTA's shared memory that returns the old value (one round trip).
+__device__ __forceinline__ unsigned atom_add_cluster(unsigned a, unsigned v) {
+    unsigned old;
+    asm volatile("atom.relaxed.cluster.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(a), "r"(v) : "memory");
+    return old;
+}
+// Two words into another CTA's shared memory (ordered by the next cluster barrier).
+__device__ __forceinline__ void st_cluster_v2(unsigned a, unsigned x, unsigned y) {
+    asm volatile("st.shared::cluster.v2.u32 [%0], {%1, %2};" ::"r"(a), "r"(x), "r"(y) : "memory");
+}
 #endif  // !TOPK_EMULATE
 
 // Push the non-zero bins of the local histogram H[0, NB) into S[0, NB) of every CTA of the
@@ -1010,6 +1034,108 @@ __device__ __forceinline__ void load_loc(const unsigned* S, unsigned (&loc)[NB /
 #pragma unroll
     for (int i = 0; i < PER; ++i) loc[i] = S[NB - 1 - (threadIdx.x * PER + i)];
 }
+
+#if TOPK_GATHER
+// The rest of a cluster's row after the first digit (threshold bin b0, rank krem1 in it, cnt1 keys in it over the
+// whole row), by gathering: classify the chunk (surely kept columns into SB, the bin's columns into cand); send the
+// count of surely kept columns to every higher rank's s_base[0] and the bin's (key, column) pairs into every CTA's
+// gather buffer G (slots reserved with one returning remote add per target); one cluster barrier; then each CTA
+// selects among the cnt1 gathered keys alone (digits 2 and 3 over G), marks its own chunk's selected candidates,
+// counts the lower ranks' from G, and writes its slots.  Every pair is read by every CTA, none by arrival order.
+template <int BLOCK, int CL>
+__device__ __forceinline__ void gather_finish(const unsigned* cache, int len, int start, unsigned b0, unsigned krem1,
+                                              unsigned cnt1, unsigned* SB, unsigned short* cand, int* orow) {
+    TOPK_DYNAMIC_SMEM(smem_cl);
+    unsigned* H = smem_cl;
+    unsigned* G = smem_cl + CL_GATHER_WORD;
+    unsigned* s_goff = smem_cl + CL_GATHER_OFFSETS_WORD;
+    unsigned* s_scan = smem_cl + 7168;
+    unsigned* s_res = smem_cl + 7296;
+    unsigned* s_base = smem_cl + 7304;  // [0] surely kept columns before this chunk, [2] pairs gathered here
+    const unsigned rank = cluster_rank();
+    const int lane = threadIdx.x % WS;
+    unsigned marked = pass_classify<BLOCK>(cache, len, b0, false, SB, cand, s_res + 7);
+    for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;  // digit 2's histogram (H's counts were pushed)
+#pragma unroll
+    for (int o = 1; o < WS; o <<= 1) {  // the warp's sum reaches its last lane
+        const unsigned y = shfl_up(marked, o);
+        if (lane >= o) marked += y;
+    }
+    if (lane == WS - 1 && marked)
+        for (unsigned r = rank + 1; r < (unsigned)CL; ++r) red_add_cluster(mapa_u32(smem_u32(s_base), r), marked);
+    __syncthreads();
+    TRACE(7);
+    const unsigned nloc = s_res[7];
+    if (threadIdx.x < CL)
+        s_goff[threadIdx.x] = nloc ? atom_add_cluster(mapa_u32(smem_u32(s_base + 2), threadIdx.x), nloc) : 0u;
+    __syncthreads();
+    for (int i = threadIdx.x; i < (int)nloc; i += BLOCK) {
+        const unsigned col = cand[i];
+        const unsigned key = cache[col];
+#pragma unroll 4
+        for (int r = 0; r < CL; ++r) st_cluster_v2(mapa_u32(smem_u32(G + 2 * (s_goff[r] + i)), r), key, start + col);
+    }
+    cluster_sync();  // (2) G holds the cnt1 pairs of the row's threshold bin; s_base[0] is complete
+    TRACE(9);
+    const int ng = (int)cnt1;
+    for (int i = threadIdx.x; i < ng; i += BLOCK) atomicAdd(&H[(G[2 * i] >> 10) & 0x7FFu], 1u);
+    __syncthreads();
+    {
+        unsigned loc[2048 / BLOCK];
+        take_loc<BLOCK, 2048>(H, loc);
+        select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
+    }
+    TRACE(10);
+    const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
+    const unsigned prefix = (b0 << 21) | (b1 << 10);
+    unsigned T = prefix, e = TOPK_ALL;
+    if (cnt2 != krem2) {
+#if !TOPK_OWNER_ZERO
+        for (int i = threadIdx.x; i < 1024; i += BLOCK) H[i] = 0u;
+        __syncthreads();
+#endif
+        for (int i = threadIdx.x; i < ng; i += BLOCK) {
+            const unsigned k = G[2 * i];
+            if ((k & 0xFFFFFC00u) == prefix) atomicAdd(&H[k & 0x3FFu], 1u);
+        }
+        __syncthreads();
+        {
+            unsigned loc[1024 / BLOCK];
+            take_loc<BLOCK, 1024>(H, loc);
+            select_bin<BLOCK, 1024>(loc, krem2, s_scan, s_res);
+        }
+        T = prefix | s_res[0];
+        e = s_res[1];
+    }
+    TRACE(11);
+    const int nw = (len + 31) >> 5;
+#if !TOPK_OWNER_ZERO
+    for (int i = threadIdx.x; i < nw; i += BLOCK) H[i] = 0u;  // H becomes the tie bitmap TB
+    __syncthreads();
+#endif
+    // This chunk's selected candidates into SB (ties into TB); the lower ranks' counted (packed eq << 16 | gt:
+    // at most CL_GATHER_PAIRS each).
+    unsigned below = 0;
+    for (int i = threadIdx.x; i < ng; i += BLOCK) {
+        const unsigned k = G[2 * i];
+        const int col = (int)G[2 * i + 1];
+        if (col < start) {
+            below += (k > T ? 1u : 0u) | (k == T ? 0x10000u : 0u);
+        } else if (col < start + len) {
+            const unsigned c = (unsigned)(col - start);
+            if (k > T || (k == T && e == TOPK_ALL))
+                atomicOr(&SB[c >> 5], 1u << (c & 31));
+            else if (k == T)
+                atomicOr(&H[c >> 5], 1u << (c & 31));
+        }
+    }
+    unsigned total;
+    block_excl_scan<BLOCK>(below, total, s_scan + 32);  // its barriers also order the marks before the output
+    TRACE(12);
+    bitmap_emit<BLOCK>(SB, H, nw, e, s_base[0] + (total & 0xFFFFu), total >> 16, e != TOPK_ALL, start, orow, s_scan);
+    TRACE(15);
+}
+#endif
 
 // One cluster of CL CTAs per row.  Shared memory (words): H[2048] local histogram,
 // S0[2048] / S1[2048] / S2[1024] cluster-summed histograms of passes 1-3 (filled by remote
@@ -1102,6 +1228,13 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     }
     const unsigned b0 = s_res[0], krem1 = s_res[1], cnt1 = s_res[2];
     TRACE(6);
+#if TOPK_FAST && TOPK_GATHER
+    // cnt1 is the cluster-wide count, so this branch is uniform over the cluster
+    if (cnt1 != krem1 && cnt1 <= umin(CL_GATHER_PAIRS, (unsigned)cand_cap)) {
+        gather_finish<BLOCK, CL>(cache, len, start, b0, krem1, cnt1, SB, cand, orow);
+        return;
+    }
+#endif
 #if TOPK_FAST
     // cnt1 is the cluster-wide count, so this branch is uniform over the cluster
     if (cnt1 == krem1 || cnt1 <= (unsigned)cand_cap) {

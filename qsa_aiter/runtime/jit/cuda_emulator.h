@@ -291,6 +291,17 @@ inline unsigned mapa_u32(unsigned a, unsigned r) {
     return ((r + 1) << 24) | (a & 0xFFFFFFu);
 }
 inline void red_add_cluster(unsigned a, unsigned v) { *emu::cluster_word(a) += v; }
+inline unsigned atom_add_cluster(unsigned a, unsigned v) {
+    unsigned* w = emu::cluster_word(a);
+    const unsigned old = *w;
+    *w = old + v;
+    return old;
+}
+inline void st_cluster_v2(unsigned a, unsigned x, unsigned y) {
+    if (a % 8) emu::fail("a two-word remote store that is not 8-byte aligned");
+    *emu::cluster_word(a) = x;
+    *emu::cluster_word(a + 4) = y;
+}
 
 namespace emu {
 

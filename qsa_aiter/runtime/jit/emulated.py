@@ -52,7 +52,8 @@ def _wrapper(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int],
     for name, pointer_types, scalars in kernels:
         args = [f"({ctype})a.p[{i}]" for i, ctype in enumerate(pointer_types)]
         args += [f"a.s[{i}]" for i in range(scalars)]
-        lines.append(f"static void body_{name}(void* raw) {{ EmuArgs& a = *(EmuArgs*)raw; {name}({', '.join(args)}); }}")
+        lines.append(f"static void body_{name}(void* raw) {{\n    EmuArgs& a = *(EmuArgs*)raw;\n"
+                     f"    {name}({', '.join(args)});\n}}")
         dispatch.append(f'    if (!strcmp(kernel, "{name}")) body = body_{name};')
     lines += [
         'extern "C" const char* emu_launch(const char* kernel, int grid, int block, int cluster, '

@@ -123,8 +123,8 @@ def test_the_output_does_not_depend_on_the_threads_order(kind):
 
 
 #: The source's candidate switches (off by default until timed on a GPU; docs/selection.md), each alone and together.
-SWITCHES = [("TOPK_KEY_FADD=1",), ("TOPK_OWNER_ZERO=1",), ("TOPK_EARLY_COPY=1",),
-            ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1")]
+SWITCHES = [("TOPK_KEY_FADD=1",), ("TOPK_OWNER_ZERO=1",), ("TOPK_EARLY_COPY=1",), ("TOPK_GATHER=1",),
+            ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1", "TOPK_HIST=1")]
 
 
 @pytest.mark.parametrize("defines", SWITCHES, ids=lambda d: "+".join(x.split("=")[0][5:].lower() for x in d))
