@@ -3,7 +3,8 @@
     python benchmarks/native_variants.py [--points 9x4@64K-128K,...] [--page 64] [--cache bf16] [--replays 30]
 
 For each work point (the selection targets' by default) the logits are scored once (``tools.inputs``), then the
-native top-k alone is timed (``time_graph``, CUDA-graph medians, as ``benchmarks/selection.py`` times it) for:
+native top-k is timed alone and with the expansion fused into it (the launch ``qsa_select_paged_tokens`` makes after
+scoring), each with ``time_graph`` (CUDA-graph medians, as ``benchmarks/selection.py`` times it), for:
 
 - the plan the op chooses, built as shipped and with each of the source's candidate switches (``SWITCHES``: off by
   default in ``native_topk.cu`` until measured; ``TOPK_GATHER`` changes the cluster kernels only), one at a time and
@@ -11,8 +12,9 @@ native top-k alone is timed (``time_graph``, CUDA-graph medians, as ``benchmarks
 - the other plans that serve the shape (``PLANS``: the cluster sizes for few long rows, the 256- and 512-thread
   row kernels, the uncached row kernel), as shipped.
 
-Every timed launch's output is checked equal to ``torch_block_topk`` on the timed inputs. Printed per point and
-variant: µs and the ratio to the shipped kernel of the op's plan, measured in the same run.
+Every timed launch's output is checked equal to ``torch_block_topk`` (and its tokens to
+``torch_expand_block_indices``) on the timed inputs. Printed per point and variant: µs alone and with the expansion,
+and their ratios to the shipped kernel of the op's plan, measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,23 +25,15 @@ import torch
 
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import native_topk as nt
-from qsa_aiter.kernels.selection.reference import torch_block_topk
+from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.runtime.registries import native_block_topk
 from qsa_aiter.tools.cli_args import cache_format
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
 from qsa_aiter.tools.work_points import SELECTION_POINTS, work_points
 
-#: The source's candidate switches, each alone and all together (``native_topk.cu``, "Candidate changes").
-SWITCHES = {
-    "key_fadd": ("TOPK_KEY_FADD=1",),
-    "owner_zero": ("TOPK_OWNER_ZERO=1",),
-    "early_copy": ("TOPK_EARLY_COPY=1",),
-    "gather": ("TOPK_GATHER=1",),
-    "plain_atomics": ("TOPK_HIST=1",),
-    "all": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1"),
-    "all_plain_atomics": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1", "TOPK_HIST=1"),
-}
+#: The source's candidate switches (declared with the kernels), each alone and all together.
+SWITCHES = nt.CANDIDATE_SWITCHES
 
 
 def other_plans(rows: int, columns: int, chosen: nt.Plan, platform: Platform) -> dict[str, nt.Plan]:
@@ -61,7 +55,7 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=30)
     a = ap.parse_args()
     wanted = a.points.split(",")
-    print("point,rows,columns,plan,variant,topk_us,over_shipped")
+    print("point,rows,columns,plan,variant,topk_us,over_shipped,topk_expand_us,expand_over_shipped")
     timed = 0
     for point in work_points():
         if point.name not in wanted:
@@ -74,6 +68,11 @@ def main() -> None:
         chosen = nt.choose_plan(rows, columns, k, platform)
         expected = torch.empty_like(groups)
         torch_block_topk(logits, visible, k, expected)
+        batch, tokens = inputs.batch, inputs.picked
+        ratio, token_topk = batch.compress_ratio, tokens.shape[1] - batch.compress_ratio + 1
+        expansion = (batch.query_positions, batch.context_lens, batch.token_to_request, tokens, ratio, token_topk)
+        expected_tokens = torch.empty_like(tokens)
+        torch_expand_block_indices(expected, *expansion[:3], ratio, token_topk, expected_tokens)
         runs = [(chosen, "shipped", ())] + [(chosen, name, defines) for name, defines in SWITCHES.items()]
         runs += [(plan, "shipped", ()) for plan in other_plans(rows, columns, chosen, platform).values()]
         baseline = None
@@ -81,14 +80,19 @@ def main() -> None:
             def launch(plan=plan, defines=defines):
                 native_block_topk(logits, visible, groups, k, plan=plan, defines=defines)
 
+            def launch_expanding(plan=plan, defines=defines):
+                native_block_topk(logits, visible, groups, k, plan=plan, defines=defines, expand_into=expansion)
+
+            name = f"{plan.variant.name}{'' if plan.cached else '_uncached'} {variant}"
             groups.fill_(-7)
-            launch()
-            if not torch.equal(groups, expected):
-                raise SystemExit(f"{point.name}: {plan.variant.name} {variant} differs from torch_block_topk")
-            us = time_graph(launch, 1, a.replays)
-            baseline = baseline or us
-            print(f"{point.name},{rows},{columns},{plan.variant.name}{'' if plan.cached else '_uncached'},{variant},"
-                  f"{us:.2f},{us / baseline:.3f}")
+            tokens.fill_(-7)
+            launch_expanding()
+            if not (torch.equal(groups, expected) and torch.equal(tokens, expected_tokens)):
+                raise SystemExit(f"{point.name}: {name} differs from torch_block_topk / torch_expand_block_indices")
+            us, us_expanding = time_graph(launch, 1, a.replays), time_graph(launch_expanding, 1, a.replays)
+            baseline = baseline or (us, us_expanding)
+            print(f"{point.name},{rows},{columns},{name.replace(' ', ',')},{us:.2f},{us / baseline[0]:.3f},"
+                  f"{us_expanding:.2f},{us_expanding / baseline[1]:.3f}")
             timed += 1
     if not timed:
         raise SystemExit(f"no work point named in {wanted}")

@@ -155,6 +155,9 @@ __device__ __forceinline__ long long global_ns() {
 //                      columns) into every CTA's shared memory and its count of surely kept columns into the
 //                      higher ranks'; after one cluster barrier each CTA finishes the select and its output offsets
 //                      alone (two cluster barriers and the second histogram exchange fewer).
+//   TOPK_FUSED_TOKENS=1  the expansion writes each kept group's tokens where it writes the group (TokenSink): no
+//                      re-read of the row's groups, and in a cluster no barrier before the expansion; one CTA adds
+//                      up the tokens and writes the tail.
 #ifndef TOPK_KEY_FADD
 #define TOPK_KEY_FADD 0
 #endif
@@ -166,6 +169,9 @@ __device__ __forceinline__ long long global_ns() {
 #endif
 #ifndef TOPK_GATHER
 #define TOPK_GATHER 0
+#endif
+#ifndef TOPK_FUSED_TOKENS
+#define TOPK_FUSED_TOKENS 0
 #endif
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
@@ -529,6 +535,83 @@ __device__ __forceinline__ void pass_count(const float* __restrict__ g, const un
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// The fused expansion (what qsa_expand_block_indices computes), run by the CTA that owns a row once
+// the row's groups are written: each selected group g >= 0 gives the tokens g*R .. g*R+R-1 below
+// the request's context length (a prefix of the group), packed by an exclusive scan over the
+// groups; then the causal tail ((p+1)/R)*R .. p (capped by the context length); then -1.  A row
+// whose request is outside [0, num_requests) is all -1.  Indices are int32: tokens at or past
+// 2**31 are cut like tokens past the context.  positions / contexts / requests are int32 or
+// int64 (bits 0 / 1 / 2 of idx_wide).
+#define TOPK_TOKEN_LIMIT 2147483648LL
+
+__device__ __forceinline__ long long load_index(const void* p, long long i, bool wide) {
+    return wide ? reinterpret_cast<const long long*>(p)[i] : (long long)reinterpret_cast<const int*>(p)[i];
+}
+
+// A group written by this row's CTAs (read past L1: in a cluster other CTAs wrote it).
+__device__ __forceinline__ int load_group(const int* p) {
+#if TOPK_HIP
+    return *reinterpret_cast<const volatile int*>(p);
+#else
+    return __ldcg(p);
+#endif
+}
+
+__device__ __forceinline__ unsigned tokens_kept(long long g, long long limit, int R) {
+    if (g < 0 || g * R >= limit) return 0u;  // a group past the context (or a negative id) keeps no token
+    const long long c = limit - g * R;
+    return (unsigned)(c < R ? c : R);
+}
+
+// The fused expansion's tokens written where the groups are (TOPK_FUSED_TOKENS): the group at output slot s keeps
+// its tokens at s*R onwards, since every kept group before it is a lower group and keeps all R (only the group that
+// holds the context's end keeps fewer, and no later group keeps any).  No re-read of the groups, no scan but the
+// one that finds the total for the tail.
+struct TokenSink {
+    int* trow;        // the row's token indices; nullptr: no fused expansion
+    long long limit;  // the request's context length (0 for a bad request), at most TOPK_TOKEN_LIMIT
+    long long p;      // the row's position
+    int R;
+    unsigned count;   // tokens this thread wrote
+};
+__device__ __forceinline__ TokenSink token_sink(int row, const void* pos, const void* ctx, const void* t2r, int* tok,
+                                                int num_requests, int R, int tok_ld, int idx_wide) {
+    TokenSink t = {nullptr, 0, 0, R, 0u};
+#if TOPK_FUSED_TOKENS
+    if (tok != nullptr) {
+        const long long req = load_index(t2r, row, idx_wide & 4);
+        const bool ok = req >= 0 && req < num_requests;
+        const long long limit = ok ? load_index(ctx, req, idx_wide & 2) : 0;
+        t.limit = limit < 0 ? 0 : (limit > TOPK_TOKEN_LIMIT ? TOPK_TOKEN_LIMIT : limit);
+        t.p = load_index(pos, row, idx_wide & 1);
+        t.trow = tok + (long long)row * tok_ld;
+    }
+#endif
+    return t;
+}
+__device__ __forceinline__ void put_tokens(TokenSink& t, long long slot, long long g) {
+#if TOPK_FUSED_TOKENS
+    if (t.trow != nullptr) {
+        const unsigned c = tokens_kept(g, t.limit, t.R);
+        for (unsigned j = 0; j < c; ++j) t.trow[slot * t.R + j] = (int)(g * t.R + j);
+        t.count += c;
+    }
+#endif
+}
+// After the row's `total` group tokens: the causal tail ((p+1)/R)*R .. p below the context's end, then -1 up to
+// `width`; columns first, first + stride, ... of it.
+__device__ __forceinline__ void write_tail(int* __restrict__ trow, long long p, long long limit, int R, long long total,
+                                           int width, int first, int stride) {
+    const long long tail_start = p >= 0 ? (p + 1) / R * R : 0;
+    long long tail_len = (p + 1 < limit ? p + 1 : limit) - tail_start;
+    tail_len = tail_len < 0 ? 0 : tail_len;
+    for (long long w = total + first; w < width; w += stride) {
+        const long long rel = w - total;
+        trow[w] = rel < tail_len ? (int)(tail_start + rel) : -1;
+    }
+}
+
 // Ordered output pass over columns [0, len) of a segment whose first column is `col0`.
 // Each thread owns EU consecutive quads of a tile of BLOCK*EU quads; a block scan of packed
 // (eq << 16 | gt) counts (<= 4*EU*BLOCK per tile < 65536) gives every element its number of
@@ -537,7 +620,7 @@ template <int BLOCK, int EU>
 __device__ __forceinline__ void pass_emit(const float* __restrict__ g, const unsigned* s, int len, bool vec,
                                           int col0, unsigned T, unsigned e, unsigned base_gt,
                                           unsigned base_eq, int* __restrict__ orow, unsigned K,
-                                          unsigned* s_scan) {
+                                          unsigned* s_scan, TokenSink& ts) {
     constexpr int NW = BLOCK / WS;
     const int nq = (len + 3) >> 2;
     int parity = 0;
@@ -576,9 +659,13 @@ __device__ __forceinline__ void pass_emit(const float* __restrict__ g, const uns
                         const unsigned kk = k[j][i];
                         if (kk > T) {
                             orow[gt + umin(eq, e)] = col0 + 4 * q + i;
+                            put_tokens(ts, gt + umin(eq, e), col0 + 4 * q + i);
                             ++gt;
                         } else if (kk == T) {
-                            if (eq < e) orow[gt + eq] = col0 + 4 * q + i;
+                            if (eq < e) {
+                                orow[gt + eq] = col0 + 4 * q + i;
+                                put_tokens(ts, gt + eq, col0 + 4 * q + i);
+                            }
                             ++eq;
                         }
                     }
@@ -591,8 +678,12 @@ __device__ __forceinline__ void pass_emit(const float* __restrict__ g, const uns
 }
 
 // Rows with n <= K: 0..n-1 then -1 (scores never read).
-__device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K, int first, int stride) {
-    for (int i = first; i < K; i += stride) orow[i] = i < n ? i : -1;
+__device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K, int first, int stride,
+                                            TokenSink& ts) {
+    for (int i = first; i < K; i += stride) {
+        orow[i] = i < n ? i : -1;
+        if (i < n) put_tokens(ts, i, i);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -671,7 +762,7 @@ __device__ __forceinline__ unsigned popc_words(const unsigned* B, int w0, int w1
 template <int BLOCK>
 __device__ __forceinline__ void bitmap_emit(unsigned* SB, const unsigned* TB, int nw, unsigned e, unsigned base_gt,
                                             unsigned base_eq, bool ties, int col0, int* __restrict__ orow,
-                                            unsigned* s_scan) {
+                                            unsigned* s_scan, TokenSink& ts) {
     const int W = (nw + BLOCK - 1) / BLOCK;
     const int w0 = imin(nw, threadIdx.x * W), w1 = imin(nw, w0 + W);
     unsigned tot;
@@ -693,6 +784,7 @@ __device__ __forceinline__ void bitmap_emit(unsigned* SB, const unsigned* TB, in
         unsigned b = SB[w];
         while (b) {
             const int bit = __ffs(b) - 1;
+            put_tokens(ts, pos, col0 + 32 * w + bit);
             orow[pos++] = col0 + 32 * w + bit;
             b &= b - 1u;
         }
@@ -705,7 +797,7 @@ template <int BLOCK, int U>
 __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const int* __restrict__ visible,
                                          int* __restrict__ out, int rows, int columns, int ld, int K,
                                          int buf_cap, int cached, int vec_ok, int cand_cap,
-                                         const unsigned* __restrict__ hist) {
+                                         const unsigned* __restrict__ hist, TokenSink& ts) {
     TOPK_DYNAMIC_SMEM(smem_row);
     unsigned* H = smem_row;              // 2048
     unsigned* s_scan = smem_row + 2048;  // 2 x 64
@@ -724,7 +816,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     TRACE(1);
     int* orow = out + (long long)row * K;
     if (n <= K) {
-        write_short(orow, n, K, threadIdx.x, BLOCK);
+        write_short(orow, n, K, threadIdx.x, BLOCK, ts);
         return;
     }
     const float* g = logits + (long long)row * ld;
@@ -819,7 +911,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
             __syncthreads();
             TRACE(12);
         }
-        bitmap_emit<BLOCK>(SB, H, nw, e, 0u, 0u, e != TOPK_ALL, 0, orow, s_scan);
+        bitmap_emit<BLOCK>(SB, H, nw, e, 0u, 0u, e != TOPK_ALL, 0, orow, s_scan, ts);
         TRACE(15);
         return;
     }
@@ -865,36 +957,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
             e = s_res[1];
         }
     }
-    pass_emit<BLOCK, 4>(g, src, n, vec, 0, T, e, 0u, 0u, orow, (unsigned)K, s_scan);
-}
-
-// ---------------------------------------------------------------------------------------
-// The fused expansion (what qsa_expand_block_indices computes), run by the CTA that owns a row once
-// the row's groups are written: each selected group g >= 0 gives the tokens g*R .. g*R+R-1 below
-// the request's context length (a prefix of the group), packed by an exclusive scan over the
-// groups; then the causal tail ((p+1)/R)*R .. p (capped by the context length); then -1.  A row
-// whose request is outside [0, num_requests) is all -1.  Indices are int32: tokens at or past
-// 2**31 are cut like tokens past the context.  positions / contexts / requests are int32 or
-// int64 (bits 0 / 1 / 2 of idx_wide).
-#define TOPK_TOKEN_LIMIT 2147483648LL
-
-__device__ __forceinline__ long long load_index(const void* p, long long i, bool wide) {
-    return wide ? reinterpret_cast<const long long*>(p)[i] : (long long)reinterpret_cast<const int*>(p)[i];
-}
-
-// A group written by this row's CTAs (read past L1: in a cluster other CTAs wrote it).
-__device__ __forceinline__ int load_group(const int* p) {
-#if TOPK_HIP
-    return *reinterpret_cast<const volatile int*>(p);
-#else
-    return __ldcg(p);
-#endif
-}
-
-__device__ __forceinline__ unsigned tokens_kept(long long g, long long limit, int R) {
-    if (g < 0 || g * R >= limit) return 0u;  // a group past the context (or a negative id) keeps no token
-    const long long c = limit - g * R;
-    return (unsigned)(c < R ? c : R);
+    pass_emit<BLOCK, 4>(g, src, n, vec, 0, T, e, 0u, 0u, orow, (unsigned)K, s_scan, ts);
 }
 
 template <int BLOCK>
@@ -919,13 +982,7 @@ __device__ __forceinline__ void expand_row(const int* grow, int K, int row, cons
         for (unsigned j = 0; j < c; ++j) trow[slot + j] = (int)(g * R + j);
         slot += c;
     }
-    const long long tail_start = p >= 0 ? (p + 1) / R * R : 0;
-    long long tail_len = (p + 1 < limit ? p + 1 : limit) - tail_start;
-    tail_len = tail_len < 0 ? 0 : tail_len;
-    for (int w = (int)total + threadIdx.x; w < width; w += BLOCK) {
-        const long long rel = w - (long long)total;
-        trow[w] = rel < tail_len ? (int)(tail_start + rel) : -1;
-    }
+    write_tail(trow, p, limit, R, total, width, threadIdx.x, BLOCK);
 }
 
 // Kernel parameters: the pointers, then the scalars (the launcher passes them in this order).  tok == nullptr: no
@@ -936,18 +993,25 @@ __device__ __forceinline__ void expand_row(const int* grow, int K, int row, cons
         const void *__restrict__ requests, int *__restrict__ tokens, const unsigned *__restrict__ histogram, \
         int rows, int columns, int ld, int K, int buf_cap, int cached, int vec_ok, int cand_cap, int num_requests, \
         int ratio, int width, int tok_ld, int idx_wide
-#define TOPK_ROW_ARGS logits, visible, out, rows, columns, ld, K, buf_cap, cached, vec_ok, cand_cap, histogram
+#define TOPK_ROW_ARGS logits, visible, out, rows, columns, ld, K, buf_cap, cached, vec_ok, cand_cap, histogram, ts
 #define TOPK_EXPAND_ARGS positions, contexts, requests, tokens, num_requests, ratio, width, tok_ld, idx_wide
 
 // One CTA per row: the top-k, then (with tokens) the row's expansion by the same CTA.
 template <int BLOCK>
 __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_row);
-    row_topk<BLOCK, 4>(TOPK_ROW_ARGS);
     const int row = blockIdx.x;
-    if (tokens != nullptr && row < rows) {
-        __syncthreads();  // the row's groups are written (block-uniform: every path of row_topk returns here)
+    TokenSink ts = token_sink(row, positions, contexts, requests, tokens, num_requests, ratio, tok_ld, idx_wide);
+    row_topk<BLOCK, 4>(TOPK_ROW_ARGS);
+    if (tokens != nullptr && row < rows) {  // block-uniform: every path of row_topk returns here
+#if TOPK_FUSED_TOKENS
+        unsigned total;  // the row's group tokens (every thread wrote its groups' own); then the tail
+        block_excl_scan<BLOCK>(ts.count, total, smem_row + 2048 + 96);
+        write_tail(ts.trow, ts.p, ts.limit, ratio, total, width, threadIdx.x, BLOCK);
+#else
+        __syncthreads();  // the row's groups are written
         expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
+#endif
         TRACE(17);
     }
     TRACE(29);
@@ -1043,8 +1107,9 @@ __device__ __forceinline__ void load_loc(const unsigned* S, unsigned (&loc)[NB /
 // selects among the cnt1 gathered keys alone (digits 2 and 3 over G), marks its own chunk's selected candidates,
 // counts the lower ranks' from G, and writes its slots.  Every pair is read by every CTA, none by arrival order.
 template <int BLOCK, int CL>
-__device__ __forceinline__ void gather_finish(const unsigned* cache, int len, int start, unsigned b0, unsigned krem1,
-                                              unsigned cnt1, unsigned* SB, unsigned short* cand, int* orow) {
+__device__ __forceinline__ long long gather_finish(const unsigned* cache, int len, int start, unsigned b0,
+                                                   unsigned krem1, unsigned cnt1, unsigned* SB, unsigned short* cand,
+                                                   int* orow, TokenSink& ts) {
     TOPK_DYNAMIC_SMEM(smem_cl);
     unsigned* H = smem_cl;
     unsigned* G = smem_cl + CL_GATHER_WORD;
@@ -1132,8 +1197,10 @@ __device__ __forceinline__ void gather_finish(const unsigned* cache, int len, in
     unsigned total;
     block_excl_scan<BLOCK>(below, total, s_scan + 32);  // its barriers also order the marks before the output
     TRACE(12);
-    bitmap_emit<BLOCK>(SB, H, nw, e, s_base[0] + (total & 0xFFFFu), total >> 16, e != TOPK_ALL, start, orow, s_scan);
+    const unsigned base_gt = s_base[0] + (total & 0xFFFFu), base_eq = total >> 16;
+    bitmap_emit<BLOCK>(SB, H, nw, e, base_gt, base_eq, e != TOPK_ALL, start, orow, s_scan, ts);
     TRACE(15);
+    return base_gt + umin(base_eq, e);
 }
 #endif
 
@@ -1142,10 +1209,19 @@ __device__ __forceinline__ void gather_finish(const unsigned* cache, int len, in
 // reductions from every CTA), scan[128], res[8], base[8], then the chunk's key cache.
 // Cluster barriers: (0) zeroing done before any remote push, (1)-(3) after each pass's pushes,
 // (4) after the per-CTA (gt, eq) counts were pushed to higher ranks.  No remote loads.
+// Which CTA of a cluster writes the row's token tail, and from what (TOPK_FUSED_TOKENS): the highest rank whose chunk
+// starts at or below the context's end (every group before it keeps all R tokens, none after it keeps any).
+struct CtaTail {
+    bool writer;
+    long long first_slot;  // this CTA's first output slot
+    long long total;       // the row's group tokens where known without a sum (rows of at most K columns), else -1
+};
+
 template <int BLOCK, int U, int CL>
 __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, const int* __restrict__ visible,
                                              int* __restrict__ out, int rows, int columns, int ld, int K,
-                                             int vec_ok, int cap, int cand_cap, const unsigned* __restrict__ hist) {
+                                             int vec_ok, int cap, int cand_cap, const unsigned* __restrict__ hist,
+                                             TokenSink& ts, CtaTail& tail) {
     TOPK_DYNAMIC_SMEM(smem_cl);
     unsigned* H = smem_cl;
     unsigned* S0 = smem_cl + 2048;
@@ -1169,7 +1245,9 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     TRACE(1);
     int* orow = out + (long long)row * K;
     if (n <= K) {  // uniform over the cluster: no DSMEM traffic, every CTA returns here
-        write_short(orow, n, K, (int)rank * BLOCK + threadIdx.x, CL * BLOCK);
+        write_short(orow, n, K, (int)rank * BLOCK + threadIdx.x, CL * BLOCK, ts);
+        const long long groups_tokens = (long long)n * ts.R;
+        tail = {rank == 0, 0, groups_tokens < ts.limit ? groups_tokens : ts.limit};
         return;
     }
     const int chunk = (((n + CL - 1) / CL) + 3) & ~3;
@@ -1178,6 +1256,11 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     const int len = end - start;
     const float* g = logits + (long long)row * ld + start;
     const bool vec = vec_ok != 0;
+    {
+        const long long next = imin(n, ((int)rank + 1) * chunk);
+        tail.writer = (long long)start * ts.R <= ts.limit && (rank == CL - 1 || next * ts.R > ts.limit);
+        tail.total = -1;
+    }
 
 #if TOPK_BULK
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem_cl + CL_MBAR_WORD);
@@ -1231,7 +1314,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
 #if TOPK_FAST && TOPK_GATHER
     // cnt1 is the cluster-wide count, so this branch is uniform over the cluster
     if (cnt1 != krem1 && cnt1 <= umin(CL_GATHER_PAIRS, (unsigned)cand_cap)) {
-        gather_finish<BLOCK, CL>(cache, len, start, b0, krem1, cnt1, SB, cand, orow);
+        tail.first_slot = gather_finish<BLOCK, CL>(cache, len, start, b0, krem1, cnt1, SB, cand, orow, ts);
         return;
     }
 #endif
@@ -1311,7 +1394,8 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         TRACE(13);
         cluster_sync();  // (4) after this no CTA touches another CTA's shared memory
         TRACE(14);
-        bitmap_emit<BLOCK>(SB, H, nw, e, s_base[0], s_base[1], e != TOPK_ALL, start, orow, s_scan);
+        tail.first_slot = s_base[0] + umin(s_base[1], e);
+        bitmap_emit<BLOCK>(SB, H, nw, e, s_base[0], s_base[1], e != TOPK_ALL, start, orow, s_scan, ts);
         TRACE(15);
         return;
     }
@@ -1380,7 +1464,8 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         }
     }
     cluster_sync();  // (4) after this no CTA touches another CTA's shared memory
-    pass_emit<BLOCK, 4>(g, cache, len, vec, start, T, e, s_base[0], s_base[1], orow, (unsigned)K, s_scan);
+    tail.first_slot = s_base[0] + umin(s_base[1], e);
+    pass_emit<BLOCK, 4>(g, cache, len, vec, start, T, e, s_base[0], s_base[1], orow, (unsigned)K, s_scan, ts);
 }
 
 #define TOPK_CL_PARAMS                                                                           \
@@ -1389,15 +1474,30 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         const void *__restrict__ requests, int *__restrict__ tokens, const unsigned *__restrict__ histogram, \
         int rows, int columns, int ld, int K, int vec_ok, int cap, int cand_cap, int num_requests, int ratio, \
         int width, int tok_ld, int idx_wide
-#define TOPK_CL_ARGS logits, visible, out, rows, columns, ld, K, vec_ok, cap, cand_cap, histogram
+#define TOPK_CL_ARGS logits, visible, out, rows, columns, ld, K, vec_ok, cap, cand_cap, histogram, ts, tail
 
 // One cluster per row: the top-k (each CTA writes its chunk's slots), then (with tokens) the row's expansion by
-// the cluster's first CTA once every CTA's groups are visible to it.
+// the cluster's first CTA once every CTA's groups are visible to it (with TOPK_FUSED_TOKENS each CTA writes its
+// groups' tokens with them, and the tail's CTA the rest).
 template <int CL>
 __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_cl);
-    cluster_topk<512, 4, CL>(TOPK_CL_ARGS);
     const int row = blockIdx.x / CL;
+    TokenSink ts = token_sink(row, positions, contexts, requests, tokens, num_requests, ratio, tok_ld, idx_wide);
+    CtaTail tail = {false, 0, -1};
+    cluster_topk<512, 4, CL>(TOPK_CL_ARGS);
+#if TOPK_FUSED_TOKENS
+    if (tokens != nullptr && row < rows && tail.writer) {  // uniform over the CTA
+        long long total = tail.total;
+        if (total < 0) {
+            unsigned own;
+            block_excl_scan<512>(ts.count, own, smem_cl + 7168 + 96);
+            total = tail.first_slot * ratio + own;
+        }
+        write_tail(ts.trow, ts.p, ts.limit, ratio, total, width, threadIdx.x, 512);
+        TRACE(17);
+    }
+#else
     if (tokens != nullptr && row < rows) {  // uniform over the cluster: every path of cluster_topk returns here
         __threadfence();
         cluster_sync();
@@ -1406,6 +1506,7 @@ __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
             expand_row<512>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_cl + 7168);
         TRACE(17);
     }
+#endif
     TRACE(29);
     TRACE_NS(31);
 }

@@ -57,6 +57,20 @@ TWO_PER_SM_MARGIN = 2 * 1024
 #: Bins of the scorer's per-row histogram the kernels start from: the top 11 bits of the order-preserving key
 #: (``kernels/scoring/histogram.py``).
 HISTOGRAM_BINS = 2048
+#: The source's candidate changes (``native_topk.cu``, "Candidate changes"), each a compile-time switch that is off by
+#: default until timed on a GPU (``benchmarks/native_variants.py``), by name: one at a time, and together (with and
+#: without ``TOPK_HIST=1``'s plain shared atomics in pass 1).
+CANDIDATE_SWITCHES = {
+    "key_fadd": ("TOPK_KEY_FADD=1",),
+    "owner_zero": ("TOPK_OWNER_ZERO=1",),
+    "early_copy": ("TOPK_EARLY_COPY=1",),
+    "gather": ("TOPK_GATHER=1",),
+    "fused_tokens": ("TOPK_FUSED_TOKENS=1",),
+    "plain_atomics": ("TOPK_HIST=1",),
+    "all": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1", "TOPK_FUSED_TOKENS=1"),
+    "all_plain_atomics": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1",
+                          "TOPK_FUSED_TOKENS=1", "TOPK_HIST=1"),
+}
 #: Every launch argument after the three pointers is a C ``int``: the kernels compute row offsets in 64 bits, but
 #: columns, the row stride and block_topk must be below 2**31.
 INT_LIMIT = 2**31

@@ -75,10 +75,12 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(kind):
         assert torch.equal(_emulated(poisoned, visible, k, plan, histogram=histogram), want), plan.describe()
 
 
-@pytest.mark.parametrize("wide", [False, True])
-def test_the_fused_expansion_equals_the_torch_expansion(wide):
+@pytest.mark.parametrize("wide, defines", [(False, ()), (True, ()), (False, ("TOPK_FUSED_TOKENS=1",)),
+                                           (True, ("TOPK_FUSED_TOKENS=1", "TOPK_GATHER=1", "TOPK_OWNER_ZERO=1"))])
+def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
     """Groups past their request's context, bad request ids, int32 and int64 indices; every plan, with and without
-    the scorer's histogram."""
+    the scorer's histogram; the expansion after the top-k as shipped, and written with the groups
+    (``TOPK_FUSED_TOKENS``)."""
     rows, columns, k, ratio, token_topk = 6, 9000, 128, 4, 512
     gen, logits, visible, want = _case("expansion", rows, columns, k, "relu")
     index = torch.int64 if wide else torch.int32
@@ -91,9 +93,32 @@ def test_the_fused_expansion_equals_the_torch_expansion(wide):
     for plan in native_plans(rows, columns, k, H200):
         for hist in (None, histogram):
             tokens = torch.full_like(want_tokens, -7)
-            groups = _emulated(logits, visible, k, plan, histogram=hist,
+            groups = _emulated(logits, visible, k, plan, histogram=hist, defines=defines,
                                expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
             assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
+
+
+@pytest.mark.parametrize("defines", [(), ("TOPK_FUSED_TOKENS=1",), ("TOPK_FUSED_TOKENS=1", "TOPK_GATHER=1")])
+def test_contexts_that_end_at_a_chunk_boundary(defines):
+    """Contexts ending exactly at, just before and just after the start of a cluster CTA's chunk (the CTA that writes
+    the token tail with ``TOPK_FUSED_TOKENS`` is the highest one whose chunk starts at or below the context's end),
+    and a row of at most ``block_topk`` columns."""
+    rows, columns, k, ratio, token_topk = 5, 9000, 128, 4, 512
+    gen, logits, _, _ = _case("boundaries", rows, columns, k, "random")
+    visible = torch.tensor([columns] * 4 + [100], dtype=torch.int32)
+    want = torch.empty((rows, k), dtype=torch.int32)
+    torch_block_topk(logits, visible, k, want)
+    chunk = 2252  # a cluster of 4 over 9000 columns: chunks start at 0, 2252, 4504, 6756
+    contexts = torch.tensor([ratio * chunk, ratio * chunk + 1, ratio * chunk - 1, ratio * 2 * chunk, 390])
+    requests = torch.arange(rows, dtype=torch.int32)
+    positions = torch.randint(0, ratio * columns, (rows,), generator=gen)
+    want_tokens = torch.empty((rows, token_topk + ratio - 1), dtype=torch.int32)
+    torch_expand_block_indices(want, positions, contexts, requests, ratio, token_topk, want_tokens)
+    for plan in native_plans(rows, columns, k, H200):
+        tokens = torch.full_like(want_tokens, -7)
+        groups = _emulated(logits, visible, k, plan, defines=defines,
+                           expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
+        assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
 
 def test_rows_that_are_not_16_byte_aligned_take_plain_loads():
@@ -122,12 +147,13 @@ def test_the_output_does_not_depend_on_the_threads_order(kind):
             assert torch.equal(_emulated(logits, visible, k, plan, order_seed=seed), want), (plan.describe(), seed)
 
 
-#: The source's candidate switches (off by default until timed on a GPU; docs/selection.md), each alone and together.
-SWITCHES = [("TOPK_KEY_FADD=1",), ("TOPK_OWNER_ZERO=1",), ("TOPK_EARLY_COPY=1",), ("TOPK_GATHER=1",),
-            ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1", "TOPK_HIST=1")]
+#: The source's candidate switches that change the top-k (``fused_tokens`` changes the expansion only: the expansion
+#: tests run it), each alone and together.
+SWITCHES = {name: defines for name, defines in nt.CANDIDATE_SWITCHES.items()
+            if name not in ("fused_tokens", "all")}
 
 
-@pytest.mark.parametrize("defines", SWITCHES, ids=lambda d: "+".join(x.split("=")[0][5:].lower() for x in d))
+@pytest.mark.parametrize("defines", SWITCHES.values(), ids=SWITCHES.keys())
 @pytest.mark.parametrize("kind", ["random", "relu", "neg_inf"])
 def test_the_candidate_switches_equal_the_oracle(defines, kind):
     """Every plan built with each candidate switch, every other one from the scorer's histogram, in three thread

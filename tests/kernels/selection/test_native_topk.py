@@ -8,6 +8,7 @@ new lengths written in place, and selection through the native top-k equal to se
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import zlib
 
@@ -19,6 +20,7 @@ from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.scoring.histogram import score_keys
 from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.kernels.selection.reference import reference_block_topk, torch_block_topk
+from qsa_aiter.runtime.jit import nvrtc
 
 from helpers import random_logits, visible_counts, write_new_lengths
 from native_cases import edge_visible, nan_past_visible, native_case_logits, native_plans
@@ -76,6 +78,32 @@ def test_the_source_is_portable_and_self_contained():
     for switch in ("TOPK_CLUSTERS", "TOPK_BULK"):
         assert f"#ifndef {switch}\n#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)" in SOURCE
     assert " us " not in SOURCE and "µs" not in SOURCE, "measurements belong in docs/, not in the source"
+
+
+def test_the_candidate_switches_are_the_sources():
+    """Each candidate switch is a macro of the source, off by default, and listed in its "Candidate changes"."""
+    names = {define.split("=")[0] for defines in nt.CANDIDATE_SWITCHES.values() for define in defines}
+    listing = SOURCE[SOURCE.index("// Candidate changes"):SOURCE.index("// shared-memory layout")]
+    for name in names - {"TOPK_HIST"}:
+        assert f"#ifndef {name}\n#define {name} 0\n#endif" in SOURCE, name
+        assert f"//   {name}=1" in listing, name
+    assert "#ifndef TOPK_HIST\n#define TOPK_HIST 3\n#endif" in SOURCE  # plain atomics (1) are the candidate
+
+
+@pytest.mark.skipif(nvrtc.unavailable_reason() is not None and not os.environ.get("CI"),
+                    reason="needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; .ci/run installs it)")
+@pytest.mark.parametrize("variant", nt.VARIANTS, ids=lambda v: v.name)
+def test_the_candidate_switches_compile_without_spills(variant):
+    """Every kernel with all the candidate switches on (as benchmarks/native_variants.py builds them), and the cluster
+    of 4 with each alone, compile for sm_90 within the registers their launch bounds allow, without spills."""
+    sets = [nt.CANDIDATE_SWITCHES["all"], nt.CANDIDATE_SWITCHES["all_plain_atomics"]]
+    if variant.name == "topk_cluster4_512":
+        sets += [defines for name, defines in nt.CANDIDATE_SWITCHES.items() if not name.startswith("all")]
+    for defines in sets:
+        built = nvrtc.compile_cubin(SOURCE, "sm_90", tuple(f"-D{d}" for d in (*variant.defines, *defines)),
+                                    name="native_topk.cu")
+        report = nvrtc.ptxas_report(built.log)[variant.name]
+        assert report.spill_store_bytes == 0 and report.registers <= variant.max_registers, (defines, report)
 
 
 def test_variants_per_platform():
@@ -383,6 +411,40 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(rows, columns, 
         again = torch.full_like(want, -7)
         native_block_topk(poisoned, visible, again, block_topk, plan=plan, histogram=histogram)
         assert torch.equal(again, out), f"{plan.describe()}: not bitwise repeatable"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("switches", list(nt.CANDIDATE_SWITCHES))
+@pytest.mark.parametrize("rows, columns, kind", [(7, 9000, "relu"), (36, 32768, "ties"), (5, 40000, "random")])
+def test_every_plan_with_a_candidate_switch_equals_the_oracle(switches, rows, columns, kind):
+    """Every plan built with each candidate switch (benchmarks/native_variants.py's builds), with the expansion fused
+    and without, against the oracles, twice (bitwise)."""
+    from qsa_aiter.kernels.selection.reference import torch_expand_block_indices
+    from qsa_aiter.runtime.registries import native_block_topk
+
+    defines = nt.CANDIDATE_SWITCHES[switches]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"switch {rows} {columns} {kind}".encode()))
+    k, ratio, token_topk = 512, 4, 2048
+    logits = native_case_logits(gen, rows, columns, kind)
+    visible = edge_visible(gen, rows, columns, k)
+    want = torch.empty((rows, k), dtype=torch.int32, device="cuda")
+    torch_block_topk(logits, visible, k, want)
+    requests = torch.arange(rows, dtype=torch.int32, device="cuda")
+    contexts = torch.randint(0, ratio * columns + 9, (rows,), generator=gen).to(torch.int32).cuda()
+    positions = torch.randint(-1, ratio * columns, (rows,), generator=gen).cuda()
+    want_tokens = torch.empty((rows, token_topk + ratio - 1), dtype=torch.int32, device="cuda")
+    torch_expand_block_indices(want, positions, contexts, requests, ratio, token_topk, want_tokens)
+    poisoned = nan_past_visible(logits, visible)
+    for plan in native_plans(rows, columns, k):
+        for _ in range(2):
+            groups = torch.full_like(want, -7)
+            native_block_topk(poisoned, visible, groups, k, plan=plan, defines=defines)
+            assert torch.equal(groups, want), plan.describe()
+            tokens = torch.full_like(want_tokens, -7)
+            native_block_topk(poisoned, visible, groups, k, plan=plan, defines=defines,
+                              expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
+            assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
 
 @pytest.mark.parametrize("shape, dtype", [((4, 2047), torch.int32), ((3, 2048), torch.int32), ((4, 2048), torch.int64)])
