@@ -17,6 +17,9 @@ Paths (``--paths``):
   ``ValueError`` and leave ``out`` untouched (counted as refused); any other exception is a mismatch.
 - ``topk`` (``qsa_block_topk``: the Triton kernel where Triton runs) and ``topk_torch``: against
   ``reference_block_topk`` on random logits with ties, ``-inf``, ``-0.0`` and visible counts outside ``[0, columns]``.
+- ``topk_native``: the native CUDA top-k on the same cases, its plan drawn per case from every plan that fits (row
+  kernels cached and uncached, clusters of 2, 4 and 8 on sm_90): on an NVIDIA GPU where the native top-k serves,
+  else through the CPU emulator (``runtime/jit/emulated.py``, an H200's plans), which needs a C++ compiler.
 - ``expand`` (``qsa_expand_block_indices``) and ``expand_torch``: against ``reference_expand_block_indices`` with
   group ids, positions, context lengths and request ids out of range.
 
@@ -40,10 +43,13 @@ from typing import Callable
 import torch
 
 from ..runtime import registries
+from ..runtime.jit import emulated, native, nvrtc
+from ..runtime.settings import get_settings
 from ..kernels.cache.reference import write_reference
 from .cli_args import positive_int
 from ..runtime.jit.triton_compat import install_uniform_interpreter_dots
-from ..kernels.platform import interpreting
+from ..kernels.platform import Platform, interpreting
+from ..kernels.selection import native_topk
 from ..kernels.scoring import SPECS as SCORING_SPECS
 from ..ops.scoring import describe_call, qsa_paged_mqa_logits
 from ..kernels.scoring.reference import reference_paged_mqa_logits
@@ -54,8 +60,10 @@ from .testing import assert_matches_reference, magnitude_bound, mma_atol, poison
 from .workloads import make_batch
 
 SCORING_PATHS = tuple(spec.name for spec in SCORING_SPECS) + ("torch", "auto")
-SELECTION_PATHS = ("topk", "topk_torch", "expand", "expand_torch")
+SELECTION_PATHS = ("topk", "topk_torch", "topk_native", "expand", "expand_torch")
 PATHS = SCORING_PATHS + SELECTION_PATHS
+#: The plans the CPU emulator runs the native top-k with: an H200's.
+EMULATED_PLATFORM = Platform.named("sm_90")
 #: The paths that run this project's Triton kernels (on CPU tensors only under the interpreter); the others run the
 #: torch paths.
 TRITON_PATHS = tuple(spec.name for spec in SCORING_SPECS) + ("auto", "topk", "expand")
@@ -281,11 +289,49 @@ def topk_case(seed: int, device: torch.device) -> tuple[str, torch.Tensor, torch
     return label, values.to(device), visible.to(device), k
 
 
+def native_plans(rows: int, columns: int, k: int, platform: Platform) -> list[native_topk.Plan]:
+    """The native top-k's plans for ``rows x columns`` keeping ``k`` that fit ``platform``: both row kernels cached,
+    the 512-thread one uncached, and clusters of 2, 4 and 8 (compute capability 9.0+); the trivial plan alone where no
+    row is wider than ``k``."""
+    if columns <= k:
+        return [native_topk.choose_plan(rows, columns, k, platform)]
+    plans = [native_topk.rows_plan(threads, columns, platform) for threads in (256, 512)]
+    plans.append(native_topk.rows_plan(512, columns, platform, cached=False))
+    if platform.capability >= (9, 0):
+        plans += [native_topk.cluster_plan(size, columns, platform) for size in (2, 4, 8)]
+    return [p for p in plans if p.shared_bytes <= platform.shared_memory_per_block
+            and (not p.cached or p.buffer <= native_topk.MAX_CACHED_COLUMNS)]
+
+
+def run_native_topk(logits: torch.Tensor, visible: torch.Tensor, k: int, out: torch.Tensor, seed: int) -> str | None:
+    """The native top-k of one case into ``out`` with a plan drawn from ``seed``: on the GPU where it serves, else
+    emulated on the CPU (the plan's name is returned), or "refused" where neither can run."""
+    problem = registries.topk_problem(logits, k, fused=False)
+    platform = Platform.of(logits.device) if logits.is_cuda else EMULATED_PLATFORM
+    on_gpu = logits.is_cuda and not registries.native_topk_reasons(problem, platform, get_settings())
+    if not on_gpu and emulated.unavailable_reason() is not None:
+        return "refused"
+    draw = Draw(seed * 7919 + 17)
+    plan = draw.pick(native_plans(logits.shape[0], logits.shape[1], k, platform if on_gpu else EMULATED_PLATFORM))
+    if on_gpu:
+        registries.native_block_topk(logits, visible, out, k, plan=plan)
+    else:
+        target = torch.empty(out.shape, dtype=torch.int32)
+        registries.emulated_block_topk(logits.cpu(), visible.cpu(), target, k, plan, order_seed=draw.int(0, 2))
+        out.copy_(target)
+    return plan.describe()
+
+
 def run_topk(path: str, seed: int, device: torch.device) -> str:
     label, logits, visible, k = topk_case(seed, device)
     out = torch.full((logits.shape[0], k), 12345, dtype=torch.int32, device=device)
     if path == "topk":
         qsa_block_topk(logits, visible, k, out=out)
+    elif path == "topk_native":
+        plan = run_native_topk(logits, visible, k, out, seed)
+        if plan == "refused":
+            return "refused"
+        label += f", {plan}"
     else:
         torch_block_topk(logits, visible, k, out)
     expected = reference_block_topk(logits, visible, k)
@@ -400,12 +446,21 @@ def build_parser() -> argparse.ArgumentParser:
                     "set). Exits 1 on a mismatch, or when every case of a path was refused (nothing checked there).")
     parser.add_argument("--cases", type=positive_int, default=200, help="cases per path (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first case (default 0)")
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), metavar="PATH",
-                        help="paths to fuzz (default all): " + ", ".join(PATHS))
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=None, metavar="PATH",
+                        help="paths to fuzz (default all, topk_native where it can run): " + ", ".join(PATHS))
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the tensors live (default: cuda if available and not interpreting, else cpu)")
     parser.add_argument("--show", type=positive_int, default=5, help="mismatches printed per path (default 5)")
     return parser
+
+
+def default_paths() -> tuple[str, ...]:
+    """Every path, less ``topk_native`` where it can run neither on a GPU (no NVRTC or CUDA driver) nor in the CPU
+    emulator (no C++ compiler): there every case would be refused."""
+    gpu = torch.cuda.is_available() and nvrtc.unavailable_reason() is None and native.driver_reason() is None
+    if gpu or emulated.unavailable_reason() is None:
+        return PATHS
+    return tuple(p for p in PATHS if p != "topk_native")
 
 
 def _run_interpreted(argv: list[str]) -> int:
@@ -421,6 +476,8 @@ def _run_interpreted(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = build_parser().parse_args(argv)
+    if opts.paths is None:
+        opts.paths = list(default_paths())
     if opts.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but no CUDA device is available", file=sys.stderr)
         return 2
@@ -428,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if use_cuda else "cpu")
     if device.type == "cpu" and not interpreting() and any(path in TRITON_PATHS for path in opts.paths):
         return _run_interpreted(argv)
-    mode = "the Triton interpreter" if interpreting() else ("the GPU" if use_cuda else "the torch paths (CPU)")
+    mode = "the Triton interpreter" if interpreting() else ("the GPU" if use_cuda else "the CPU (torch paths)")
+    if not use_cuda and "topk_native" in opts.paths:
+        mode += ", the native top-k in the CUDA emulator"
     print(f"fuzzing {', '.join(opts.paths)} on {mode}: {opts.cases} cases from seed {opts.seed}")
     start = time.perf_counter()
     results = run(tuple(opts.paths), opts.cases, opts.seed, device,

@@ -16,8 +16,8 @@ from qsa_aiter.runtime import registries
 from qsa_aiter.tools import fuzz
 
 #: Cases per path in the suite: the kernels', fewer for ``auto`` (it runs one of them) and more for the cheap paths.
-CASES = {"tiled": 200, "stacked": 200, "keys_major": 120, "rowwise": 200, "torch": 200, "auto": 60, "topk": 200, "topk_torch": 200,
-         "expand": 300, "expand_torch": 300}
+CASES = {"tiled": 200, "stacked": 200, "keys_major": 120, "rowwise": 200, "torch": 200, "auto": 60, "topk": 200,
+         "topk_torch": 200, "topk_native": 120, "expand": 300, "expand_torch": 300}
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
