@@ -1,7 +1,8 @@
 // cuda_emulator.h -- runs the native top-k's CUDA C++ on the CPU, for tests on machines without a GPU.
 //
 // g++ compiles native_topk.cu with -DTOPK_EMULATE and this header force-included (runtime/jit/emulated.py). Every
-// CUDA thread of a launch becomes a cooperative thread (a ucontext with its own stack) of one OS thread; a thread
+// CUDA thread of a launch becomes a cooperative thread (its own stack, entered once through a ucontext, switched with
+// _setjmp/_longjmp, which save no signal mask) of one OS thread; a thread
 // runs until it must wait (__syncthreads, a warp collective, a cluster barrier, an unfinished mbarrier), then the
 // next one runs. The CTAs of a thread-block cluster run together, so their barriers and distributed shared memory
 // (mapa + red.shared::cluster) behave as on sm_90; clusters (or CTAs) run one after another. Bulk copies complete
@@ -14,6 +15,7 @@
 // The source's side of the contract: under TOPK_EMULATE it declares dynamic shared memory with
 // TOPK_DYNAMIC_SMEM(name) and leaves out its inline-assembly primitives; this header defines them.
 #pragma once
+#include <setjmp.h>
 #include <stdint.h>
 #include <string.h>
 #include <ucontext.h>
@@ -78,7 +80,9 @@ constexpr size_t kStackBytes = 64 * 1024;
 
 struct Cta;
 struct Thread {
-    ucontext_t context;
+    ucontext_t context;  // the first entry
+    jmp_buf resume;      // where a thread that gave up its turn goes on
+    bool started = false;
     Cta* cta = nullptr;
     dim3 thread_idx, block_idx;
     bool done = false;
@@ -114,7 +118,7 @@ struct Cluster {
 };
 
 struct Scheduler {
-    ucontext_t main;
+    jmp_buf main;  // the scheduler's loop, where a thread that gives up its turn (or ends) jumps
     Thread* current = nullptr;
     std::string error;
     unsigned long long progress = 0;  // arrivals, copies and exits: a round without any is a deadlock
@@ -128,7 +132,7 @@ inline void fail(const std::string& what) { throw std::runtime_error(what); }
 // Give the other threads a turn; the scheduler resumes this one in a later round.
 inline void yield() {
     Thread& t = current();
-    swapcontext(&t.context, &scheduler().main);
+    if (_setjmp(t.resume) == 0) _longjmp(scheduler().main, 1);
 }
 // Wait until *counter (a barrier's generation) moves past `value`; the scheduler skips this thread until then.
 inline void wait_while(const unsigned* counter, unsigned value) {
@@ -351,6 +355,7 @@ inline void thread_entry(int index) {
                                 std::to_string(t.block_idx.x) + ")";
         t.done = true;
     }
+    _longjmp(scheduler().main, 1);  // never returns: this stack is left for good
 }
 
 // Runs `body` as every thread of a grid of `grid` CTAs of `block` threads, `cluster` CTAs a cluster, with
@@ -392,7 +397,7 @@ inline std::string run(int grid, int block, int cluster, size_t smem_bytes, void
                 getcontext(&t.context);
                 t.context.uc_stack.ss_sp = l.stacks[(size_t)r * block + x];
                 t.context.uc_stack.ss_size = kStackBytes;
-                t.context.uc_link = &sched.main;
+                t.context.uc_link = nullptr;  // thread_entry never returns
                 makecontext(&t.context, reinterpret_cast<void (*)()>(thread_entry), 1, (int)((size_t)r * block + x));
             }
         std::vector<int> order(l.threads.size());
@@ -414,7 +419,15 @@ inline std::string run(int grid, int block, int cluster, size_t smem_bytes, void
                 running = true;
                 if (t.wait_on != nullptr && *t.wait_on == t.wait_value) continue;
                 sched.current = &t;
-                swapcontext(&sched.main, &t.context);
+                if (_setjmp(sched.main) == 0) {
+                    if (t.started) {
+                        _longjmp(t.resume, 1);
+                    } else {
+                        t.started = true;
+                        ucontext_t here;
+                        swapcontext(&here, &t.context);  // the thread jumps back to sched.main, never here
+                    }
+                }
                 sched.current = nullptr;
                 if (!sched.error.empty()) break;
             }

@@ -76,7 +76,7 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(kind):
 
 
 @pytest.mark.parametrize("wide, defines", [(False, ()), (True, ()), (False, ("TOPK_FUSED_TOKENS=1",)),
-                                           (True, ("TOPK_FUSED_TOKENS=1", "TOPK_GATHER=1", "TOPK_OWNER_ZERO=1"))])
+                                           (True, nt.CANDIDATE_SWITCHES["all_plain_atomics"])])
 def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
     """Groups past their request's context, bad request ids, int32 and int64 indices; every plan, with and without
     the scorer's histogram; the expansion after the top-k as shipped, and written with the groups
@@ -98,7 +98,7 @@ def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
             assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
 
-@pytest.mark.parametrize("defines", [(), ("TOPK_FUSED_TOKENS=1",), ("TOPK_FUSED_TOKENS=1", "TOPK_GATHER=1")])
+@pytest.mark.parametrize("defines", [(), ("TOPK_FUSED_TOKENS=1",), nt.CANDIDATE_SWITCHES["all"]])
 def test_contexts_that_end_at_a_chunk_boundary(defines):
     """Contexts ending exactly at, just before and just after the start of a cluster CTA's chunk (the CTA that writes
     the token tail with ``TOPK_FUSED_TOKENS`` is the highest one whose chunk starts at or below the context's end),
