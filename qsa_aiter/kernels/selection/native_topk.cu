@@ -155,8 +155,8 @@ __device__ __forceinline__ long long global_ns() {
 //                      columns) into every CTA's shared memory and its count of surely kept columns into the
 //                      higher ranks'; after one cluster barrier each CTA finishes the select and its output offsets
 //                      alone (two cluster barriers and the second histogram exchange fewer).
-//   TOPK_VECTOR_ZERO=1 the shared memory a kernel zeroes first is zeroed with 16-byte stores (a quarter of the
-//                      stores and loop trips of the word loops).
+//   TOPK_VECTOR_SMEM=1 16-byte shared-memory accesses where words were: the first zeroing (a quarter of the stores
+//                      and loop trips), and each thread's bins for a bin search (two 16-byte loads instead of 8).
 //   TOPK_FUSED_TOKENS=1  the expansion writes each kept group's tokens where it writes the group (TokenSink): no
 //                      re-read of the row's groups, and in a cluster no barrier before the expansion; one CTA adds
 //                      up the tokens and writes the tail.
@@ -175,8 +175,8 @@ __device__ __forceinline__ long long global_ns() {
 #ifndef TOPK_FUSED_TOKENS
 #define TOPK_FUSED_TOKENS 0
 #endif
-#ifndef TOPK_VECTOR_ZERO
-#define TOPK_VECTOR_ZERO 0
+#ifndef TOPK_VECTOR_SMEM
+#define TOPK_VECTOR_SMEM 0
 #endif
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
@@ -297,6 +297,23 @@ __device__ __forceinline__ void zero_words(unsigned* p, int words) {
 template <int BLOCK, int NB>
 __device__ __forceinline__ void take_loc(unsigned* H, unsigned (&loc)[NB / BLOCK]) {
     constexpr int PER = NB / BLOCK;
+#if TOPK_VECTOR_SMEM
+    if constexpr (PER % 4 == 0) {  // the thread's bins are the words [NB - PER (t + 1), NB - PER t), highest first
+        uint4* run = reinterpret_cast<uint4*>(H + NB - PER * (threadIdx.x + 1));
+#pragma unroll
+        for (int v = 0; v < PER / 4; ++v) {
+            const uint4 w = run[v];
+            loc[PER - 1 - 4 * v] = w.x;
+            loc[PER - 2 - 4 * v] = w.y;
+            loc[PER - 3 - 4 * v] = w.z;
+            loc[PER - 4 - 4 * v] = w.w;
+#if TOPK_OWNER_ZERO
+            run[v] = make_uint4(0u, 0u, 0u, 0u);
+#endif
+        }
+        return;
+    }
+#endif
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
         const int b = NB - 1 - (threadIdx.x * PER + i);
@@ -843,7 +860,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     if (cached && vec) bulk_issue(g, n, buf, bars);  // the barrier after the zeroing covers the mbarriers' setup
 #endif
 #endif
-#if TOPK_VECTOR_ZERO
+#if TOPK_VECTOR_SMEM
     if (hrow != nullptr)
         for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = hrow[i];
     else
@@ -1290,7 +1307,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
 #endif
     // Everything but the mbarriers (thread 0 sets them up, maybe while other threads still zero): the sums, the
     // scratch and the chunk's bitmap.
-#if TOPK_VECTOR_ZERO
+#if TOPK_VECTOR_SMEM
     zero_words<BLOCK>(smem_cl, CL_MBAR_WORD);
     zero_words<BLOCK>(smem_cl + CL_FIXED_WORDS, nwcap);
 #else
