@@ -27,10 +27,9 @@ from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.runtime.registries import native_block_topk
-from qsa_aiter.tools.cli_args import cache_format
+from qsa_aiter.tools.cli_args import add_selection_point_options
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
-from qsa_aiter.tools.work_points import SELECTION_POINTS, work_points
 
 #: The source's candidate switches (declared with the kernels), each alone and all together.
 SWITCHES = nt.CANDIDATE_SWITCHES
@@ -49,17 +48,10 @@ def other_plans(rows: int, columns: int, chosen: nt.Plan, platform: Platform) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default=",".join(SELECTION_POINTS))
-    ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
-    ap.add_argument("--replays", type=int, default=30)
+    add_selection_point_options(ap)
     a = ap.parse_args()
-    wanted = a.points.split(",")
     print("point,rows,columns,plan,variant,topk_us,over_shipped,topk_expand_us,expand_over_shipped")
-    timed = 0
-    for point in work_points():
-        if point.name not in wanted:
-            continue
+    for point in a.points:
         inputs = selection_inputs(point, a.page, a.cache)
         logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
         rows, columns = logits.shape
@@ -93,9 +85,6 @@ def main() -> None:
             baseline = baseline or (us, us_expanding)
             print(f"{point.name},{rows},{columns},{name.replace(' ', ',')},{us:.2f},{us / baseline[0]:.3f},"
                   f"{us_expanding:.2f},{us_expanding / baseline[1]:.3f}")
-            timed += 1
-    if not timed:
-        raise SystemExit(f"no work point named in {wanted}")
 
 
 if __name__ == "__main__":

@@ -31,10 +31,9 @@ from qsa_aiter.kernels.selection.reference import torch_block_topk
 from qsa_aiter.ops.scoring import describe_call
 from qsa_aiter.runtime import registries
 from qsa_aiter.runtime.dispatch import plan_for
-from qsa_aiter.tools.cli_args import cache_format
+from qsa_aiter.tools.cli_args import add_selection_point_options
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
-from qsa_aiter.tools.work_points import SELECTION_POINTS, work_points
 
 COLUMNS = ("point", "scorer", "score", "score_hist", "score_hist_only", "zero", "topk_plan", "topk", "topk_hist",
            "select", "select_hist")
@@ -42,17 +41,11 @@ COLUMNS = ("point", "scorer", "score", "score_hist", "score_hist_only", "zero", 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default=",".join(SELECTION_POINTS))
-    ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
-    ap.add_argument("--replays", type=int, default=30)
+    add_selection_point_options(ap)
     a = ap.parse_args()
-    wanted = a.points.split(",")
     print(",".join(COLUMNS))
     tested = 0
-    for point in work_points():
-        if point.name not in wanted:
-            continue
+    for point in a.points:
         inputs = selection_inputs(point, a.page, a.cache)
         b, logits, visible, groups = inputs.batch, inputs.logits, inputs.visible, inputs.groups
         rows, columns = logits.shape

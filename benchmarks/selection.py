@@ -21,10 +21,9 @@ import torch
 from qsa_aiter.kernels.selection.reference import torch_block_topk
 from qsa_aiter.runtime import registries
 from qsa_aiter.runtime.settings import get_settings
-from qsa_aiter.tools.cli_args import RenamedOption, cache_format
+from qsa_aiter.tools.cli_args import RenamedOption, add_selection_point_options, cache_format
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
-from qsa_aiter.tools.work_points import SELECTION_POINTS, work_points
 
 
 def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -36,19 +35,13 @@ def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default=",".join(SELECTION_POINTS))
-    ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
+    add_selection_point_options(ap)
     ap.add_argument("--kv", dest="cache", type=cache_format, action=RenamedOption, renamed_to="--cache")
-    ap.add_argument("--replays", type=int, default=30)
     a = ap.parse_args()
-    wanted = a.points.split(",")
     print("point,cache,page,scoring_us,selection_us,selection_over_scoring,topk_candidate,topk_us,torch_topk_sort_us,"
           "topk_speedup")
     settings = get_settings()
-    for point in work_points():
-        if point.name not in wanted:
-            continue
+    for point in a.points:
         inputs = selection_inputs(point, a.page, a.cache)
         logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
         block_topk = groups.shape[1]

@@ -16,15 +16,15 @@ traced launch is slightly slower than the untraced kernel.
 from __future__ import annotations
 
 import argparse
+
 import torch
 
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.kernels.selection.reference import torch_block_topk
 from qsa_aiter.runtime.jit import native, nvrtc
-from qsa_aiter.tools.cli_args import cache_format
+from qsa_aiter.tools.cli_args import add_selection_point_options
 from qsa_aiter.tools.inputs import selection_inputs
-from qsa_aiter.tools.work_points import SELECTION_POINTS, work_points
 
 #: The stage boundaries the source marks (``TRACE(i)``), by number.
 STAGES = {
@@ -114,21 +114,13 @@ def trace_point(point, page: int, cache: str, plan_name: str | None, launches: i
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default=",".join(SELECTION_POINTS))
-    ap.add_argument("--page", type=int, default=64)
-    ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
+    add_selection_point_options(ap, replays=False)
     ap.add_argument("--plan", default=None, help="a variant (rows_256, rows_512, cluster2/4/8/16); default the op's")
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--defines", default="", help="the source's switches to build with (NAME=VALUE,...)")
     a = ap.parse_args()
-    wanted = a.points.split(",")
-    traced = 0
-    for point in work_points():
-        if point.name in wanted:
-            trace_point(point, a.page, a.cache, a.plan, a.launches, tuple(d for d in a.defines.split(",") if d))
-            traced += 1
-    if not traced:
-        raise SystemExit(f"no work point named in {wanted}")
+    for point in a.points:
+        trace_point(point, a.page, a.cache, a.plan, a.launches, tuple(d for d in a.defines.split(",") if d))
 
 
 if __name__ == "__main__":

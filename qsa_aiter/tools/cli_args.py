@@ -8,6 +8,7 @@ import sys
 import warnings
 
 from ..kernels.quant.formats import CACHE_FORMATS, canonical_format
+from .work_points import SELECTION_POINTS, WorkPoint, points_named
 
 #: What a page size is, for every option that asks for one: this library counts compressed key groups per page of
 #: the index cache, where vLLM and SGLang count tokens per KV block (ATOM's 64-token block is a page of 16 groups).
@@ -92,3 +93,23 @@ def positive_ints(text: str) -> tuple[int, ...]:
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers; got {text!r}")
     return values
+
+
+def work_point_list(text: str) -> list[WorkPoint]:
+    """Comma-separated timed work-point names as an argparse type: the points, in work-point order; an unknown name
+    is an argparse error that names it."""
+    try:
+        return points_named(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_selection_point_options(parser: argparse.ArgumentParser, replays: bool = True) -> None:
+    """The options of the selection benchmarks (``benchmarks/selection.py`` and its kin): ``--points`` (default the
+    selection targets' points), ``--page`` (default 64), ``--cache`` (default bf16) and ``--replays`` (default 30)."""
+    parser.add_argument("--points", type=work_point_list, default=",".join(SELECTION_POINTS),
+                        help="comma-separated work points (default the selection targets')")
+    parser.add_argument("--page", type=positive_int, default=64, help=PAGE_SIZE_MEANING)
+    parser.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
+    if replays:
+        parser.add_argument("--replays", type=positive_int, default=30, help="CUDA-graph replays per median")
