@@ -1038,7 +1038,8 @@ template <int BLOCK>
 __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_row);
     const int row = blockIdx.x;
-    TokenSink ts = token_sink(row, positions, contexts, requests, tokens, num_requests, ratio, tok_ld, idx_wide);
+    TokenSink ts = token_sink(row, positions, contexts, requests, row < rows ? tokens : nullptr, num_requests, ratio,
+                              tok_ld, idx_wide);
     row_topk<BLOCK, 4>(TOPK_ROW_ARGS);
     if (tokens != nullptr && row < rows) {  // block-uniform: every path of row_topk returns here
 #if TOPK_FUSED_TOKENS
@@ -1241,11 +1242,6 @@ __device__ __forceinline__ long long gather_finish(const unsigned* cache, int le
 }
 #endif
 
-// One cluster of CL CTAs per row.  Shared memory (words): H[2048] local histogram,
-// S0[2048] / S1[2048] / S2[1024] cluster-summed histograms of passes 1-3 (filled by remote
-// reductions from every CTA), scan[128], res[8], base[8], then the chunk's key cache.
-// Cluster barriers: (0) zeroing done before any remote push, (1)-(3) after each pass's pushes,
-// (4) after the per-CTA (gt, eq) counts were pushed to higher ranks.  No remote loads.
 // Which CTA of a cluster writes the row's token tail, and from what (TOPK_FUSED_TOKENS): the highest rank whose chunk
 // starts at or below the context's end (every group before it keeps all R tokens, none after it keeps any).
 struct CtaTail {
@@ -1254,6 +1250,11 @@ struct CtaTail {
     long long total;       // the row's group tokens where known without a sum (rows of at most K columns), else -1
 };
 
+// One cluster of CL CTAs per row.  Shared memory (words): H[2048] local histogram,
+// S0[2048] / S1[2048] / S2[1024] cluster-summed histograms of passes 1-3 (filled by remote
+// reductions from every CTA), scan[128], res[8], base[8], then the chunk's key cache.
+// Cluster barriers: (0) zeroing done before any remote push, (1)-(3) after each pass's pushes,
+// (4) after the per-CTA (gt, eq) counts were pushed to higher ranks.  No remote loads.
 template <int BLOCK, int U, int CL>
 __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, const int* __restrict__ visible,
                                              int* __restrict__ out, int rows, int columns, int ld, int K,
@@ -1525,7 +1526,8 @@ template <int CL>
 __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_cl);
     const int row = blockIdx.x / CL;
-    TokenSink ts = token_sink(row, positions, contexts, requests, tokens, num_requests, ratio, tok_ld, idx_wide);
+    TokenSink ts = token_sink(row, positions, contexts, requests, row < rows ? tokens : nullptr, num_requests, ratio,
+                              tok_ld, idx_wide);
     CtaTail tail = {false, 0, -1};
     cluster_topk<512, 4, CL>(TOPK_CL_ARGS);
 #if TOPK_FUSED_TOKENS

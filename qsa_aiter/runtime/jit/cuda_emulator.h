@@ -1,10 +1,9 @@
 // cuda_emulator.h -- runs the native top-k's CUDA C++ on the CPU, for tests on machines without a GPU.
 //
 // g++ compiles native_topk.cu with -DTOPK_EMULATE and this header force-included (runtime/jit/emulated.py). Every
-// CUDA thread of a launch becomes a cooperative thread (its own stack, entered once through a ucontext, switched with
-// _setjmp/_longjmp, which save no signal mask) of one OS thread; a thread
-// runs until it must wait (__syncthreads, a warp collective, a cluster barrier, an unfinished mbarrier), then the
-// next one runs. The CTAs of a thread-block cluster run together, so their barriers and distributed shared memory
+// CUDA thread of a launch becomes a cooperative thread of one OS thread (its own stack, entered once through a
+// ucontext, then switched with _setjmp/_longjmp, which save no signal mask); a thread runs until it must wait
+// (__syncthreads, a warp collective, a cluster barrier, an unfinished mbarrier), then the next one runs. The CTAs of a thread-block cluster run together, so their barriers and distributed shared memory
 // (mapa + red.shared::cluster) behave as on sm_90; clusters (or CTAs) run one after another. Bulk copies complete
 // when issued. Atomics are plain read-modify-writes: one thread runs at a time.
 //
@@ -36,7 +35,7 @@
 struct dim3 {
     unsigned x = 0, y = 0, z = 0;
 };
-struct uint4 {
+struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
 struct alignas(16) float4 {
