@@ -619,13 +619,17 @@ __device__ __forceinline__ TokenSink token_sink(int row, const void* pos, const 
 #endif
     return t;
 }
+// The tokens of group g at output slot `slot`; how many.  Not inlined: the output passes call it from many unrolled
+// sites, and only for the few kept groups (inlined, it doubles the kernels' code).
+__device__ __noinline__ unsigned write_group_tokens(int* __restrict__ trow, long long limit, int R, long long slot,
+                                                    long long g) {
+    const unsigned c = tokens_kept(g, limit, R);
+    for (unsigned j = 0; j < c; ++j) trow[slot * R + j] = (int)(g * R + j);
+    return c;
+}
 __device__ __forceinline__ void put_tokens(TokenSink& t, long long slot, long long g) {
 #if TOPK_FUSED_TOKENS
-    if (t.trow != nullptr) {
-        const unsigned c = tokens_kept(g, t.limit, t.R);
-        for (unsigned j = 0; j < c; ++j) t.trow[slot * t.R + j] = (int)(g * t.R + j);
-        t.count += c;
-    }
+    if (t.trow != nullptr) t.count += write_group_tokens(t.trow, t.limit, t.R, slot, g);
 #endif
 }
 // After the row's `total` group tokens: the causal tail ((p+1)/R)*R .. p below the context's end, then -1 up to

@@ -95,7 +95,8 @@ def test_the_candidate_switches_are_the_sources():
 @pytest.mark.parametrize("variant", nt.VARIANTS, ids=lambda v: v.name)
 def test_the_candidate_switches_compile_without_spills(variant):
     """Every kernel with all the candidate switches on (as benchmarks/native_variants.py builds them), and the cluster
-    of 4 with each alone, compile for sm_90 within the registers their launch bounds allow, without spills."""
+    of 4 with each alone, compile for sm_90 within the registers their launch bounds allow, without spills or a stack
+    frame (local memory)."""
     sets = [nt.CANDIDATE_SWITCHES["all"], nt.CANDIDATE_SWITCHES["all_plain_atomics"]]
     if variant.name == "topk_cluster4_512":
         sets += [defines for name, defines in nt.CANDIDATE_SWITCHES.items() if not name.startswith("all")]
@@ -103,7 +104,8 @@ def test_the_candidate_switches_compile_without_spills(variant):
         built = nvrtc.compile_cubin(SOURCE, "sm_90", tuple(f"-D{d}" for d in (*variant.defines, *defines)),
                                     name="native_topk.cu")
         report = nvrtc.ptxas_report(built.log)[variant.name]
-        assert report.spill_store_bytes == 0 and report.registers <= variant.max_registers, (defines, report)
+        assert report.spill_store_bytes == 0 and report.stack_bytes == 0, (defines, report)
+        assert report.registers <= variant.max_registers, (defines, report)
 
 
 def test_variants_per_platform():
