@@ -9,8 +9,10 @@ scoring), each with ``time_graph`` (CUDA-graph medians, as ``benchmarks/selectio
 - the plan the op chooses, built as shipped and with each of the source's candidate switches (``SWITCHES``: off by
   default in ``native_topk.cu`` until measured; ``TOPK_GATHER`` changes the cluster kernels only), one at a time and
   all together;
-- the other plans that serve the shape (``PLANS``: the cluster sizes for few long rows, the 256- and 512-thread
-  row kernels, the uncached row kernel), as shipped.
+- the other plans that serve the shape (``other_plans``: the cluster sizes for few long rows, the 256- and
+  512-thread row kernels, the uncached row kernel, and the 256-thread one with ``MIN_CANDIDATES`` candidate slots,
+  whose smaller shared memory fits five CTAs on a multiprocessor where the row has at most 8192 columns), as
+  shipped.
 
 Every timed launch's output is checked equal to ``torch_block_topk`` (and its tokens to
 ``torch_expand_block_indices``) on the timed inputs. Printed per point and variant: µs alone and with the expansion,
@@ -20,6 +22,7 @@ and their ratios to the shipped kernel of the op's plan, measured in the same ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -39,6 +42,7 @@ def other_plans(rows: int, columns: int, chosen: nt.Plan, platform: Platform) ->
     """The plans other than ``chosen`` that serve ``rows x columns`` on ``platform``, by name."""
     plans = {f"rows_{threads}": nt.rows_plan(threads, columns, platform) for threads in (256, 512)}
     plans["rows_512_uncached"] = nt.rows_plan(512, columns, platform, cached=False)
+    plans["rows_256_few_candidates"] = dataclasses.replace(plans["rows_256"], candidates=nt.MIN_CANDIDATES)
     if platform.capability >= (9, 0) and columns >= nt.CLUSTER_MIN_COLUMNS:
         plans |= {f"cluster{size}": nt.cluster_plan(size, columns, platform) for size in (2, 4, 8)}
     return {name: plan for name, plan in plans.items()
@@ -65,17 +69,18 @@ def main() -> None:
         expansion = (batch.query_positions, batch.context_lens, batch.token_to_request, tokens, ratio, token_topk)
         expected_tokens = torch.empty_like(tokens)
         torch_expand_block_indices(expected, *expansion[:3], ratio, token_topk, expected_tokens)
-        runs = [(chosen, "shipped", ())] + [(chosen, name, defines) for name, defines in SWITCHES.items()]
-        runs += [(plan, "shipped", ()) for plan in other_plans(rows, columns, chosen, platform).values()]
+        runs = [("chosen", chosen, "shipped", ())] + [("chosen", chosen, name, defines)
+                                                      for name, defines in SWITCHES.items()]
+        runs += [(label, plan, "shipped", ()) for label, plan in other_plans(rows, columns, chosen, platform).items()]
         baseline = None
-        for plan, variant, defines in runs:
+        for label, plan, variant, defines in runs:
             def launch(plan=plan, defines=defines):
                 native_block_topk(logits, visible, groups, k, plan=plan, defines=defines)
 
             def launch_expanding(plan=plan, defines=defines):
                 native_block_topk(logits, visible, groups, k, plan=plan, defines=defines, expand_into=expansion)
 
-            name = f"{plan.variant.name}{'' if plan.cached else '_uncached'} {variant}"
+            name = f"{label}:{plan.variant.name}/{plan.candidates} {variant}"
             groups.fill_(-7)
             tokens.fill_(-7)
             launch_expanding()
