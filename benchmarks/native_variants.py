@@ -38,16 +38,13 @@ from qsa_aiter.tools.timing import time_graph
 SWITCHES = nt.CANDIDATE_SWITCHES
 
 
-def other_plans(rows: int, columns: int, chosen: nt.Plan, platform: Platform) -> dict[str, nt.Plan]:
-    """The plans other than ``chosen`` that serve ``rows x columns`` on ``platform``, by name."""
-    plans = {f"rows_{threads}": nt.rows_plan(threads, columns, platform) for threads in (256, 512)}
-    plans["rows_512_uncached"] = nt.rows_plan(512, columns, platform, cached=False)
-    plans["rows_256_few_candidates"] = dataclasses.replace(plans["rows_256"], candidates=nt.MIN_CANDIDATES)
-    if platform.capability >= (9, 0) and columns >= nt.CLUSTER_MIN_COLUMNS:
-        plans |= {f"cluster{size}": nt.cluster_plan(size, columns, platform) for size in (2, 4, 8)}
-    return {name: plan for name, plan in plans.items()
-            if plan != chosen and plan.shared_bytes <= platform.shared_memory_per_block
-            and (not plan.cached or plan.buffer <= nt.MAX_CACHED_COLUMNS)}
+def other_plans(rows: int, columns: int, k: int, chosen: nt.Plan, platform: Platform) -> dict[str, nt.Plan]:
+    """The plans other than ``chosen`` that serve ``rows x columns`` keeping ``k`` on ``platform`` (``plans_for``),
+    and the 256-thread row kernel with ``MIN_CANDIDATES`` candidate slots, by name."""
+    plans = nt.plans_for(rows, columns, k, platform)
+    if "rows_256" in plans:
+        plans["rows_256_few_candidates"] = dataclasses.replace(plans["rows_256"], candidates=nt.MIN_CANDIDATES)
+    return {name: plan for name, plan in plans.items() if plan != chosen}
 
 
 def main() -> None:
@@ -71,7 +68,8 @@ def main() -> None:
         torch_expand_block_indices(expected, *expansion[:3], ratio, token_topk, expected_tokens)
         runs = [("chosen", chosen, "shipped", ())] + [("chosen", chosen, name, defines)
                                                       for name, defines in SWITCHES.items()]
-        runs += [(label, plan, "shipped", ()) for label, plan in other_plans(rows, columns, chosen, platform).items()]
+        runs += [(label, plan, "shipped", ()) for label, plan in other_plans(rows, columns, k, chosen,
+                                                                                   platform).items()]
         baseline = None
         for label, plan, variant, defines in runs:
             def launch(plan=plan, defines=defines):

@@ -283,6 +283,13 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
         record(prepared)
 
 
+#: The native top-k's kernels as the emulator builds them: name, pointer C types, scalar count.
+EMULATED_TOPK_KERNELS = tuple(
+    (variant.name, tuple(ctype for _, ctype in native_topk.POINTERS),
+     len(native_topk.CLUSTER_SCALARS if variant.cluster > 1 else native_topk.ROW_SCALARS))
+    for variant in native_topk.VARIANTS)
+
+
 def emulated_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
                         plan: native_topk.Plan, expand_into: tuple | None = None,
                         histogram: torch.Tensor | None = None, order_seed: int = 0,
@@ -296,10 +303,7 @@ def emulated_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.
     _check_histogram(logits, histogram)
     call, addresses, target, _direct, _keep = _native_topk_call(logits, visible, out, block_topk, plan, expand_into,
                                                                 histogram)
-    kernels = tuple((variant.name, tuple(ctype for _, ctype in native_topk.POINTERS),
-                     len(native_topk.CLUSTER_SCALARS if variant.cluster > 1 else native_topk.ROW_SCALARS))
-                    for variant in native_topk.VARIANTS)
-    lib = emulated.build(native_topk.SOURCE_PATH, kernels, tuple(defines))
+    lib = emulated.build(native_topk.SOURCE_PATH, EMULATED_TOPK_KERNELS, tuple(defines))
     emulated.run(lib, call, addresses, plan.variant.cluster, order_seed)
     if target is not out:
         out.copy_(target)

@@ -289,30 +289,17 @@ def topk_case(seed: int, device: torch.device) -> tuple[str, torch.Tensor, torch
     return label, values.to(device), visible.to(device), k
 
 
-def native_plans(rows: int, columns: int, k: int, platform: Platform) -> list[native_topk.Plan]:
-    """The native top-k's plans for ``rows x columns`` keeping ``k`` that fit ``platform``: both row kernels cached,
-    the 512-thread one uncached, and clusters of 2, 4 and 8 (compute capability 9.0+); the trivial plan alone where no
-    row is wider than ``k``."""
-    if columns <= k:
-        return [native_topk.choose_plan(rows, columns, k, platform)]
-    plans = [native_topk.rows_plan(threads, columns, platform) for threads in (256, 512)]
-    plans.append(native_topk.rows_plan(512, columns, platform, cached=False))
-    if platform.capability >= (9, 0):
-        plans += [native_topk.cluster_plan(size, columns, platform) for size in (2, 4, 8)]
-    return [p for p in plans if p.shared_bytes <= platform.shared_memory_per_block
-            and (not p.cached or p.buffer <= native_topk.MAX_CACHED_COLUMNS)]
-
-
 def run_native_topk(logits: torch.Tensor, visible: torch.Tensor, k: int, out: torch.Tensor, seed: int) -> str | None:
     """The native top-k of one case into ``out`` with a plan drawn from ``seed``: on the GPU where it serves, else
     emulated on the CPU (the plan's name is returned), or "refused" where neither can run."""
     problem = registries.topk_problem(logits, k, fused=False)
-    platform = Platform.of(logits.device) if logits.is_cuda else EMULATED_PLATFORM
-    on_gpu = logits.is_cuda and not registries.native_topk_reasons(problem, platform, get_settings())
+    on_gpu = logits.is_cuda and not registries.native_topk_reasons(problem, Platform.of(logits.device),
+                                                                   get_settings())
     if not on_gpu and emulated.unavailable_reason() is not None:
         return "refused"
+    platform = Platform.of(logits.device) if on_gpu else EMULATED_PLATFORM
     draw = Draw(seed * 7919 + 17)
-    plan = draw.pick(native_plans(logits.shape[0], logits.shape[1], k, platform if on_gpu else EMULATED_PLATFORM))
+    plan = draw.pick(list(native_topk.plans_for(logits.shape[0], logits.shape[1], k, platform).values()))
     if on_gpu:
         registries.native_block_topk(logits, visible, out, k, plan=plan)
     else:

@@ -324,6 +324,24 @@ __device__ __forceinline__ void take_loc(unsigned* H, unsigned (&loc)[NB / BLOCK
     }
 }
 
+// The bin search over H[0, NB) for the rank krem (take_loc, then select_bin).
+template <int BLOCK, int NB>
+__device__ __forceinline__ void select_in(unsigned* H, unsigned krem, unsigned* s_scan, unsigned* s_res) {
+    unsigned loc[NB / BLOCK];
+    take_loc<BLOCK, NB>(H, loc);
+    select_bin<BLOCK, NB>(loc, krem, s_scan, s_res);
+}
+
+// H[0, words) zeroed for the next pass (or the tie bitmap), then a barrier; with TOPK_OWNER_ZERO the bin search or
+// the cluster push before it has zeroed every bin already.
+template <int BLOCK>
+__device__ __forceinline__ void clear_unless_owned(unsigned* H, int words) {
+#if !TOPK_OWNER_ZERO
+    for (int i = threadIdx.x; i < words; i += BLOCK) H[i] = 0u;
+    __syncthreads();
+#endif
+}
+
 // Histogram one quad of keys (nvalid of them valid).  Must be called by all lanes of the warp.
 // Tie-heavy inputs (runs of 0.0, constant rows) would serialize shared atomics on one bin:
 // when the whole warp holds 4 participating keys of one digit, lane 0 adds 4*WS at once.
@@ -604,10 +622,10 @@ struct TokenSink {
     int R;
     unsigned count;   // tokens this thread wrote
 };
-__device__ __forceinline__ TokenSink token_sink(int row, const void* pos, const void* ctx, const void* t2r, int* tok,
-                                                int num_requests, int R, int tok_ld, int idx_wide) {
+// The row's token facts (its request's context length, clamped, and its position) where tok != nullptr.
+__device__ __forceinline__ TokenSink token_row(int row, const void* pos, const void* ctx, const void* t2r, int* tok,
+                                               int num_requests, int R, int tok_ld, int idx_wide) {
     TokenSink t = {nullptr, 0, 0, R, 0u};
-#if TOPK_FUSED_TOKENS
     if (tok != nullptr) {
         const long long req = load_index(t2r, row, idx_wide & 4);
         const bool ok = req >= 0 && req < num_requests;
@@ -616,8 +634,16 @@ __device__ __forceinline__ TokenSink token_sink(int row, const void* pos, const 
         t.p = load_index(pos, row, idx_wide & 1);
         t.trow = tok + (long long)row * tok_ld;
     }
-#endif
     return t;
+}
+// The sink the output passes write tokens into: the row's with TOPK_FUSED_TOKENS, else none.
+__device__ __forceinline__ TokenSink token_sink(int row, const void* pos, const void* ctx, const void* t2r, int* tok,
+                                                int num_requests, int R, int tok_ld, int idx_wide) {
+#if TOPK_FUSED_TOKENS
+    return token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
+#else
+    return TokenSink{nullptr, 0, 0, R, 0u};
+#endif
 }
 // The tokens of group g at output slot `slot`; how many.  Not inlined: the output passes call it from many unrolled
 // sites, and only for the few kept groups (inlined, it doubles the kernels' code).
@@ -892,11 +918,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     TRACE(3);
 
     unsigned T, e;
-    {
-        unsigned loc[2048 / BLOCK];
-        take_loc<BLOCK, 2048>(H, loc);
-        select_bin<BLOCK, 2048>(loc, (unsigned)K, s_scan, s_res);
-    }
+    select_in<BLOCK, 2048>(H, (unsigned)K, s_scan, s_res);
     const unsigned b0 = s_res[0], krem1 = s_res[1], cnt1 = s_res[2];
     TRACE(6);
 #if TOPK_FAST
@@ -909,44 +931,27 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
         unsigned T = 0, e = TOPK_ALL;
         if (!exhausted1) {
             const int ncand = (int)s_res[7];
-#if !TOPK_OWNER_ZERO
-            for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;
-            __syncthreads();
-#endif
+            clear_unless_owned<BLOCK>(H, 2048);
             const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
             cand_hist<BLOCK>(buf, cand, ncand, H, c1);
             __syncthreads();
             TRACE(8);
-            {
-                unsigned loc[2048 / BLOCK];
-                take_loc<BLOCK, 2048>(H, loc);
-                select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
-            }
+            select_in<BLOCK, 2048>(H, krem1, s_scan, s_res);
             const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
             TRACE(10);
             const unsigned prefix = (b0 << 21) | (b1 << 10);
             if (cnt2 == krem2) {
                 T = prefix;
             } else {
-#if !TOPK_OWNER_ZERO
-                for (int i = threadIdx.x; i < 1024; i += BLOCK) H[i] = 0u;
-                __syncthreads();
-#endif
+                clear_unless_owned<BLOCK>(H, 1024);
                 const PassCfg c2 = {0xFFFFFC00u, prefix, 0, 0x3FFu};
                 cand_hist<BLOCK>(buf, cand, ncand, H, c2);
                 __syncthreads();
-                {
-                    unsigned loc[1024 / BLOCK];
-                    take_loc<BLOCK, 1024>(H, loc);
-                    select_bin<BLOCK, 1024>(loc, krem2, s_scan, s_res);
-                }
+                select_in<BLOCK, 1024>(H, krem2, s_scan, s_res);
                 T = prefix | s_res[0];
                 e = s_res[1];
             }
-#if !TOPK_OWNER_ZERO  // else every bin was zeroed by its owner already
-            for (int i = threadIdx.x; i < nw; i += BLOCK) H[i] = 0u;  // H becomes the tie bitmap TB
-            __syncthreads();
-#endif
+            clear_unless_owned<BLOCK>(H, nw);  // H becomes the tie bitmap TB
             TRACE(11);
             cand_mark<BLOCK>(buf, cand, ncand, T, e, SB, H);
             __syncthreads();
@@ -967,12 +972,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
         const bool compact = !cached && cnt1 <= (unsigned)buf_cap;
         pass_count<BLOCK, U>(g, src, n, vec, H, c1, compact ? buf : nullptr, s_res + 7);
         __syncthreads();
-        {
-            unsigned loc[2048 / BLOCK];
-#pragma unroll
-            for (int i = 0; i < 2048 / BLOCK; ++i) loc[i] = H[2047 - (threadIdx.x * (2048 / BLOCK) + i)];
-            select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
-        }
+        select_in<BLOCK, 2048>(H, krem1, s_scan, s_res);
         const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
         const unsigned prefix = (b0 << 21) | (b1 << 10);
         if (cnt2 == krem2) {
@@ -988,12 +988,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
             else
                 pass_count<BLOCK, U>(g, src, n, vec, H, c2, nullptr, nullptr);
             __syncthreads();
-            {
-                unsigned loc[1024 / BLOCK];
-#pragma unroll
-                for (int i = 0; i < 1024 / BLOCK; ++i) loc[i] = H[1023 - (threadIdx.x * (1024 / BLOCK) + i)];
-                select_bin<BLOCK, 1024>(loc, krem2, s_scan, s_res);
-            }
+            select_in<BLOCK, 1024>(H, krem2, s_scan, s_res);
             T = prefix | s_res[0];
             e = s_res[1];
         }
@@ -1005,18 +1000,15 @@ template <int BLOCK>
 __device__ __forceinline__ void expand_row(const int* grow, int K, int row, const void* pos, const void* ctx,
                                            const void* t2r, int* __restrict__ tok, int num_requests, int R,
                                            int width, int tok_ld, int idx_wide, unsigned* s_scan) {
-    const long long req = load_index(t2r, row, idx_wide & 4);
-    const bool ok = req >= 0 && req < num_requests;
-    long long limit = ok ? load_index(ctx, req, idx_wide & 2) : 0;
-    limit = limit < 0 ? 0 : (limit > TOPK_TOKEN_LIMIT ? TOPK_TOKEN_LIMIT : limit);
-    const long long p = load_index(pos, row, idx_wide & 1);
+    const TokenSink facts = token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
+    const long long limit = facts.limit, p = facts.p;
     const int per = (K + BLOCK - 1) / BLOCK;
     const int i0 = imin(K, threadIdx.x * per), i1 = imin(K, i0 + per);
     unsigned mine = 0;
     for (int i = i0; i < i1; ++i) mine += tokens_kept(load_group(grow + i), limit, R);
     unsigned total;
     unsigned slot = block_excl_scan<BLOCK>(mine, total, s_scan);
-    int* trow = tok + (long long)row * tok_ld;
+    int* trow = facts.trow;
     for (int i = i0; i < i1; ++i) {
         const long long g = load_group(grow + i);
         const unsigned c = tokens_kept(g, limit, R);
@@ -1187,39 +1179,25 @@ __device__ __forceinline__ long long gather_finish(const unsigned* cache, int le
     const int ng = (int)cnt1;
     for (int i = threadIdx.x; i < ng; i += BLOCK) atomicAdd(&H[(G[2 * i] >> 10) & 0x7FFu], 1u);
     __syncthreads();
-    {
-        unsigned loc[2048 / BLOCK];
-        take_loc<BLOCK, 2048>(H, loc);
-        select_bin<BLOCK, 2048>(loc, krem1, s_scan, s_res);
-    }
+    select_in<BLOCK, 2048>(H, krem1, s_scan, s_res);
     TRACE(10);
     const unsigned b1 = s_res[0], krem2 = s_res[1], cnt2 = s_res[2];
     const unsigned prefix = (b0 << 21) | (b1 << 10);
     unsigned T = prefix, e = TOPK_ALL;
     if (cnt2 != krem2) {
-#if !TOPK_OWNER_ZERO
-        for (int i = threadIdx.x; i < 1024; i += BLOCK) H[i] = 0u;
-        __syncthreads();
-#endif
+        clear_unless_owned<BLOCK>(H, 1024);
         for (int i = threadIdx.x; i < ng; i += BLOCK) {
             const unsigned k = G[2 * i];
             if ((k & 0xFFFFFC00u) == prefix) atomicAdd(&H[k & 0x3FFu], 1u);
         }
         __syncthreads();
-        {
-            unsigned loc[1024 / BLOCK];
-            take_loc<BLOCK, 1024>(H, loc);
-            select_bin<BLOCK, 1024>(loc, krem2, s_scan, s_res);
-        }
+        select_in<BLOCK, 1024>(H, krem2, s_scan, s_res);
         T = prefix | s_res[0];
         e = s_res[1];
     }
     TRACE(11);
     const int nw = (len + 31) >> 5;
-#if !TOPK_OWNER_ZERO
-    for (int i = threadIdx.x; i < nw; i += BLOCK) H[i] = 0u;  // H becomes the tie bitmap TB
-    __syncthreads();
-#endif
+    clear_unless_owned<BLOCK>(H, nw);  // H becomes the tie bitmap TB
     // This chunk's selected candidates into SB (ties into TB); the lower ranks' counted (packed eq << 16 | gt:
     // at most CL_GATHER_PAIRS each).
     unsigned below = 0;
@@ -1377,10 +1355,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         e = TOPK_ALL;
         if (!exhausted1) {
             const int ncand = (int)s_res[7];
-#if !TOPK_OWNER_ZERO  // else push_hist zeroed H before barrier (1); without a push H was never written
-            for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;
-            __syncthreads();
-#endif
+            clear_unless_owned<BLOCK>(H, 2048);  // owners: push_hist before barrier (1); no push: H never written
             const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
             cand_hist<BLOCK>(cache, cand, ncand, H, c1);
             __syncthreads();
@@ -1399,10 +1374,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
             if (cnt2 == krem2) {
                 T = prefix;
             } else {
-#if !TOPK_OWNER_ZERO
-                for (int i = threadIdx.x; i < 1024; i += BLOCK) H[i] = 0u;
-                __syncthreads();
-#endif
+                clear_unless_owned<BLOCK>(H, 1024);
                 const PassCfg c2 = {0xFFFFFC00u, prefix, 0, 0x3FFu};
                 cand_hist<BLOCK>(cache, cand, ncand, H, c2);
                 __syncthreads();
@@ -1416,10 +1388,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
                 T = prefix | s_res[0];
                 e = s_res[1];
             }
-#if !TOPK_OWNER_ZERO  // else the pushes zeroed every bin
-            for (int i = threadIdx.x; i < nw; i += BLOCK) H[i] = 0u;  // H becomes the tie bitmap TB
-            __syncthreads();
-#endif
+            clear_unless_owned<BLOCK>(H, nw);  // H becomes the tie bitmap TB
             TRACE(11);
             cand_mark<BLOCK>(cache, cand, ncand, T, e, SB, H);
             __syncthreads();

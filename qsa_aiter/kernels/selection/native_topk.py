@@ -259,6 +259,20 @@ def choose_plan(rows: int, columns: int, block_topk: int, platform: Platform,
     return rows_plan(512, columns, platform, cached=False)
 
 
+def plans_for(rows: int, columns: int, block_topk: int, platform: Platform) -> dict[str, Plan]:
+    """Every plan that can serve ``rows`` rows of ``columns`` keeping ``block_topk`` on ``platform``, by name (for
+    benchmarks and fuzzing, which time or draw them beside ``choose_plan``'s): both row kernels cached, the
+    512-thread one uncached, and clusters of 2, 4 and 8 (compute capability 9.0+), those that fit; the trivial plan
+    alone where no row is wider than ``block_topk``."""
+    if columns <= block_topk:
+        return {"trivial": choose_plan(rows, columns, block_topk, platform)}
+    plans = {f"rows_{threads}": rows_plan(threads, columns, platform) for threads in (256, 512)}
+    plans["rows_512_uncached"] = rows_plan(512, columns, platform, cached=False)
+    if platform.capability >= (9, 0):
+        plans |= {f"cluster{size}": cluster_plan(size, columns, platform) for size in (2, 4, 8)}
+    return {name: plan for name, plan in plans.items() if _fits(plan, platform)}
+
+
 def plan_reason(columns: int, block_topk: int, platform: Platform) -> str | None:
     """Why no plan serves rows of ``columns`` keeping ``block_topk`` on ``platform`` (None: one does): the C ``int``
     arguments, and the fixed shared memory of a row kernel (the smallest plan: uncached, no buffer)."""

@@ -178,6 +178,17 @@ def test_rows_no_wider_than_the_budget_take_the_trivial_plan():
     assert nt.choose_plan(5, 513, 512, H200).cached
 
 
+def test_plans_for_lists_the_plans_that_fit():
+    plans = nt.plans_for(4, 9000, 512, H200)
+    assert list(plans) == ["rows_256", "rows_512", "rows_512_uncached", "cluster2", "cluster4", "cluster8"]
+    assert plans["rows_512_uncached"] == nt.rows_plan(512, 9000, H200, cached=False)
+    assert plans["cluster4"] == nt.cluster_plan(4, 9000, H200)
+    ampere = dataclasses.replace(H200, arch="sm_80", capability=(8, 0))
+    assert not any(name.startswith("cluster") for name in nt.plans_for(4, 9000, 512, ampere))
+    assert "rows_256" not in nt.plans_for(2, 70000, 512, H200)  # a cached row holds at most 65536 columns
+    assert nt.plans_for(3, 500, 512, H200) == {"trivial": nt.trivial_plan()}
+
+
 def test_shared_bytes_follow_the_layouts():
     row = nt.rows_plan(256, 1000, H200)
     assert row.shared_bytes == nt.ROW_FIXED_BYTES + 4 * (32 + row.candidates // 2 + 1000)
