@@ -160,6 +160,8 @@ __device__ __forceinline__ long long global_ns() {
 //   TOPK_FUSED_TOKENS=1  the expansion writes each kept group's tokens where it writes the group (TokenSink): no
 //                      re-read of the row's groups, and in a cluster no barrier before the expansion; one CTA adds
 //                      up the tokens and writes the tail.
+//   TOPK_CLASSIFY_SKIP=1  the classify pass skips a quad whose largest key is below the threshold bin (most quads
+//                      of a long row) after one comparison, without building its masks.
 #ifndef TOPK_KEY_FADD
 #define TOPK_KEY_FADD 0
 #endif
@@ -177,6 +179,9 @@ __device__ __forceinline__ long long global_ns() {
 #endif
 #ifndef TOPK_VECTOR_SMEM
 #define TOPK_VECTOR_SMEM 0
+#endif
+#ifndef TOPK_CLASSIFY_SKIP
+#define TOPK_CLASSIFY_SKIP 0
 #endif
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
@@ -218,6 +223,7 @@ __device__ __forceinline__ unsigned f2key(float x) {
 }
 
 __device__ __forceinline__ unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
+__device__ __forceinline__ unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
 // Which keys a radix pass looks at and which digit it histograms.
@@ -765,6 +771,11 @@ __device__ __forceinline__ unsigned pass_classify(const unsigned* cache, int len
         // A quad's four columns are bits 4 (q & 7) .. 4 (q & 7) + 3 of bitmap word q >> 3: one OR per quad, and
         // one counter update per quad holding candidates.
         const uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
+#if TOPK_CLASSIFY_SKIP
+        // Every column marked or listed has top digit >= b0 (thr and want are b0 or above); keys past len may hold
+        // anything, so they can only stop the skip, never cause it.
+        if (umax(umax(t.x, t.y), umax(t.z, t.w)) < (b0 << 21)) continue;
+#endif
         const unsigned d[4] = {t.x >> 21, t.y >> 21, t.z >> 21, t.w >> 21};
         const unsigned valid = (1u << quad_valid(len, q)) - 1u;
         unsigned kept = 0, listed = 0;

@@ -67,11 +67,12 @@ CANDIDATE_SWITCHES = {
     "gather": ("TOPK_GATHER=1",),
     "vector_smem": ("TOPK_VECTOR_SMEM=1",),
     "fused_tokens": ("TOPK_FUSED_TOKENS=1",),
+    "classify_skip": ("TOPK_CLASSIFY_SKIP=1",),
     "plain_atomics": ("TOPK_HIST=1",),
     "all": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1", "TOPK_VECTOR_SMEM=1",
-            "TOPK_FUSED_TOKENS=1"),
+            "TOPK_FUSED_TOKENS=1", "TOPK_CLASSIFY_SKIP=1"),
     "all_plain_atomics": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1",
-                          "TOPK_VECTOR_SMEM=1", "TOPK_FUSED_TOKENS=1", "TOPK_HIST=1"),
+                          "TOPK_VECTOR_SMEM=1", "TOPK_FUSED_TOKENS=1", "TOPK_CLASSIFY_SKIP=1", "TOPK_HIST=1"),
 }
 #: Every launch argument after the three pointers is a C ``int``: the kernels compute row offsets in 64 bits, but
 #: columns, the row stride and block_topk must be below 2**31.
