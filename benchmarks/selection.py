@@ -10,11 +10,14 @@ steps read logits that scoring has just written, as they do inside ``qsa_select_
 top-k registry that serves the point (``triton``, ``native``, ``torch``, ...; ``registries.TOPK``) is timed alone
 through its own launch and checked equal to ``torch_block_topk`` on the timed inputs; the candidates that do not
 serve are listed with their reasons. Ratios: selection / scoring, and (torch.topk + sort) / the fastest candidate.
+``selection_pdl_us``: the selection again with ``QSA_AITER_TOPK_PDL=1`` (the native top-k launched as a programmatic
+dependent of the scorer), its tokens checked equal to the default launch's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -33,13 +36,27 @@ def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) ->
     return torch.sort(torch.topk(masked, k, dim=1).indices, dim=1).values
 
 
+def time_graph_with_pdl(select, replays: int) -> float:
+    """``select`` timed as ``time_graph`` times it with ``QSA_AITER_TOPK_PDL=1`` (the native top-k launched as a
+    programmatic dependent of the scorer), the variable restored after."""
+    before = os.environ.get("QSA_AITER_TOPK_PDL")
+    os.environ["QSA_AITER_TOPK_PDL"] = "1"
+    try:
+        return time_graph(select, 1, replays)
+    finally:
+        if before is None:
+            del os.environ["QSA_AITER_TOPK_PDL"]
+        else:
+            os.environ["QSA_AITER_TOPK_PDL"] = before
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_selection_point_options(ap)
     ap.add_argument("--kv", dest="cache", type=cache_format, action=RenamedOption, renamed_to="--cache")
     a = ap.parse_args()
-    print("point,cache,page,scoring_us,selection_us,selection_over_scoring,topk_candidate,topk_us,torch_topk_sort_us,"
-          "topk_speedup")
+    print("point,cache,page,scoring_us,selection_us,selection_over_scoring,selection_pdl_us,topk_candidate,topk_us,"
+          "torch_topk_sort_us,topk_speedup")
     settings = get_settings()
     for point in a.points:
         inputs = selection_inputs(point, a.page, a.cache)
@@ -47,6 +64,10 @@ def main() -> None:
         block_topk = groups.shape[1]
         scoring = time_graph(inputs.score, 1, a.replays)
         selection = time_graph(inputs.select, 1, a.replays)
+        picked = inputs.picked.clone()
+        selection_pdl = time_graph_with_pdl(inputs.select, a.replays)
+        if not torch.equal(inputs.picked, picked):
+            raise SystemExit(f"{point.name}: selection with QSA_AITER_TOPK_PDL=1 picked other tokens")
         torch_topk = time_graph(lambda: torch_topk_then_sort(logits, visible, block_topk), 1, a.replays)
         expected = torch.empty_like(groups)
         torch_block_topk(logits, visible, block_topk, expected)
@@ -70,8 +91,8 @@ def main() -> None:
                 raise SystemExit(f"{point.name}: the {name} top-k differs from torch_block_topk")
         fastest = min(times.values()) if times else float("nan")
         for name, us in times.items():
-            print(f"{point.name},{a.cache},{a.page},{scoring:.2f},{selection:.2f},{selection / scoring:.2f},{name},"
-                  f"{us:.2f},{torch_topk:.2f},{torch_topk / fastest:.2f}")
+            print(f"{point.name},{a.cache},{a.page},{scoring:.2f},{selection:.2f},{selection / scoring:.2f},"
+                  f"{selection_pdl:.2f},{name},{us:.2f},{torch_topk:.2f},{torch_topk / fastest:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -31,6 +31,7 @@ from ..kernels.spec import record
 from . import rocm
 from .jit import emulated, native, nvrtc
 from .dispatch import ANY_PHASE, Candidate, Registry, plan_for, register, spec_candidate
+from .settings import get_settings
 
 BLOCK_SIZES = (16, 64)
 
@@ -249,7 +250,8 @@ def _native_topk_call(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
 
 def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
                       settings=None, plan: native_topk.Plan | None = None, expand_into: tuple | None = None,
-                      histogram: torch.Tensor | None = None, defines: tuple[str, ...] = ()) -> None:
+                      histogram: torch.Tensor | None = None, defines: tuple[str, ...] = (),
+                      programmatic: bool | None = None) -> None:
     """The native CUDA block top-k into ``out`` (int32 ``[tokens, block_topk]``, last dim contiguous) from fp32
     ``logits [tokens, columns]`` (last dim contiguous, any row stride) and int32 ``visible [tokens]`` (read on the
     device, clamped to ``[0, columns]``), on CUDA tensors; ``expand_into`` (``TopkArgs.expand_into``) fuses the
@@ -257,7 +259,9 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     ``choose_plan`` makes (tests, benchmarks); ``histogram``: the scorer's per-row histogram of these logits (int32
     ``[tokens, HISTOGRAM_BINS]``, contiguous; ``kernels/scoring/histogram.py``), which the kernels start from
     instead of counting the row's top bits themselves; ``defines``: compile-time switches of the source
-    (``NAME=VALUE``; benchmarks of its candidate changes). One launch on the current stream; the kernel is compiled
+    (``NAME=VALUE``; benchmarks of its candidate changes); ``programmatic``: launch it as a programmatic dependent of
+    the kernel before it on the stream (compute capability 9.0+; None: as ``QSA_AITER_TOPK_PDL`` says). One launch
+    on the current stream; the kernel is compiled
     into the JIT cache, or loaded from it, at its first use in a process. A launch whose tensors the kernel takes as
     they are is recorded (``kernels.spec.record``) for the replay of later calls (one with a histogram or defines is
     not)."""
@@ -274,8 +278,11 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     kernel = native.kernel_for(native_topk.source(), variant.name, (*variant.defines, *defines), device,
                                platform.arch, settings, non_portable_cluster=variant.non_portable_cluster)
     name = NATIVE_TOPK_LAUNCH if expand_into is None else NATIVE_TOPK_EXPAND_LAUNCH
+    if programmatic is None:
+        programmatic = (settings or get_settings()).topk_pdl
     prepared = native.PreparedLaunch(name, kernel, call.grid, call.block, call.shared_bytes,
-                                     tuple(pointer for pointer, _ in call.pointers), call.scalars)
+                                     tuple(pointer for pointer, _ in call.pointers), call.scalars,
+                                     programmatic=programmatic and platform.capability >= (9, 0))
     prepared(*addresses)
     if target is not out:
         out.copy_(target)

@@ -72,6 +72,13 @@ class QsaSettings(BaseSettings):
         "top-k compiled at run time by NVRTC, which `auto` takes on NVIDIA GPUs. Checked at the first top-k call; "
         "forcing a candidate that cannot serve the call is an error naming its reasons.",
     )
+    topk_pdl: bool = Field(
+        False,
+        alias="QSA_AITER_TOPK_PDL",
+        description="1 launches the native top-k (compute capability 9.0+) as a programmatic dependent of the kernel "
+        "before it on the stream (in `qsa_select_paged_tokens`, the scorer): its CTAs may start while that kernel "
+        "finishes, and wait for it before their first global read (docs/selection.md).",
+    )
     strict: bool = Field(
         False,
         alias="QSA_AITER_STRICT",
@@ -122,7 +129,8 @@ class QsaSettings(BaseSettings):
         "memory / 16, 2 GiB), else 128 MiB; docs/selection.md). The argument, when given, wins.",
     )
 
-    @field_validator("stacked_decode_scorer", "strict", "e4m3_mma", "rocm_qsa_flydsl", "rebuild", mode="before")
+    @field_validator("stacked_decode_scorer", "strict", "e4m3_mma", "rocm_qsa_flydsl", "rebuild", "topk_pdl",
+                     mode="before")
     @classmethod
     def _strict_bool(cls, value: object) -> object:
         return _parse_bool(value)

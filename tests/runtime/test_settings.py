@@ -9,7 +9,8 @@ from qsa_aiter.runtime import registries, settings
 from qsa_aiter.runtime.settings import ENV_NAMES, environment_table, get_settings
 
 BOOL_VARS = {"ATOM_QSA_STACKED_DECODE_SCORER": "stacked_decode_scorer", "QSA_AITER_STRICT": "strict",
-             "QSA_AITER_E4M3_MMA": "e4m3_mma", "ROCM_QSA_FLYDSL": "rocm_qsa_flydsl", "QSA_AITER_REBUILD": "rebuild"}
+             "QSA_AITER_E4M3_MMA": "e4m3_mma", "ROCM_QSA_FLYDSL": "rocm_qsa_flydsl", "QSA_AITER_REBUILD": "rebuild",
+             "QSA_AITER_TOPK_PDL": "topk_pdl"}
 TRUE_WORDS = ["1", "true", "yes", "on", "TRUE", "Yes", "ON", " 1 "]
 FALSE_WORDS = ["0", "false", "no", "off", "FALSE", "No", "Off", "0 "]
 
@@ -24,13 +25,14 @@ def test_defaults():
     assert s.log_level == "warning"
     assert s.jit_dir == "" and s.rebuild is False
     assert s.logits_workspace_mb == 0
+    assert s.topk_pdl is False
 
 
 def test_every_variable_is_known():
     assert set(ENV_NAMES) == {"ATOM_QSA_STACKED_DECODE_SCORER", "QSA_AITER_BACKEND", "QSA_AITER_STRICT",
                               "QSA_AITER_E4M3_MMA", "QSA_AITER_TUNED_CONFIG", "QSA_AITER_LOG_LEVEL", "ROCM_QSA_FLYDSL",
                               "QSA_AITER_JIT_DIR", "QSA_AITER_REBUILD", "QSA_AITER_TOPK_BACKEND",
-                              "QSA_AITER_LOGITS_WORKSPACE_MB"}
+                              "QSA_AITER_LOGITS_WORKSPACE_MB", "QSA_AITER_TOPK_PDL"}
 
 
 @pytest.mark.parametrize("var", BOOL_VARS)

@@ -1040,10 +1040,20 @@ __device__ __forceinline__ void expand_row(const int* grow, int K, int row, cons
 #define TOPK_ROW_ARGS logits, visible, out, rows, columns, ld, K, buf_cap, cached, vec_ok, cand_cap, histogram, ts
 #define TOPK_EXPAND_ARGS positions, contexts, requests, tokens, num_requests, ratio, width, tok_ld, idx_wide
 
+// A programmatic dependent launch (native.programmatic_config) may start while the kernel before it on the stream
+// (the scorer) still runs: every kernel waits for that one and its writes before its first global read.  A no-op in
+// any other launch.
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if !TOPK_EMULATE && !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // One CTA per row: the top-k, then (with tokens) the row's expansion by the same CTA.
 template <int BLOCK>
 __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_row);
+    wait_for_prior_grid();
     const int row = blockIdx.x;
     TokenSink ts = token_sink(row, positions, contexts, requests, row < rows ? tokens : nullptr, num_requests, ratio,
                               tok_ld, idx_wide);
@@ -1509,6 +1519,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
 template <int CL>
 __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_cl);
+    wait_for_prior_grid();
     const int row = blockIdx.x / CL;
     TokenSink ts = token_sink(row, positions, contexts, requests, row < rows ? tokens : nullptr, num_requests, ratio,
                               tok_ld, idx_wide);

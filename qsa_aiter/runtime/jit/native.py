@@ -21,7 +21,8 @@ device's primary context (the one torch uses) with ``cuModuleLoadData`` and keep
 (``cuModuleGetFunction``); ``cuFuncSetAttribute`` raises its dynamic shared-memory limit above 48 KB when a launch
 needs it and allows a non-portable cluster size where the kernel has one; a ``PreparedLaunch`` holds a launch's
 converted scalars and ``cuLaunchKernel``s it with each call's addresses on torch's current stream, so a launch inside
-``torch.cuda.graph`` is captured and a replayed call reuses it. Every driver call's result is checked and a failure raises
+``torch.cuda.graph`` is captured and a replayed call reuses it (``cuLaunchKernelEx`` for a programmatic dependent
+launch). Every driver call's result is checked and a failure raises
 ``DriverError`` with the driver's name and text for it. Load before capturing: module loading is not a stream
 operation (warm-up, or one call outside the capture, does it).
 """
@@ -60,11 +61,26 @@ NATIVE_DIR = "native"
 # CUDA driver API constants (cuda.h).
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 #: Dynamic shared memory a kernel may use without raising its limit.
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024
 #: ctypes types of the C types a ``NativeLaunch`` names for its scalar arguments.
 C_TYPES = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "long long": ctypes.c_longlong,
            "unsigned long long": ctypes.c_ulonglong, "float": ctypes.c_float}
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` (cuda.h): an attribute id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h): what ``cuLaunchKernelEx`` launches with."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attributes", ctypes.POINTER(LaunchAttribute)),
+                ("attribute_count", ctypes.c_uint)]
 
 
 class NativeRecord(BaseModel):
@@ -349,6 +365,8 @@ _DRIVER_FUNCTIONS = {
     "cuModuleGetGlobal_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
                              ctypes.c_char_p],
     "cuMemcpyDtoH_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t],
+    "cuLaunchKernelEx": [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                         ctypes.c_void_p],
 }
 DRIVER_LIBRARY = "libcuda.so.1"
 
@@ -493,19 +511,35 @@ def kernel_for(source: str, kernel: str, defines: tuple[str, ...], device: int, 
     return loaded
 
 
+def programmatic_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int
+                        ) -> tuple[LaunchConfig, LaunchAttribute]:
+    """The ``cuLaunchKernelEx`` configuration of a programmatic dependent launch (its stream filled in per launch),
+    and the attribute it points to (keep both alive together): the kernel may start while the kernel before it on
+    the stream finishes, and waits for it where it executes ``griddepcontrol.wait``."""
+    attribute = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, None,
+                          ctypes.pointer(attribute), 1)
+    return config, attribute
+
+
 class PreparedLaunch:
     """One launch of a loaded native kernel with everything fixed but its pointer arguments: ``__call__(*addresses,
     stream=None)`` launches it with the integer ``addresses`` of its pointer parameters ``pointer_names`` (in the
     kernel's order; ``taking`` reorders them), on ``stream`` or the device's current one. ``name`` says what it
     launches (a replayed call's recorded launches are matched by it). The scalar arguments are converted once, here,
-    so a replayed call only fills in its addresses."""
+    so a replayed call only fills in its addresses. ``programmatic``: a programmatic dependent launch
+    (``programmatic_config``; the kernel must wait with ``griddepcontrol.wait`` before it reads what the kernel
+    before it writes)."""
 
-    __slots__ = ("_arguments", "_lock", "_pointers", "_scalars", "block", "grid", "kernel", "name", "pointer_names",
-                 "shared_bytes")
+    __slots__ = ("_arguments", "_config", "_lock", "_pointers", "_scalars", "block", "grid", "kernel", "name",
+                 "pointer_names", "shared_bytes")
 
     def __init__(self, name: str, kernel: LoadedKernel, grid: tuple[int, int, int], block: tuple[int, int, int],
-                 shared_bytes: int, pointer_names: tuple[str, ...], scalars: tuple[tuple[str, str, int], ...]):
+                 shared_bytes: int, pointer_names: tuple[str, ...], scalars: tuple[tuple[str, str, int], ...],
+                 programmatic: bool = False):
         self.name, self.kernel, self.grid, self.block, self.shared_bytes = name, kernel, grid, block, shared_bytes
+        self._config = programmatic_config(grid, block, shared_bytes) if programmatic else None
         self.pointer_names = pointer_names
         self._pointers = [ctypes.c_void_p() for _ in pointer_names]
         self._scalars = [C_TYPES[ctype](value) for _, ctype, value in scalars]
@@ -535,8 +569,20 @@ class PreparedLaunch:
                 with _in_context(kernel.device):
                     self._launch(lib, stream)
 
+    @property
+    def programmatic(self) -> bool:
+        """Whether it is a programmatic dependent launch."""
+        return self._config is not None
+
     def _launch(self, lib, stream: int) -> None:
         grid, block = self.grid, self.block
+        if self._config is not None:
+            config = self._config[0]
+            config.stream = stream
+            check(lib.cuLaunchKernelEx(ctypes.byref(config), self.kernel.function, self._arguments, None),
+                  f"cuLaunchKernelEx({self.kernel.kernel}, grid {grid}, block {block}, {self.shared_bytes} B shared, "
+                  "programmatic)")
+            return
         check(lib.cuLaunchKernel(self.kernel.function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                                  self.shared_bytes, ctypes.c_void_p(stream), self._arguments, None),
               f"cuLaunchKernel({self.kernel.kernel}, grid {grid}, block {block}, {self.shared_bytes} B shared)")

@@ -563,7 +563,37 @@ def test_selection_through_native_equals_selection_through_triton(monkeypatch, c
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_selection_through_native_in_a_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("rows, columns", [(16, 67072), (4096, 8192)])
+def test_a_programmatic_launch_waits_for_the_kernel_before_it(rows, columns):
+    """A programmatic dependent launch (``QSA_AITER_TOPK_PDL``) right after the kernel that writes its logits, in a
+    CUDA graph replayed on new logits and lengths: each replay equals the oracle on that replay's inputs."""
+    from qsa_aiter.runtime.registries import native_block_topk
+    from qsa_aiter.tools.timing import capture_graph
+
+    gen = torch.Generator().manual_seed(rows)
+    k = 512
+    source = native_case_logits(gen, rows, columns, "random")
+    logits, visible = torch.empty_like(source), edge_visible(gen, rows, columns, k)
+    out, want = (torch.empty((rows, k), dtype=torch.int32, device="cuda") for _ in range(2))
+
+    def call():
+        torch.mul(source, 3.0, out=logits)  # the producer: the top-k must see all of its writes
+        native_block_topk(logits, visible, out, k, programmatic=True)
+
+    graph, _ = capture_graph(call)
+    for step in range(4):
+        source.copy_(native_case_logits(gen, rows, columns, ("random", "relu", "ties", "random")[step]))
+        visible.copy_(torch.randint(-3, columns + 4, (rows,), generator=gen, dtype=torch.int32))
+        out.fill_(-7)
+        graph.replay()
+        torch_block_topk(source * 3.0, visible, k, want)
+        assert torch.equal(out, want), f"replay {step}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_selection_through_native_in_a_cuda_graph(monkeypatch, pdl):
     from qsa_aiter.tools.timing import capture_graph
     from qsa_aiter.tools.workloads import make_batch
 
@@ -571,6 +601,7 @@ def test_selection_through_native_in_a_cuda_graph(monkeypatch):
     batch = make_batch([40000] * 8, 4, page_size=64, device="cuda", generator=gen)
     q, cache, table, t2r, pos, ctx = batch.args()[:6]
     out = torch.empty((q.shape[0], 2048 + 3), dtype=torch.int32, device="cuda")
+    monkeypatch.setenv("QSA_AITER_TOPK_PDL", pdl)
     _native(monkeypatch)
 
     def call():

@@ -334,6 +334,12 @@ class StandInDriver:
                 self.arguments = [(ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p)).contents.value,
                                    ctypes.cast(params[i], ctypes.POINTER(ctypes.c_int)).contents.value)
                                   for i in range(len(params))]
+            elif name == "cuLaunchKernelEx":  # the configuration as the driver reads it
+                config = args[0]._obj
+                attribute = config.attributes.contents
+                self.config = (tuple(config.grid), tuple(config.block), config.shared_bytes, config.stream,
+                               config.attribute_count, attribute.id, attribute.value[0])
+                self.ex_arguments = args[2]
             elif name == "cuGetErrorName":
                 self._out(args[1], b"CUDA_ERROR_INVALID_VALUE")
             elif name == "cuGetErrorString":
@@ -443,6 +449,39 @@ def test_a_prepared_launch_fills_in_each_calls_addresses(stand_in, monkeypatch):
         spec.record(prepared)
     assert replay.direct_launches(launches, ("native_topk",)) == (prepared,)
     assert replay.direct_launches(launches, ("native_topk", "expand")) is None
+
+
+def test_the_launch_config_structs_are_laid_out_as_in_cuda_h():
+    """``CUlaunchConfig`` and ``CUlaunchAttribute`` as cuda.h (CUDA 12 and 13) lays them out on 64-bit Linux."""
+    config, attribute = native.LaunchConfig, native.LaunchAttribute
+    assert ctypes.sizeof(config) == 56
+    assert (config.shared_bytes.offset, config.stream.offset, config.attributes.offset,
+            config.attribute_count.offset) == (24, 32, 40, 48)
+    assert ctypes.sizeof(attribute) == 72 and attribute.value.offset == 8
+
+
+def test_a_programmatic_launch_goes_through_cuLaunchKernelEx(stand_in):
+    """With ``programmatic`` the launch carries the programmatic-stream-serialization attribute on the call's stream,
+    with the same argument array; without it, ``cuLaunchKernel`` as before."""
+    stand_in.current = 0xC0
+    kernel = native.load_cubin(b"\x7fELF", "topk_cluster4_512", "topk_cluster4_512-x", 0)
+    prepared = native.PreparedLaunch("native_topk", kernel, (144, 1, 1), (512, 1, 1), 1024,
+                                     ("logits", "visible", "out"), (("rows", "int", 36),), programmatic=True)
+    assert prepared.programmatic
+    for stream in (77, 78):
+        stand_in.calls.clear()
+        prepared(0x10, 0x20, 0x30, stream=stream)
+        assert "cuLaunchKernel" not in stand_in.names()
+        assert stand_in.config == ((144, 1, 1), (512, 1, 1), 1024, stream, 1,
+                                   native.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+        params = stand_in.ex_arguments
+        assert [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p)).contents.value for i in range(3)] == \
+            [0x10, 0x20, 0x30]
+    plain = native.PreparedLaunch("native_topk", kernel, (144, 1, 1), (512, 1, 1), 1024,
+                                  ("logits", "visible", "out"), (("rows", "int", 36),))
+    stand_in.calls.clear()
+    plain(0x10, 0x20, 0x30, stream=77)
+    assert not plain.programmatic and "cuLaunchKernelEx" not in stand_in.names()
 
 
 def test_a_failing_driver_call_names_the_call_and_the_error(stand_in):
