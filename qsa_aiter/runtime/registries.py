@@ -261,8 +261,8 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     instead of counting the row's top bits themselves; ``defines``: compile-time switches of the source
     (``NAME=VALUE``; benchmarks of its candidate changes); ``programmatic``: launch it as a programmatic dependent of
     the kernel before it on the stream (compute capability 9.0+; None: as ``QSA_AITER_TOPK_PDL`` says). One launch
-    on the current stream; the kernel is compiled
-    into the JIT cache, or loaded from it, at its first use in a process. A launch whose tensors the kernel takes as
+    on the current stream; the kernel is compiled into the JIT cache, or loaded from it, at its first use in a
+    process. A launch whose tensors the kernel takes as
     they are is recorded (``kernels.spec.record``) for the replay of later calls (one with a histogram or defines is
     not)."""
     rows, columns = logits.shape

@@ -22,9 +22,9 @@ device's primary context (the one torch uses) with ``cuModuleLoadData`` and keep
 needs it and allows a non-portable cluster size where the kernel has one; a ``PreparedLaunch`` holds a launch's
 converted scalars and ``cuLaunchKernel``s it with each call's addresses on torch's current stream, so a launch inside
 ``torch.cuda.graph`` is captured and a replayed call reuses it (``cuLaunchKernelEx`` for a programmatic dependent
-launch). Every driver call's result is checked and a failure raises
-``DriverError`` with the driver's name and text for it. Load before capturing: module loading is not a stream
-operation (warm-up, or one call outside the capture, does it).
+launch). Every driver call's result is checked and a failure raises ``DriverError`` with the driver's name and text
+for it. Load before capturing: module loading is not a stream operation (warm-up, or one call outside the capture,
+does it).
 """
 
 from __future__ import annotations
