@@ -498,6 +498,19 @@ __device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int
         const int q0 = p * piece_q;
         const int q1 = imin(q0 + piece_q, nfull);
         mbar_wait0(bar0 + 8u * p);
+#if TOPK_HIST == 1
+        // No warp-wide step in the histogram: each thread walks its own quads, every key counted unconditionally.
+        for (int q = q0 + threadIdx.x; q < q1; q += BLOCK) {
+            const uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
+            const unsigned k[4] = {f2key(__uint_as_float(t.x)), f2key(__uint_as_float(t.y)),
+                                   f2key(__uint_as_float(t.z)), f2key(__uint_as_float(t.w))};
+            *reinterpret_cast<uint4*>(cache + 4 * q) = make_uint4(k[0], k[1], k[2], k[3]);
+            if (count) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) atomicAdd(&H[k[i] >> 21], 1u);
+            }
+        }
+#else
         for (int qq = q0; qq < q1; qq += BLOCK) {
             const int q = qq + threadIdx.x;
             unsigned k[4] = {0u, 0u, 0u, 0u};
@@ -512,6 +525,7 @@ __device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int
             }
             if (count) hist_quad(H, k, nv, c);
         }
+#endif
     }
     const int rem = len & 3;
     if (rem && threadIdx.x == 0) {  // last partial quad: plain loads
