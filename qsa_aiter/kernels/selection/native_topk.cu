@@ -101,10 +101,10 @@
 #endif
 
 #define TOPK_ALL 0xFFFFFFFFu
-// TOPK_HIST: histogram of a quad of keys.  3 (default) = plain shared atomics, plus one add per
-// warp when all its keys share a digit (protects tie-heavy rows); 1 = plain atomics only.
+// TOPK_HIST: histogram of a quad of keys.  1 (default; timed faster on the H200, docs/selection.md) = plain
+// shared atomics; 3 = plus one add per warp when all its keys share a digit (the former default).
 #ifndef TOPK_HIST
-#define TOPK_HIST 3
+#define TOPK_HIST 1
 #endif
 // TOPK_BULK: on sm_90 the cached row (chunk) is streamed into shared memory with 1-D bulk
 // copies (cp.async.bulk, TMA engine) in up to 16 pieces, each with its own mbarrier; pass 1
@@ -143,7 +143,8 @@ __device__ __forceinline__ long long global_ns() {
 #define TRACE(i) do {} while (0)
 #define TRACE_NS(i) do {} while (0)
 #endif
-// Candidate changes, each off by default until timed on a GPU (benchmarks/native_variants.py sweeps them):
+// Candidate changes (benchmarks/native_variants.py sweeps them).  Each was off until timed on the H200; those
+// timed faster are on by default (native_topk.SWITCH_DEFAULTS: TOPK_KEY_FADD, TOPK_OWNER_ZERO, TOPK_GATHER):
 //   TOPK_KEY_FADD=1    key(x) from bits(x + 0.0f): the add turns -0.0 into +0.0 and leaves every other value, so
 //                      the key is one shift and one logic op (no compare and select for -0.0).
 //   TOPK_OWNER_ZERO=1  a histogram's bins are zeroed by the thread that reads them for the bin search (or pushes
@@ -163,16 +164,16 @@ __device__ __forceinline__ long long global_ns() {
 //   TOPK_CLASSIFY_SKIP=1  the classify pass skips a quad whose largest key is below the threshold bin (most quads
 //                      of a long row) after one comparison, without building its masks.
 #ifndef TOPK_KEY_FADD
-#define TOPK_KEY_FADD 0
+#define TOPK_KEY_FADD 1
 #endif
 #ifndef TOPK_OWNER_ZERO
-#define TOPK_OWNER_ZERO 0
+#define TOPK_OWNER_ZERO 1
 #endif
 #ifndef TOPK_EARLY_COPY
 #define TOPK_EARLY_COPY 0
 #endif
 #ifndef TOPK_GATHER
-#define TOPK_GATHER 0
+#define TOPK_GATHER 1
 #endif
 #ifndef TOPK_FUSED_TOKENS
 #define TOPK_FUSED_TOKENS 0

@@ -57,9 +57,10 @@ TWO_PER_SM_MARGIN = 2 * 1024
 #: Bins of the scorer's per-row histogram the kernels start from: the top 11 bits of the order-preserving key
 #: (``kernels/scoring/histogram.py``).
 HISTOGRAM_BINS = 2048
-#: The source's candidate changes (``native_topk.cu``, "Candidate changes"), each a compile-time switch that is off by
-#: default until timed on a GPU (``benchmarks/native_variants.py``), by name: one at a time, and together (with and
-#: without ``TOPK_HIST=1``'s plain shared atomics in pass 1).
+#: The source's candidate changes (``native_topk.cu``, "Candidate changes"), each a compile-time switch timed by
+#: ``benchmarks/native_variants.py``, by name: one at a time, and together (with and without ``TOPK_HIST=1``'s plain
+#: shared atomics in pass 1). Each was off until timed on the H200; ``SWITCH_DEFAULTS`` has the source's defaults.
+
 CANDIDATE_SWITCHES = {
     "key_fadd": ("TOPK_KEY_FADD=1",),
     "owner_zero": ("TOPK_OWNER_ZERO=1",),
@@ -74,6 +75,9 @@ CANDIDATE_SWITCHES = {
     "all_plain_atomics": ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1",
                           "TOPK_VECTOR_SMEM=1", "TOPK_FUSED_TOKENS=1", "TOPK_CLASSIFY_SKIP=1", "TOPK_HIST=1"),
 }
+#: The defaults of the source's switches: on where the H200 timed them faster (docs/selection.md).
+SWITCH_DEFAULTS = {"TOPK_KEY_FADD": 1, "TOPK_OWNER_ZERO": 1, "TOPK_EARLY_COPY": 0, "TOPK_GATHER": 1,
+                   "TOPK_VECTOR_SMEM": 0, "TOPK_FUSED_TOKENS": 0, "TOPK_CLASSIFY_SKIP": 0, "TOPK_HIST": 1}
 #: Every launch argument after the three pointers is a C ``int``: the kernels compute row offsets in 64 bits, but
 #: columns, the row stride and block_topk must be below 2**31.
 INT_LIMIT = 2**31

@@ -81,13 +81,15 @@ def test_the_source_is_portable_and_self_contained():
 
 
 def test_the_candidate_switches_are_the_sources():
-    """Each candidate switch is a macro of the source, off by default, and listed in its "Candidate changes"."""
+    """Each candidate switch is a macro of the source with the default ``SWITCH_DEFAULTS`` gives it, listed in its
+    "Candidate changes"."""
     names = {define.split("=")[0] for defines in nt.CANDIDATE_SWITCHES.values() for define in defines}
+    assert names == set(nt.SWITCH_DEFAULTS)
     listing = SOURCE[SOURCE.index("// Candidate changes"):SOURCE.index("// shared-memory layout")]
-    for name in names - {"TOPK_HIST"}:
-        assert f"#ifndef {name}\n#define {name} 0\n#endif" in SOURCE, name
-        assert f"//   {name}=1" in listing, name
-    assert "#ifndef TOPK_HIST\n#define TOPK_HIST 3\n#endif" in SOURCE  # plain atomics (1) are the candidate
+    for name, default in nt.SWITCH_DEFAULTS.items():
+        assert f"#ifndef {name}\n#define {name} {default}\n#endif" in SOURCE, name
+        if name != "TOPK_HIST":
+            assert f"//   {name}=1" in listing, name
 
 
 @pytest.mark.skipif(nvrtc.unavailable_reason() is not None and not os.environ.get("CI"),
