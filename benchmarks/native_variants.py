@@ -6,9 +6,9 @@ For each work point (the selection targets' by default) the logits are scored on
 native top-k is timed alone and with the expansion fused into it (the launch ``qsa_select_paged_tokens`` makes after
 scoring), each with ``time_graph`` (CUDA-graph medians, as ``benchmarks/selection.py`` times it), for:
 
-- the plan the op chooses, built as shipped and with each of the source's candidate switches (``SWITCHES``: off by
-  default in ``native_topk.cu`` until measured; ``TOPK_GATHER`` changes the cluster kernels only), one at a time and
-  all together;
+- the plan the op chooses, built as shipped and with each of the source's candidate switches on (``SWITCHES``; the
+  source's defaults are ``native_topk.SWITCH_DEFAULTS``, so a switch already on builds the shipped kernel again;
+  ``TOPK_GATHER`` changes the cluster kernels only), one at a time and all together;
 - the other plans that serve the shape (``other_plans``: the cluster sizes for few long rows, the 256- and
   512-thread row kernels, the uncached row kernel, and the 256-thread one with ``MIN_CANDIDATES`` candidate slots,
   whose smaller shared memory fits five CTAs on a multiprocessor where the row has at most 8192 columns), as
