@@ -28,7 +28,8 @@ from qsa_aiter.tools.inputs import selection_inputs
 
 #: The stage boundaries the source marks (``TRACE(i)``), by number.
 STAGES = {
-    1: "visible read", 2: "zeroing", 3: "pass 1 (load, keys, histogram)", 4: "cluster barrier (0) wait",
+    1: "visible read", 2: "zeroing", 18: "first bulk piece arrived", 19: "last bulk piece arrived",
+    3: "pass 1 (load, keys, histogram)", 4: "cluster barrier (0) wait",
     5: "histogram push + cluster barrier (1)", 6: "threshold bin 1", 7: "classify", 8: "candidate histogram 2",
     9: "second exchange + cluster barrier (2)", 10: "threshold bin 2", 11: "digit 3 (when needed)",
     12: "candidate marks",

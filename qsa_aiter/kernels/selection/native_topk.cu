@@ -158,9 +158,11 @@ __device__ __forceinline__ long long global_ns() {
 //                      alone (two cluster barriers and the second histogram exchange fewer).
 //   TOPK_VECTOR_SMEM=1 16-byte shared-memory accesses where words were: the first zeroing (a quarter of the stores
 //                      and loop trips), and each thread's bins for a bin search (two 16-byte loads instead of 8).
-//   TOPK_FUSED_TOKENS=1  the expansion writes each kept group's tokens where it writes the group (TokenSink): no
-//                      re-read of the row's groups, and in a cluster no barrier before the expansion; one CTA adds
-//                      up the tokens and writes the tail.
+//   TOPK_FUSED_TOKENS_ROWS=1 / TOPK_FUSED_TOKENS_CLUSTERS=1  the row / cluster kernels' expansion writes each kept
+//                      group's tokens where it writes the group (TokenSink): no re-read of the row's groups, and in
+//                      a cluster no barrier before the expansion; one CTA adds up the tokens and writes the tail.
+//   TOPK_PIECE_QUADS=128  the bulk copies' smallest piece in quads (16 bytes): 2 KB, not 8 KB, so the first
+//                      piece arrives and pass 1 starts sooner, with more mbarriers to wait on.
 //   TOPK_CLASSIFY_SKIP=1  the classify pass skips a quad whose largest key is below the threshold bin (most quads
 //                      of a long row) after one comparison, without building its masks.
 #ifndef TOPK_KEY_FADD
@@ -175,14 +177,20 @@ __device__ __forceinline__ long long global_ns() {
 #ifndef TOPK_GATHER
 #define TOPK_GATHER 1
 #endif
-#ifndef TOPK_FUSED_TOKENS
-#define TOPK_FUSED_TOKENS 0
+#ifndef TOPK_FUSED_TOKENS_ROWS
+#define TOPK_FUSED_TOKENS_ROWS 0
+#endif
+#ifndef TOPK_FUSED_TOKENS_CLUSTERS
+#define TOPK_FUSED_TOKENS_CLUSTERS 1
 #endif
 #ifndef TOPK_VECTOR_SMEM
 #define TOPK_VECTOR_SMEM 0
 #endif
 #ifndef TOPK_CLASSIFY_SKIP
 #define TOPK_CLASSIFY_SKIP 0
+#endif
+#ifndef TOPK_PIECE_QUADS
+#define TOPK_PIECE_QUADS 512
 #endif
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
@@ -469,7 +477,7 @@ __device__ __forceinline__ void mbar_fence_init() {
 // separate it from pass_first_bulk, and the zeroing of H from pass_first_bulk's histogram.
 __device__ __forceinline__ int bulk_piece_quads(int len) {
     const int piece_q = ((len >> 2) + TOPK_MAX_PIECES - 1) / TOPK_MAX_PIECES;
-    return piece_q < 512 ? 512 : piece_q;  // >= 8 KB per copy
+    return piece_q < TOPK_PIECE_QUADS ? TOPK_PIECE_QUADS : piece_q;
 }
 __device__ __forceinline__ void bulk_issue(const float* __restrict__ g, int len, unsigned* cache,
                                            unsigned long long* bars) {
@@ -499,6 +507,8 @@ __device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int
         const int q0 = p * piece_q;
         const int q1 = imin(q0 + piece_q, nfull);
         mbar_wait0(bar0 + 8u * p);
+        if (p == 0) TRACE(18);
+        if (p == npieces - 1) TRACE(19);
 #if TOPK_HIST == 1
         // No warp-wide step in the histogram: each thread walks its own quads, every key counted unconditionally.
         for (int q = q0 + threadIdx.x; q < q1; q += BLOCK) {
@@ -632,11 +642,13 @@ __device__ __forceinline__ unsigned tokens_kept(long long g, long long limit, in
     return (unsigned)(c < R ? c : R);
 }
 
-// The fused expansion's tokens written where the groups are (TOPK_FUSED_TOKENS): the group at output slot s keeps
+// The fused expansion's tokens written where the groups are (TOPK_FUSED_TOKENS_*): the group at output slot s keeps
 // its tokens at s*R onwards, since every kept group before it is a lower group and keeps all R (only the group that
 // holds the context's end keeps fewer, and no later group keeps any).  No re-read of the groups, no scan but the
-// one that finds the total for the tail.
+// one that finds the total for the tail.  FUSED false: the output passes write no tokens (compiled out).
+template <bool FUSED>
 struct TokenSink {
+    static constexpr bool fused = FUSED;
     int* trow;        // the row's token indices; nullptr: no fused expansion
     long long limit;  // the request's context length (0 for a bad request), at most TOPK_TOKEN_LIMIT
     long long p;      // the row's position
@@ -644,9 +656,9 @@ struct TokenSink {
     unsigned count;   // tokens this thread wrote
 };
 // The row's token facts (its request's context length, clamped, and its position) where tok != nullptr.
-__device__ __forceinline__ TokenSink token_row(int row, const void* pos, const void* ctx, const void* t2r, int* tok,
-                                               int num_requests, int R, int tok_ld, int idx_wide) {
-    TokenSink t = {nullptr, 0, 0, R, 0u};
+__device__ __forceinline__ TokenSink<true> token_row(int row, const void* pos, const void* ctx, const void* t2r,
+                                                     int* tok, int num_requests, int R, int tok_ld, int idx_wide) {
+    TokenSink<true> t = {nullptr, 0, 0, R, 0u};
     if (tok != nullptr) {
         const long long req = load_index(t2r, row, idx_wide & 4);
         const bool ok = req >= 0 && req < num_requests;
@@ -657,14 +669,14 @@ __device__ __forceinline__ TokenSink token_row(int row, const void* pos, const v
     }
     return t;
 }
-// The sink the output passes write tokens into: the row's with TOPK_FUSED_TOKENS, else none.
-__device__ __forceinline__ TokenSink token_sink(int row, const void* pos, const void* ctx, const void* t2r, int* tok,
-                                                int num_requests, int R, int tok_ld, int idx_wide) {
-#if TOPK_FUSED_TOKENS
-    return token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
-#else
-    return TokenSink{nullptr, 0, 0, R, 0u};
-#endif
+// The sink the output passes write tokens into: the row's where FUSED, else none.
+template <bool FUSED>
+__device__ __forceinline__ TokenSink<FUSED> token_sink(int row, const void* pos, const void* ctx, const void* t2r,
+                                                       int* tok, int num_requests, int R, int tok_ld, int idx_wide) {
+    if constexpr (FUSED)
+        return token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
+    else
+        return TokenSink<false>{nullptr, 0, 0, R, 0u};
 }
 // The tokens of group g at output slot `slot`; how many.  Not inlined: the output passes call it from many unrolled
 // sites, and only for the few kept groups (inlined, it doubles the kernels' code).
@@ -674,10 +686,10 @@ __device__ __noinline__ unsigned write_group_tokens(int* __restrict__ trow, long
     for (unsigned j = 0; j < c; ++j) trow[slot * R + j] = (int)(g * R + j);
     return c;
 }
-__device__ __forceinline__ void put_tokens(TokenSink& t, long long slot, long long g) {
-#if TOPK_FUSED_TOKENS
-    if (t.trow != nullptr) t.count += write_group_tokens(t.trow, t.limit, t.R, slot, g);
-#endif
+template <class Sink>
+__device__ __forceinline__ void put_tokens(Sink& t, long long slot, long long g) {
+    if constexpr (Sink::fused)
+        if (t.trow != nullptr) t.count += write_group_tokens(t.trow, t.limit, t.R, slot, g);
 }
 // After the row's `total` group tokens: the causal tail ((p+1)/R)*R .. p below the context's end, then -1 up to
 // `width`; columns first, first + stride, ... of it.
@@ -696,11 +708,11 @@ __device__ __forceinline__ void write_tail(int* __restrict__ trow, long long p, 
 // Each thread owns EU consecutive quads of a tile of BLOCK*EU quads; a block scan of packed
 // (eq << 16 | gt) counts (<= 4*EU*BLOCK per tile < 65536) gives every element its number of
 // preceding key>T and key==T elements.  base_gt/base_eq: counts before this segment.
-template <int BLOCK, int EU>
+template <int BLOCK, int EU, class Sink>
 __device__ __forceinline__ void pass_emit(const float* __restrict__ g, const unsigned* s, int len, bool vec,
                                           int col0, unsigned T, unsigned e, unsigned base_gt,
                                           unsigned base_eq, int* __restrict__ orow, unsigned K,
-                                          unsigned* s_scan, TokenSink& ts) {
+                                          unsigned* s_scan, Sink& ts) {
     constexpr int NW = BLOCK / WS;
     const int nq = (len + 3) >> 2;
     int parity = 0;
@@ -758,8 +770,8 @@ __device__ __forceinline__ void pass_emit(const float* __restrict__ g, const uns
 }
 
 // Rows with n <= K: 0..n-1 then -1 (scores never read).
-__device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K, int first, int stride,
-                                            TokenSink& ts) {
+template <class Sink>
+__device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K, int first, int stride, Sink& ts) {
     for (int i = first; i < K; i += stride) {
         orow[i] = i < n ? i : -1;
         if (i < n) put_tokens(ts, i, i);
@@ -844,10 +856,10 @@ __device__ __forceinline__ unsigned popc_words(const unsigned* B, int w0, int w1
 
 // Writes the columns of SB (after moving the first e - base_eq ties of TB into it) to
 // orow[base_gt + min(base_eq, e) + rank], in column order.  Thread t owns words [t*W, t*W+W).
-template <int BLOCK>
+template <int BLOCK, class Sink>
 __device__ __forceinline__ void bitmap_emit(unsigned* SB, const unsigned* TB, int nw, unsigned e, unsigned base_gt,
                                             unsigned base_eq, bool ties, int col0, int* __restrict__ orow,
-                                            unsigned* s_scan, TokenSink& ts) {
+                                            unsigned* s_scan, Sink& ts) {
     const int W = (nw + BLOCK - 1) / BLOCK;
     const int w0 = imin(nw, threadIdx.x * W), w1 = imin(nw, w0 + W);
     unsigned tot;
@@ -878,11 +890,11 @@ __device__ __forceinline__ void bitmap_emit(unsigned* SB, const unsigned* TB, in
 
 // ---------------------------------------------------------------------------------------
 // One CTA per row.
-template <int BLOCK, int U>
+template <int BLOCK, int U, class Sink>
 __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const int* __restrict__ visible,
                                          int* __restrict__ out, int rows, int columns, int ld, int K,
                                          int buf_cap, int cached, int vec_ok, int cand_cap,
-                                         const unsigned* __restrict__ hist, TokenSink& ts) {
+                                         const unsigned* __restrict__ hist, Sink& ts) {
     TOPK_DYNAMIC_SMEM(smem_row);
     unsigned* H = smem_row;              // 2048
     unsigned* s_scan = smem_row + 2048;  // 2 x 64
@@ -1026,7 +1038,7 @@ template <int BLOCK>
 __device__ __forceinline__ void expand_row(const int* grow, int K, int row, const void* pos, const void* ctx,
                                            const void* t2r, int* __restrict__ tok, int num_requests, int R,
                                            int width, int tok_ld, int idx_wide, unsigned* s_scan) {
-    const TokenSink facts = token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
+    const TokenSink<true> facts = token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
     const long long limit = facts.limit, p = facts.p;
     const int per = (K + BLOCK - 1) / BLOCK;
     const int i0 = imin(K, threadIdx.x * per), i1 = imin(K, i0 + per);
@@ -1070,18 +1082,18 @@ __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_row);
     wait_for_prior_grid();
     const int row = blockIdx.x;
-    TokenSink ts = token_sink(row, positions, contexts, requests, row < rows ? tokens : nullptr, num_requests, ratio,
-                              tok_ld, idx_wide);
+    auto ts = token_sink<TOPK_FUSED_TOKENS_ROWS != 0>(row, positions, contexts, requests, row < rows ? tokens : nullptr,
+                                                      num_requests, ratio, tok_ld, idx_wide);
     row_topk<BLOCK, 4>(TOPK_ROW_ARGS);
     if (tokens != nullptr && row < rows) {  // block-uniform: every path of row_topk returns here
-#if TOPK_FUSED_TOKENS
-        unsigned total;  // the row's group tokens (every thread wrote its groups' own); then the tail
-        block_excl_scan<BLOCK>(ts.count, total, smem_row + 2048 + 96);
-        write_tail(ts.trow, ts.p, ts.limit, ratio, total, width, threadIdx.x, BLOCK);
-#else
-        __syncthreads();  // the row's groups are written
-        expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
-#endif
+        if constexpr (decltype(ts)::fused) {
+            unsigned total;  // the row's group tokens (every thread wrote its groups' own); then the tail
+            block_excl_scan<BLOCK>(ts.count, total, smem_row + 2048 + 96);
+            write_tail(ts.trow, ts.p, ts.limit, ratio, total, width, threadIdx.x, BLOCK);
+        } else {
+            __syncthreads();  // the row's groups are written
+            expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
+        }
         TRACE(17);
     }
     TRACE(29);
@@ -1176,10 +1188,10 @@ __device__ __forceinline__ void load_loc(const unsigned* S, unsigned (&loc)[NB /
 // gather buffer G (slots reserved with one returning remote add per target); one cluster barrier; then each CTA
 // selects among the cnt1 gathered keys alone (digits 2 and 3 over G), marks its own chunk's selected candidates,
 // counts the lower ranks' from G, and writes its slots.  Every pair is read by every CTA, none by arrival order.
-template <int BLOCK, int CL>
+template <int BLOCK, int CL, class Sink>
 __device__ __forceinline__ long long gather_finish(const unsigned* cache, int len, int start, unsigned b0,
                                                    unsigned krem1, unsigned cnt1, unsigned* SB, unsigned short* cand,
-                                                   int* orow, TokenSink& ts) {
+                                                   int* orow, Sink& ts) {
     TOPK_DYNAMIC_SMEM(smem_cl);
     unsigned* H = smem_cl;
     unsigned* G = smem_cl + CL_GATHER_WORD;
@@ -1260,8 +1272,8 @@ __device__ __forceinline__ long long gather_finish(const unsigned* cache, int le
 }
 #endif
 
-// Which CTA of a cluster writes the row's token tail, and from what (TOPK_FUSED_TOKENS): the highest rank whose chunk
-// starts at or below the context's end (every group before it keeps all R tokens, none after it keeps any).
+// Which CTA of a cluster writes the row's token tail, and from what (TOPK_FUSED_TOKENS_CLUSTERS): the highest rank
+// whose chunk starts at or below the context's end (every group before it keeps all R tokens, none after it any).
 struct CtaTail {
     bool writer;
     long long first_slot;  // this CTA's first output slot
@@ -1273,11 +1285,11 @@ struct CtaTail {
 // reductions from every CTA), scan[128], res[8], base[8], then the chunk's key cache.
 // Cluster barriers: (0) zeroing done before any remote push, (1)-(3) after each pass's pushes,
 // (4) after the per-CTA (gt, eq) counts were pushed to higher ranks.  No remote loads.
-template <int BLOCK, int U, int CL>
+template <int BLOCK, int U, int CL, class Sink>
 __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, const int* __restrict__ visible,
                                              int* __restrict__ out, int rows, int columns, int ld, int K,
                                              int vec_ok, int cap, int cand_cap, const unsigned* __restrict__ hist,
-                                             TokenSink& ts, CtaTail& tail) {
+                                             Sink& ts, CtaTail& tail) {
     TOPK_DYNAMIC_SMEM(smem_cl);
     unsigned* H = smem_cl;
     unsigned* S0 = smem_cl + 2048;
@@ -1528,31 +1540,31 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         int width, int tok_ld, int idx_wide
 #define TOPK_CL_ARGS logits, visible, out, rows, columns, ld, K, vec_ok, cap, cand_cap, histogram, ts, tail
 
-// One cluster per row: the top-k (each CTA writes its chunk's slots), then (with tokens) the row's expansion by
-// the cluster's first CTA once every CTA's groups are visible to it (with TOPK_FUSED_TOKENS each CTA writes its
-// groups' tokens with them, and the tail's CTA the rest).
+// One cluster per row: the top-k (each CTA writes its chunk's slots), then (with tokens) the row's expansion: with
+// TOPK_FUSED_TOKENS_CLUSTERS each CTA writes its groups' tokens with them and the tail's CTA the rest, else the
+// cluster's first CTA expands the row once every CTA's groups are visible to it.
 template <int CL>
 __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_cl);
     wait_for_prior_grid();
     const int row = blockIdx.x / CL;
-    TokenSink ts = token_sink(row, positions, contexts, requests, row < rows ? tokens : nullptr, num_requests, ratio,
-                              tok_ld, idx_wide);
+    auto ts = token_sink<TOPK_FUSED_TOKENS_CLUSTERS != 0>(row, positions, contexts, requests,
+                                                          row < rows ? tokens : nullptr, num_requests, ratio, tok_ld,
+                                                          idx_wide);
     CtaTail tail = {false, 0, -1};
     cluster_topk<512, 4, CL>(TOPK_CL_ARGS);
-#if TOPK_FUSED_TOKENS
-    if (tokens != nullptr && row < rows && tail.writer) {  // uniform over the CTA
-        long long total = tail.total;
-        if (total < 0) {
-            unsigned own;
-            block_excl_scan<512>(ts.count, own, smem_cl + 7168 + 96);
-            total = tail.first_slot * ratio + own;
+    if constexpr (decltype(ts)::fused) {
+        if (tokens != nullptr && row < rows && tail.writer) {  // uniform over the CTA
+            long long total = tail.total;
+            if (total < 0) {
+                unsigned own;
+                block_excl_scan<512>(ts.count, own, smem_cl + 7168 + 96);
+                total = tail.first_slot * ratio + own;
+            }
+            write_tail(ts.trow, ts.p, ts.limit, ratio, total, width, threadIdx.x, 512);
+            TRACE(17);
         }
-        write_tail(ts.trow, ts.p, ts.limit, ratio, total, width, threadIdx.x, 512);
-        TRACE(17);
-    }
-#else
-    if (tokens != nullptr && row < rows) {  // uniform over the cluster: every path of cluster_topk returns here
+    } else if (tokens != nullptr && row < rows) {  // uniform over the cluster: every path of cluster_topk returns here
         __threadfence();
         cluster_sync();
         TRACE(16);
@@ -1560,7 +1572,6 @@ __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
             expand_row<512>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_cl + 7168);
         TRACE(17);
     }
-#endif
     TRACE(29);
     TRACE_NS(31);
 }

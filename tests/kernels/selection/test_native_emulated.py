@@ -75,12 +75,13 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(kind):
         assert torch.equal(_emulated(poisoned, visible, k, plan, histogram=histogram), want), plan.describe()
 
 
-@pytest.mark.parametrize("wide, defines", [(False, ()), (True, ()), (False, ("TOPK_FUSED_TOKENS=1",)),
+@pytest.mark.parametrize("wide, defines", [(False, ()), (True, ()), (False, nt.CANDIDATE_SWITCHES["fused_tokens_rows"]),
+                                           (False, nt.CANDIDATE_SWITCHES["unfused_tokens_clusters"]),
                                            (True, nt.CANDIDATE_SWITCHES["all_plain_atomics"])])
 def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
     """Groups past their request's context, bad request ids, int32 and int64 indices; every plan, with and without
-    the scorer's histogram; the expansion after the top-k as shipped, and written with the groups
-    (``TOPK_FUSED_TOKENS``)."""
+    the scorer's histogram; the expansion after the top-k and written with the groups (``TOPK_FUSED_TOKENS_ROWS`` and
+    ``_CLUSTERS``: the row kernels' default is after, the clusters' with the groups; each built the other way too)."""
     rows, columns, k, ratio, token_topk = 6, 9000, 128, 4, 512
     gen, logits, visible, want = _case("expansion", rows, columns, k, "relu")
     index = torch.int64 if wide else torch.int32
@@ -98,11 +99,12 @@ def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
             assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
 
-@pytest.mark.parametrize("defines", [(), ("TOPK_FUSED_TOKENS=1",), nt.CANDIDATE_SWITCHES["all"]])
+@pytest.mark.parametrize("defines", [(), nt.CANDIDATE_SWITCHES["unfused_tokens_clusters"],
+                                     nt.CANDIDATE_SWITCHES["all"]])
 def test_contexts_that_end_at_a_chunk_boundary(defines):
-    """Contexts ending exactly at, just before and just after the start of a cluster CTA's chunk (the CTA that writes
-    the token tail with ``TOPK_FUSED_TOKENS`` is the highest one whose chunk starts at or below the context's end),
-    and a row of at most ``block_topk`` columns."""
+    """Contexts ending exactly at, just before and just after the start of a cluster CTA's chunk (with
+    ``TOPK_FUSED_TOKENS_CLUSTERS``, the default, the CTA that writes the token tail is the highest one whose chunk
+    starts at or below the context's end), and a row of at most ``block_topk`` columns."""
     rows, columns, k, ratio, token_topk = 5, 9000, 128, 4, 512
     gen, logits, _, _ = _case("boundaries", rows, columns, k, "random")
     visible = torch.tensor([columns] * 4 + [100], dtype=torch.int32)
@@ -147,10 +149,10 @@ def test_the_output_does_not_depend_on_the_threads_order(kind):
             assert torch.equal(_emulated(logits, visible, k, plan, order_seed=seed), want), (plan.describe(), seed)
 
 
-#: The source's candidate switches that change the top-k (``fused_tokens`` changes the expansion only: the expansion
-#: tests run it), each alone and together.
+#: The source's candidate switches that change the top-k (the token switches change the expansion only: the expansion
+#: tests run them), each alone and together.
 SWITCHES = {name: defines for name, defines in nt.CANDIDATE_SWITCHES.items()
-            if name not in ("fused_tokens", "all")}
+            if name not in ("fused_tokens_rows", "unfused_tokens_clusters", "all")}
 
 
 @pytest.mark.parametrize("defines", SWITCHES.values(), ids=SWITCHES.keys())

@@ -89,7 +89,9 @@ def test_the_candidate_switches_are_the_sources():
     for name, default in nt.SWITCH_DEFAULTS.items():
         assert f"#ifndef {name}\n#define {name} {default}\n#endif" in SOURCE, name
         if name != "TOPK_HIST":
-            assert f"//   {name}=1" in listing, name
+            assert re.search(rf"//   (\S+ / )?{name}=\d+ ", listing), name
+    for defines in nt.CANDIDATE_SWITCHES.values():  # every variant differs from the shipped build
+        assert any(int(d.split("=")[1]) != nt.SWITCH_DEFAULTS[d.split("=")[0]] for d in defines), defines
 
 
 @pytest.mark.skipif(nvrtc.unavailable_reason() is not None and not os.environ.get("CI"),
