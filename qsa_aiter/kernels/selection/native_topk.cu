@@ -163,6 +163,9 @@ __device__ __forceinline__ long long global_ns() {
 //                      a cluster no barrier before the expansion; one CTA adds up the tokens and writes the tail.
 //   TOPK_PIECE_QUADS=128  the bulk copies' smallest piece in quads (16 bytes): 2 KB, not 8 KB, so the first
 //                      piece arrives and pass 1 starts sooner, with more mbarriers to wait on.
+//   TOPK_EXPAND_SMEM=1 the row kernels' output passes copy each group into shared memory too, and the expansion
+//                      after the top-k reads them there (no second read of the groups from global memory, no scan
+//                      to place them, a vector store per group); the row's token facts are read at the start.
 //   TOPK_CLASSIFY_SKIP=1  the classify pass skips a quad whose largest key is below the threshold bin (most quads
 //                      of a long row) after one comparison, without building its masks.
 #ifndef TOPK_KEY_FADD
@@ -191,6 +194,9 @@ __device__ __forceinline__ long long global_ns() {
 #endif
 #ifndef TOPK_PIECE_QUADS
 #define TOPK_PIECE_QUADS 512
+#endif
+#ifndef TOPK_EXPAND_SMEM
+#define TOPK_EXPAND_SMEM 1
 #endif
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
@@ -645,15 +651,18 @@ __device__ __forceinline__ unsigned tokens_kept(long long g, long long limit, in
 // The fused expansion's tokens written where the groups are (TOPK_FUSED_TOKENS_*): the group at output slot s keeps
 // its tokens at s*R onwards, since every kept group before it is a lower group and keeps all R (only the group that
 // holds the context's end keeps fewer, and no later group keeps any).  No re-read of the groups, no scan but the
-// one that finds the total for the tail.  FUSED false: the output passes write no tokens (compiled out).
-template <bool FUSED>
+// one that finds the total for the tail.  FUSED false: the output passes write no tokens (compiled out).  COPIES:
+// they copy each group into shared memory at its slot (groups, K words; nullptr: not this launch), from which the
+// row kernels' expansion reads them after the top-k (TOPK_EXPAND_SMEM).
+template <bool FUSED, bool COPIES = false>
 struct TokenSink {
-    static constexpr bool fused = FUSED;
+    static constexpr bool fused = FUSED, copies = COPIES;
     int* trow;        // the row's token indices; nullptr: no fused expansion
     long long limit;  // the request's context length (0 for a bad request), at most TOPK_TOKEN_LIMIT
     long long p;      // the row's position
     int R;
     unsigned count;   // tokens this thread wrote
+    unsigned* groups = nullptr;
 };
 // The row's token facts (its request's context length, clamped, and its position) where tok != nullptr.
 __device__ __forceinline__ TokenSink<true> token_row(int row, const void* pos, const void* ctx, const void* t2r,
@@ -669,14 +678,21 @@ __device__ __forceinline__ TokenSink<true> token_row(int row, const void* pos, c
     }
     return t;
 }
-// The sink the output passes write tokens into: the row's where FUSED, else none.
-template <bool FUSED>
-__device__ __forceinline__ TokenSink<FUSED> token_sink(int row, const void* pos, const void* ctx, const void* t2r,
-                                                       int* tok, int num_requests, int R, int tok_ld, int idx_wide) {
-    if constexpr (FUSED)
-        return token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
-    else
-        return TokenSink<false>{nullptr, 0, 0, R, 0u};
+// The sink the output passes write into: the row's tokens where FUSED; the groups into `groups` (with the row's token
+// facts, read here so that their latency hides under the top-k) where COPIES; else nothing.
+template <bool FUSED, bool COPIES = false>
+__device__ __forceinline__ TokenSink<FUSED, COPIES> token_sink(int row, const void* pos, const void* ctx,
+                                                               const void* t2r, int* tok, int num_requests, int R,
+                                                               int tok_ld, int idx_wide, unsigned* groups = nullptr) {
+    TokenSink<FUSED, COPIES> t = {nullptr, 0, 0, R, 0u};
+    if constexpr (FUSED || COPIES) {
+        const TokenSink<true> facts = token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
+        t.trow = facts.trow;
+        t.limit = facts.limit;
+        t.p = facts.p;
+        if (COPIES && tok != nullptr) t.groups = groups;
+    }
+    return t;
 }
 // The tokens of group g at output slot `slot`; how many.  Not inlined: the output passes call it from many unrolled
 // sites, and only for the few kept groups (inlined, it doubles the kernels' code).
@@ -686,10 +702,13 @@ __device__ __noinline__ unsigned write_group_tokens(int* __restrict__ trow, long
     for (unsigned j = 0; j < c; ++j) trow[slot * R + j] = (int)(g * R + j);
     return c;
 }
+// Group g was written to output slot `slot`: the sink's share of it.
 template <class Sink>
 __device__ __forceinline__ void put_tokens(Sink& t, long long slot, long long g) {
     if constexpr (Sink::fused)
         if (t.trow != nullptr) t.count += write_group_tokens(t.trow, t.limit, t.R, slot, g);
+    if constexpr (Sink::copies)
+        if (t.groups != nullptr) t.groups[slot] = (unsigned)g;
 }
 // After the row's `total` group tokens: the causal tail ((p+1)/R)*R .. p below the context's end, then -1 up to
 // `width`; columns first, first + stride, ... of it.
@@ -1056,6 +1075,26 @@ __device__ __forceinline__ void expand_row(const int* grow, int K, int row, cons
     write_tail(trow, p, limit, R, total, width, threadIdx.x, BLOCK);
 }
 
+// The row's expansion from the groups its sink copied into shared memory (TOPK_EXPAND_SMEM; a barrier after the
+// copies): slot s's tokens start at s*R, as with the fused tokens, so no scan places them, and each thread writes
+// every BLOCK-th token of the first K*R (a warp's stores are consecutive words).
+template <int BLOCK, class Sink>
+__device__ __forceinline__ void expand_copied(const Sink& t, int K, int width, unsigned* s_scan) {
+    const int R = t.R, n = K * R;  // K <= 2048 where groups are copied
+    unsigned mine = 0;
+    for (int w = threadIdx.x; w < n; w += BLOCK) {
+        const int slot = w / R;
+        const long long token = (long long)(int)t.groups[slot] * R + (w - slot * R);  // < 0 for a -1 group
+        if (token >= 0 && token < t.limit) {
+            t.trow[w] = (int)token;
+            ++mine;
+        }
+    }
+    unsigned total;
+    block_excl_scan<BLOCK>(mine, total, s_scan);
+    write_tail(t.trow, t.p, t.limit, R, total, width, threadIdx.x, BLOCK);
+}
+
 // Kernel parameters: the pointers, then the scalars (the launcher passes them in this order).  tok == nullptr: no
 // expansion (positions, contexts, requests and the last five scalars are unread).
 #define TOPK_ROW_PARAMS                                                                          \
@@ -1082,17 +1121,22 @@ __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_row);
     wait_for_prior_grid();
     const int row = blockIdx.x;
-    auto ts = token_sink<TOPK_FUSED_TOKENS_ROWS != 0>(row, positions, contexts, requests, row < rows ? tokens : nullptr,
-                                                      num_requests, ratio, tok_ld, idx_wide);
+    // The groups' copies for the expansion go into H (free once the output pass runs), if K fits it.
+    constexpr bool fused = TOPK_FUSED_TOKENS_ROWS != 0, copies = !fused && TOPK_EXPAND_SMEM != 0;
+    auto ts = token_sink<fused, copies>(row, positions, contexts, requests, row < rows ? tokens : nullptr,
+                                        num_requests, ratio, tok_ld, idx_wide, K <= 2048 ? smem_row : nullptr);
     row_topk<BLOCK, 4>(TOPK_ROW_ARGS);
     if (tokens != nullptr && row < rows) {  // block-uniform: every path of row_topk returns here
-        if constexpr (decltype(ts)::fused) {
+        if constexpr (fused) {
             unsigned total;  // the row's group tokens (every thread wrote its groups' own); then the tail
             block_excl_scan<BLOCK>(ts.count, total, smem_row + 2048 + 96);
             write_tail(ts.trow, ts.p, ts.limit, ratio, total, width, threadIdx.x, BLOCK);
         } else {
-            __syncthreads();  // the row's groups are written
-            expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
+            __syncthreads();  // the row's groups are written (and copied)
+            if (copies && ts.groups != nullptr)
+                expand_copied<BLOCK>(ts, K, width, smem_row + 2048);
+            else
+                expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
         }
         TRACE(17);
     }
