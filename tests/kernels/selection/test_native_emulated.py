@@ -99,6 +99,23 @@ def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
             assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
 
+def test_the_expansion_of_more_groups_than_shared_memory_holds():
+    """``block_topk`` above 2048: the row kernels' expansion reads the groups back from global memory (their copies
+    in shared memory are for at most 2048), and equals the torch expansion."""
+    rows, columns, k, ratio, token_topk = 3, 9000, 2304, 4, 9216
+    gen, logits, visible, want = _case("many groups", rows, columns, k, "relu")
+    requests = torch.arange(rows, dtype=torch.int32)
+    contexts = torch.tensor([4 * columns, 5000, 3 * columns + 2], dtype=torch.int32)
+    positions = torch.randint(0, 4 * columns, (rows,), generator=gen, dtype=torch.int32)
+    want_tokens = torch.empty((rows, token_topk + ratio - 1), dtype=torch.int32)
+    torch_expand_block_indices(want, positions, contexts, requests, ratio, token_topk, want_tokens)
+    for plan in (nt.rows_plan(256, columns, H200), nt.rows_plan(512, columns, H200)):
+        tokens = torch.full_like(want_tokens, -7)
+        groups = _emulated(logits, visible, k, plan,
+                           expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
+        assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
+
+
 @pytest.mark.parametrize("defines", [(), nt.CANDIDATE_SWITCHES["unfused_tokens_clusters"],
                                      nt.CANDIDATE_SWITCHES["all"]])
 def test_contexts_that_end_at_a_chunk_boundary(defines):
