@@ -165,7 +165,8 @@ __device__ __forceinline__ long long global_ns() {
 //                      piece arrives and pass 1 starts sooner, with more mbarriers to wait on.
 //   TOPK_EXPAND_SMEM=1 the row kernels' output passes copy each group into shared memory too, and the expansion
 //                      after the top-k reads them there (no second read of the groups from global memory, no scan
-//                      to place them, a vector store per group); the row's token facts are read at the start.
+//                      to place them, a warp's token stores consecutive); the row's token facts are read at the
+//                      start.
 //   TOPK_CLASSIFY_SKIP=1  the classify pass skips a quad whose largest key is below the threshold bin (most quads
 //                      of a long row) after one comparison, without building its masks.
 #ifndef TOPK_KEY_FADD
