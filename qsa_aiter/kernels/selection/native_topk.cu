@@ -439,7 +439,14 @@ __device__ __forceinline__ void pass_first(const float* __restrict__ g, int len,
             for (int i = 0; i < 4; ++i) k[i] = f2key(v[j][i]);
             if (cache != nullptr && nv[j] > 0)
                 *reinterpret_cast<uint4*>(cache + 4 * q) = make_uint4(k[0], k[1], k[2], k[3]);
+#if TOPK_HIST == 1
+            if (count)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    if (i < nv[j]) atomicAdd(&H[k[i] >> 21], 1u);
+#else
             if (count) hist_quad(H, k, nv[j], c);
+#endif
         }
     }
 }
