@@ -167,6 +167,8 @@ __device__ __forceinline__ long long global_ns() {
 //                      after the top-k reads them there (no second read of the groups from global memory, no scan
 //                      to place them, a warp's token stores consecutive); the row's token facts are read at the
 //                      start.
+//   TOPK_CLASSIFY_FULL_QUADS=1  the classify pass walks the full quads without a mask of valid columns, and the
+//                      last, partial quad after them.
 //   TOPK_CLASSIFY_SKIP=1  the classify pass skips a quad whose largest key is below the threshold bin (most quads
 //                      of a long row) after one comparison, without building its masks.
 #ifndef TOPK_KEY_FADD
@@ -198,6 +200,9 @@ __device__ __forceinline__ long long global_ns() {
 #endif
 #ifndef TOPK_EXPAND_SMEM
 #define TOPK_EXPAND_SMEM 1
+#endif
+#ifndef TOPK_CLASSIFY_FULL_QUADS
+#define TOPK_CLASSIFY_FULL_QUADS 0
 #endif
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
@@ -813,42 +818,59 @@ __device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K
 // histogram the candidates only.  Selected candidates are marked in SB, exact ties (key == T)
 // in TB; the first e ties in column order are moved to SB by a prefix popcount over TB, and a
 // prefix popcount over SB gives every selected column its output slot, in column order.
+// One quad q of the classify pass (keys t; valid: its columns inside the row, as a 4-bit mask).  A quad's four
+// columns are bits 4 (q & 7) .. 4 (q & 7) + 3 of bitmap word q >> 3: one OR per quad, and one counter update per
+// quad holding candidates.
+__device__ __forceinline__ void classify_quad(const uint4 t, int q, unsigned valid, unsigned b0, unsigned thr,
+                                              unsigned want, unsigned* SB, unsigned short* cand, unsigned* s_ncand,
+                                              unsigned& marked) {
+#if TOPK_CLASSIFY_SKIP
+    // Every column marked or listed has top digit >= b0 (thr and want are b0 or above); keys past len may hold
+    // anything, so they can only stop the skip, never cause it.
+    if (umax(umax(t.x, t.y), umax(t.z, t.w)) < (b0 << 21)) return;
+#endif
+    const unsigned d[4] = {t.x >> 21, t.y >> 21, t.z >> 21, t.w >> 21};
+    unsigned kept = 0, listed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        kept |= (d[i] >= thr ? 1u : 0u) << i;
+        listed |= (d[i] == want ? 1u : 0u) << i;
+    }
+    kept &= valid;
+    listed &= valid;
+    if (kept) atomicOr(&SB[q >> 3], kept << (4 * (q & 7)));
+    marked += __popc(kept);
+    if (listed) {
+        unsigned slot = atomicAdd(s_ncand, (unsigned)__popc(listed));
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if ((listed >> i) & 1u) cand[slot++] = (unsigned short)(4 * q + i);
+    }
+}
+
 template <int BLOCK>
 __device__ __forceinline__ unsigned pass_classify(const unsigned* cache, int len, unsigned b0, bool exhausted,
                                                   unsigned* SB, unsigned short* cand, unsigned* s_ncand) {
     unsigned marked = 0;  // the columns this thread marked (callers that need the count use it)
     const unsigned thr = exhausted ? b0 : b0 + 1u;     // mark top digit >= thr
     const unsigned want = exhausted ? 0xFFFFFFFFu : b0;  // list top digit == want (no digit is 0xFFFFFFFF)
+#if TOPK_CLASSIFY_FULL_QUADS
+    // The full quads with no per-quad mask of valid columns; the row's last, partial quad after them.
+    const int nfull = len >> 2;
+#pragma unroll 2
+    for (int q = threadIdx.x; q < nfull; q += BLOCK)
+        classify_quad(*reinterpret_cast<const uint4*>(cache + 4 * q), q, 0xFu, b0, thr, want, SB, cand, s_ncand,
+                      marked);
+    if ((len & 3) && threadIdx.x == nfull % BLOCK)
+        classify_quad(*reinterpret_cast<const uint4*>(cache + 4 * nfull), nfull, (1u << (len & 3)) - 1u, b0, thr,
+                      want, SB, cand, s_ncand, marked);
+#else
     const int nq = (len + 3) >> 2;
 #pragma unroll 2
-    for (int q = threadIdx.x; q < nq; q += BLOCK) {
-        // A quad's four columns are bits 4 (q & 7) .. 4 (q & 7) + 3 of bitmap word q >> 3: one OR per quad, and
-        // one counter update per quad holding candidates.
-        const uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
-#if TOPK_CLASSIFY_SKIP
-        // Every column marked or listed has top digit >= b0 (thr and want are b0 or above); keys past len may hold
-        // anything, so they can only stop the skip, never cause it.
-        if (umax(umax(t.x, t.y), umax(t.z, t.w)) < (b0 << 21)) continue;
+    for (int q = threadIdx.x; q < nq; q += BLOCK)
+        classify_quad(*reinterpret_cast<const uint4*>(cache + 4 * q), q, (1u << quad_valid(len, q)) - 1u, b0, thr,
+                      want, SB, cand, s_ncand, marked);
 #endif
-        const unsigned d[4] = {t.x >> 21, t.y >> 21, t.z >> 21, t.w >> 21};
-        const unsigned valid = (1u << quad_valid(len, q)) - 1u;
-        unsigned kept = 0, listed = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            kept |= (d[i] >= thr ? 1u : 0u) << i;
-            listed |= (d[i] == want ? 1u : 0u) << i;
-        }
-        kept &= valid;
-        listed &= valid;
-        if (kept) atomicOr(&SB[q >> 3], kept << (4 * (q & 7)));
-        marked += __popc(kept);
-        if (listed) {
-            unsigned slot = atomicAdd(s_ncand, (unsigned)__popc(listed));
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                if ((listed >> i) & 1u) cand[slot++] = (unsigned short)(4 * q + i);
-        }
-    }
     return marked;
 }
 
