@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +93,16 @@ def test_the_candidate_switches_are_the_sources():
             assert re.search(rf"//   (\S+ / )?{name}=\d+ ", listing), name
     for defines in nt.CANDIDATE_SWITCHES.values():  # every variant differs from the shipped build
         assert any(int(d.split("=")[1]) != nt.SWITCH_DEFAULTS[d.split("=")[0]] for d in defines), defines
+
+
+def test_the_documented_switch_defaults_are_the_sources():
+    """docs/selection.md's table of the source's switches lists each with its default, in ``SWITCH_DEFAULTS``."""
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "selection.md").read_text()
+    section = doc[doc.index("### The source's switches and their defaults"):]
+    section = section[:section.index("\n### ")]
+    rows = re.findall(r"^\| `(TOPK_\w+)` \| (\d+) \|", section, flags=re.M)
+    assert dict(rows) == {name: str(value) for name, value in nt.SWITCH_DEFAULTS.items()}
+    assert len(rows) == len(nt.SWITCH_DEFAULTS)
 
 
 @pytest.mark.skipif(nvrtc.unavailable_reason() is not None and not os.environ.get("CI"),
