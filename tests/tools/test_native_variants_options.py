@@ -2,19 +2,14 @@
 ``--switches`` (names of ``native_topk.CANDIDATE_SWITCHES``), malformed or unknown ones refused naming the option."""
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from qsa_aiter.kernels.selection import native_topk as nt
 
-_SPEC = importlib.util.spec_from_file_location(
-    "native_variants", Path(__file__).resolve().parents[2] / "benchmarks" / "native_variants.py")
-native_variants = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = native_variants
-_SPEC.loader.exec_module(native_variants)
+import benchmark_scripts
+
+native_variants = benchmark_scripts.load("native_variants")
 
 
 def test_also_builds_are_labelled_define_lists():

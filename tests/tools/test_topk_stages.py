@@ -3,9 +3,7 @@ length, the lane maxima, the floor (the top 16 bits of the K-th largest lane max
 and the number of columns at or above it. Checked against torch on random, tied and ``-inf``-holding rows, rows
 longer than the capacity and rows that fit it. On a GPU where there is one, else under the Triton interpreter."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,11 +11,9 @@ import torch
 
 from qsa_aiter.kernels.selection import topk
 
-_SPEC = importlib.util.spec_from_file_location(
-    "topk_stages", Path(__file__).resolve().parents[2] / "benchmarks" / "topk_stages.py")
-topk_stages = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = topk_stages
-_SPEC.loader.exec_module(topk_stages)
+import benchmark_scripts
+
+topk_stages = benchmark_scripts.load("topk_stages")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_TOPK = 64

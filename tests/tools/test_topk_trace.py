@@ -2,10 +2,7 @@
 traced are left out, each stage timed from the CTA's previous boundary), and the trace build of the native kernels
 compiles for sm_90 with its buffer (NVRTC; CI installs it)."""
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +10,9 @@ import torch
 from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.runtime.jit import nvrtc
 
-_SPEC = importlib.util.spec_from_file_location(
-    "topk_trace", Path(__file__).resolve().parents[2] / "benchmarks" / "topk_trace.py")
-topk_trace = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = topk_trace
-_SPEC.loader.exec_module(topk_trace)
+import benchmark_scripts
+
+topk_trace = benchmark_scripts.load("topk_trace")
 
 
 def test_stage_times():

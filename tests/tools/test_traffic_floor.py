@@ -3,10 +3,7 @@ the scorer stores (``[0, visible)`` of each row, nothing else) and reads every v
 per request, for each cache format, page size, tile width and phase (verify rows of one request, draft rows of
 several). On a GPU where there is one, else under the Triton interpreter."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,11 +12,9 @@ from qsa_aiter.kernels.scoring.base import ScoreArgs
 from qsa_aiter.ops.scoring import describe_call
 from qsa_aiter.tools.workloads import make_batch
 
-_SPEC = importlib.util.spec_from_file_location(
-    "traffic_floor", Path(__file__).resolve().parents[2] / "benchmarks" / "traffic_floor.py")
-traffic_floor = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = traffic_floor  # its dataclass looks its module up there
-_SPEC.loader.exec_module(traffic_floor)
+import benchmark_scripts
+
+traffic_floor = benchmark_scripts.load("traffic_floor")
 
 
 def _word_sums(batch, page_size: int, columns: int) -> torch.Tensor:
