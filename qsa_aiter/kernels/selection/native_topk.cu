@@ -199,7 +199,7 @@ __device__ __forceinline__ long long global_ns() {
 #define TOPK_PIECE_QUADS 512
 #endif
 #ifndef TOPK_EXPAND_SMEM
-#define TOPK_EXPAND_SMEM 1
+#define TOPK_EXPAND_SMEM 0
 #endif
 #ifndef TOPK_CLASSIFY_FULL_QUADS
 #define TOPK_CLASSIFY_FULL_QUADS 0

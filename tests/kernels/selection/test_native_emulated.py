@@ -77,11 +77,13 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(kind):
 
 @pytest.mark.parametrize("wide, defines", [(False, ()), (True, ()), (False, nt.CANDIDATE_SWITCHES["fused_tokens_rows"]),
                                            (False, nt.CANDIDATE_SWITCHES["unfused_tokens_clusters"]),
+                                           (True, nt.CANDIDATE_SWITCHES["expand_from_smem"]),
                                            (True, nt.CANDIDATE_SWITCHES["all_plain_atomics"])])
 def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
     """Groups past their request's context, bad request ids, int32 and int64 indices; every plan, with and without
     the scorer's histogram; the expansion after the top-k and written with the groups (``TOPK_FUSED_TOKENS_ROWS`` and
-    ``_CLUSTERS``: the row kernels' default is after, the clusters' with the groups; each built the other way too)."""
+    ``_CLUSTERS``: the row kernels' default is after, the clusters' with the groups; each built the other way too),
+    and the row kernels' expansion from the groups copied into shared memory (``TOPK_EXPAND_SMEM``)."""
     rows, columns, k, ratio, token_topk = 6, 9000, 128, 4, 512
     gen, logits, visible, want = _case("expansion", rows, columns, k, "relu")
     index = torch.int64 if wide else torch.int32
@@ -99,9 +101,10 @@ def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
             assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
 
-def test_the_expansion_of_more_groups_than_shared_memory_holds():
-    """``block_topk`` above 2048: the row kernels' expansion reads the groups back from global memory (their copies
-    in shared memory are for at most 2048), and equals the torch expansion."""
+@pytest.mark.parametrize("defines", [(), nt.CANDIDATE_SWITCHES["expand_from_smem"]])
+def test_the_expansion_of_more_groups_than_shared_memory_holds(defines):
+    """``block_topk`` above 2048: the row kernels' expansion reads the groups back from global memory (with
+    ``TOPK_EXPAND_SMEM`` their copies in shared memory are for at most 2048), and equals the torch expansion."""
     rows, columns, k, ratio, token_topk = 3, 9000, 2304, 4, 9216
     gen, logits, visible, want = _case("many groups", rows, columns, k, "relu")
     requests = torch.arange(rows, dtype=torch.int32)
@@ -111,7 +114,7 @@ def test_the_expansion_of_more_groups_than_shared_memory_holds():
     torch_expand_block_indices(want, positions, contexts, requests, ratio, token_topk, want_tokens)
     for plan in (nt.rows_plan(256, columns, H200), nt.rows_plan(512, columns, H200)):
         tokens = torch.full_like(want_tokens, -7)
-        groups = _emulated(logits, visible, k, plan,
+        groups = _emulated(logits, visible, k, plan, defines=defines,
                            expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
         assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
@@ -169,7 +172,7 @@ def test_the_output_does_not_depend_on_the_threads_order(kind):
 #: The source's candidate switches that change the top-k (the token switches change the expansion only: the expansion
 #: tests run them), each alone and together.
 SWITCHES = {name: defines for name, defines in nt.CANDIDATE_SWITCHES.items()
-            if name not in ("fused_tokens_rows", "unfused_tokens_clusters", "all")}
+            if name not in ("fused_tokens_rows", "unfused_tokens_clusters", "expand_from_smem", "all")}
 
 
 @pytest.mark.parametrize("defines", SWITCHES.values(), ids=SWITCHES.keys())
