@@ -444,14 +444,7 @@ __device__ __forceinline__ void pass_first(const float* __restrict__ g, int len,
             for (int i = 0; i < 4; ++i) k[i] = f2key(v[j][i]);
             if (cache != nullptr && nv[j] > 0)
                 *reinterpret_cast<uint4*>(cache + 4 * q) = make_uint4(k[0], k[1], k[2], k[3]);
-#if TOPK_HIST == 1
-            if (count)
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    if (i < nv[j]) atomicAdd(&H[k[i] >> 21], 1u);
-#else
             if (count) hist_quad(H, k, nv[j], c);
-#endif
         }
     }
 }
@@ -678,9 +671,11 @@ struct TokenSink {
     unsigned* groups = nullptr;
 };
 // The row's token facts (its request's context length, clamped, and its position) where tok != nullptr.
-__device__ __forceinline__ TokenSink<true> token_row(int row, const void* pos, const void* ctx, const void* t2r,
-                                                     int* tok, int num_requests, int R, int tok_ld, int idx_wide) {
-    TokenSink<true> t = {nullptr, 0, 0, R, 0u};
+template <bool FUSED = true, bool COPIES = false>
+__device__ __forceinline__ TokenSink<FUSED, COPIES> token_row(int row, const void* pos, const void* ctx,
+                                                              const void* t2r, int* tok, int num_requests, int R,
+                                                              int tok_ld, int idx_wide) {
+    TokenSink<FUSED, COPIES> t = {nullptr, 0, 0, R, 0u};
     if (tok != nullptr) {
         const long long req = load_index(t2r, row, idx_wide & 4);
         const bool ok = req >= 0 && req < num_requests;
@@ -697,15 +692,13 @@ template <bool FUSED, bool COPIES = false>
 __device__ __forceinline__ TokenSink<FUSED, COPIES> token_sink(int row, const void* pos, const void* ctx,
                                                                const void* t2r, int* tok, int num_requests, int R,
                                                                int tok_ld, int idx_wide, unsigned* groups = nullptr) {
-    TokenSink<FUSED, COPIES> t = {nullptr, 0, 0, R, 0u};
     if constexpr (FUSED || COPIES) {
-        const TokenSink<true> facts = token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
-        t.trow = facts.trow;
-        t.limit = facts.limit;
-        t.p = facts.p;
+        auto t = token_row<FUSED, COPIES>(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
         if (COPIES && tok != nullptr) t.groups = groups;
+        return t;
+    } else {
+        return TokenSink<FUSED, COPIES>{nullptr, 0, 0, R, 0u};
     }
-    return t;
 }
 // The tokens of group g at output slot `slot`; how many.  Not inlined: the output passes call it from many unrolled
 // sites, and only for the few kept groups (inlined, it doubles the kernels' code).
@@ -1087,7 +1080,7 @@ template <int BLOCK>
 __device__ __forceinline__ void expand_row(const int* grow, int K, int row, const void* pos, const void* ctx,
                                            const void* t2r, int* __restrict__ tok, int num_requests, int R,
                                            int width, int tok_ld, int idx_wide, unsigned* s_scan) {
-    const TokenSink<true> facts = token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
+    const auto facts = token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
     const long long limit = facts.limit, p = facts.p;
     const int per = (K + BLOCK - 1) / BLOCK;
     const int i0 = imin(K, threadIdx.x * per), i1 = imin(K, i0 + per);
