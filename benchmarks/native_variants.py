@@ -8,7 +8,7 @@ For each work point (the selection targets' by default) the logits are scored on
 native top-k is timed alone and with the expansion fused into it (the launch ``qsa_select_paged_tokens`` makes after
 scoring), each with ``time_graph`` (CUDA-graph medians, as ``benchmarks/selection.py`` times it), for:
 
-- the plan the op chooses, built as shipped and with each of the source's candidate switches on (``SWITCHES``; the
+- the plan the op chooses, built as shipped and with each of the source's candidate switches (``SWITCHES``; the
   variants are builds that differ from the source's defaults, ``native_topk.SWITCH_DEFAULTS``; ``TOPK_GATHER`` and
   ``TOPK_FUSED_TOKENS_CLUSTERS`` change the cluster kernels only), one at a time and all together (``--switches``
   picks some), and any other builds of the source named with ``--also`` (for example ``plain_loads:TOPK_BULK=0``);
