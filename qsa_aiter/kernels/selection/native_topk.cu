@@ -161,8 +161,8 @@ __device__ __forceinline__ long long global_ns() {
 //   TOPK_FUSED_TOKENS_ROWS=1 / TOPK_FUSED_TOKENS_CLUSTERS=1  the row / cluster kernels' expansion writes each kept
 //                      group's tokens where it writes the group (TokenSink): no re-read of the row's groups, and in
 //                      a cluster no barrier before the expansion; one CTA adds up the tokens and writes the tail.
-//   TOPK_PIECE_QUADS=128  the bulk copies' smallest piece in quads (16 bytes): 2 KB, not 8 KB, so the first
-//                      piece arrives and pass 1 starts sooner, with more mbarriers to wait on.
+//   TOPK_PIECE_QUADS=2048  the bulk copies' smallest piece in quads (16 bytes): 32 KB; smaller pieces (512: 8 KB)
+//                      let the first one arrive and pass 1 start sooner, with more copies and mbarriers to wait on.
 //   TOPK_EXPAND_SMEM=1 the row kernels' output passes copy each group into shared memory too, and the expansion
 //                      after the top-k reads them there (no second read of the groups from global memory, no scan
 //                      to place them, a warp's token stores consecutive); the row's token facts are read at the
@@ -196,10 +196,10 @@ __device__ __forceinline__ long long global_ns() {
 #define TOPK_CLASSIFY_SKIP 0
 #endif
 #ifndef TOPK_PIECE_QUADS
-#define TOPK_PIECE_QUADS 512
+#define TOPK_PIECE_QUADS 2048
 #endif
 #ifndef TOPK_EXPAND_SMEM
-#define TOPK_EXPAND_SMEM 0
+#define TOPK_EXPAND_SMEM 1
 #endif
 #ifndef TOPK_CLASSIFY_FULL_QUADS
 #define TOPK_CLASSIFY_FULL_QUADS 0
@@ -794,12 +794,13 @@ __device__ __forceinline__ void pass_emit(const float* __restrict__ g, const uns
     }
 }
 
-// Rows with n <= K: 0..n-1 then -1 (scores never read).
+// Rows with n <= K: 0..n-1 then -1 (scores never read).  A copying sink gets the -1 slots too: its expansion reads
+// all K.
 template <class Sink>
 __device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K, int first, int stride, Sink& ts) {
     for (int i = first; i < K; i += stride) {
         orow[i] = i < n ? i : -1;
-        if (i < n) put_tokens(ts, i, i);
+        if (i < n || Sink::copies) put_tokens(ts, i, i < n ? i : -1);
     }
 }
 

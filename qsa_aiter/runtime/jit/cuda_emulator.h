@@ -359,7 +359,8 @@ inline void thread_entry(int index) {
 }
 
 // Runs `body` as every thread of a grid of `grid` CTAs of `block` threads, `cluster` CTAs a cluster, with
-// `smem_bytes` of dynamic shared memory (filled with 0xA5 bytes: never-written shared memory reads as garbage).
+// `smem_bytes` of dynamic shared memory whose 32-bit word i holds i before the launch writes it: never-written shared
+// memory reads as small plausible integers (a count, a column, a group), as a previous CTA's leftovers do on a GPU.
 // `order_seed` 0 resumes the waiting threads in thread order; another value shuffles the order every round. Returns
 // an empty string, or what went wrong (a deadlock, a bad address, a divergent collective).
 inline std::string run(int grid, int block, int cluster, size_t smem_bytes, void (*body)(void*), void* arg,
@@ -377,7 +378,11 @@ inline std::string run(int grid, int block, int cluster, size_t smem_bytes, void
         l.cluster.live = cluster * block;
         for (int r = 0; r < cluster; ++r) {
             Cta& c = l.cluster.ctas[r];
-            c.smem.assign((smem_bytes + 15) / 16 + 1, uint4{0xA5A5A5A5u, 0xA5A5A5A5u, 0xA5A5A5A5u, 0xA5A5A5A5u});
+            c.smem.resize((smem_bytes + 15) / 16 + 1);
+            for (size_t i = 0; i < c.smem.size(); ++i) {
+                const unsigned w = (unsigned)(4 * i);
+                c.smem[i] = uint4{w, w + 1, w + 2, w + 3};
+            }
             c.smem_bytes = smem_bytes;
             c.rank = r;
             c.cluster = &l.cluster;
