@@ -143,8 +143,8 @@ __device__ __forceinline__ long long global_ns() {
 #define TRACE(i) do {} while (0)
 #define TRACE_NS(i) do {} while (0)
 #endif
-// Candidate changes (benchmarks/native_variants.py sweeps them).  Each was off until timed on the H200; those
-// timed faster are on by default (native_topk.SWITCH_DEFAULTS: TOPK_KEY_FADD, TOPK_OWNER_ZERO, TOPK_GATHER):
+// Candidate changes (benchmarks/native_variants.py sweeps them).  Each was timed against the build then shipped;
+// their defaults below are native_topk.SWITCH_DEFAULTS, tabulated in docs/selection.md with where each was timed:
 //   TOPK_KEY_FADD=1    key(x) from bits(x + 0.0f): the add turns -0.0 into +0.0 and leaves every other value, so
 //                      the key is one shift and one logic op (no compare and select for -0.0).
 //   TOPK_OWNER_ZERO=1  a histogram's bins are zeroed by the thread that reads them for the bin search (or pushes
