@@ -1,13 +1,14 @@
 """Where the native top-k's time goes inside one launch, stage by stage, on a GPU.
 
     python benchmarks/topk_trace.py [--points 9x4@64K-128K,...] [--page 64] [--cache bf16] [--plan cluster4|...]
-                                    [--defines TOPK_GATHER=1,...]
+                                    [--defines TOPK_GATHER=1,...] [--expand]
 
 Each point's logits are scored once (``tools.inputs.selection_inputs``); the kernel the op would launch
 (``native_topk.choose_plan``) is built once more with ``-DTOPK_TRACE=<CTAs>``, which makes thread 0 of every CTA
 store the multiprocessor's clock at the numbered stage boundaries of ``native_topk.cu`` (``TRACE(i)``) and the
 global timer at entry and exit. The traced launch is the last of ``--launches`` back-to-back launches on the same
-logits (as the benchmarks time it) and its output is checked against ``torch_block_topk``. Printed per stage: the
+logits (as the benchmarks time it) and its output is checked against ``torch_block_topk``; ``--expand`` adds the
+fused expansion into the op's token indices (as selection runs it). Printed per stage: the
 median and the largest time across CTAs since the stage before it; then the spread of the CTAs' start times and
 the launch's span (first entry to last exit, global timer). The trace adds a store per stage to thread 0, so the
 traced launch is slightly slower than the untraced kernel.
@@ -21,7 +22,7 @@ import torch
 
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import native_topk as nt
-from qsa_aiter.kernels.selection.reference import torch_block_topk
+from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.runtime.jit import native, nvrtc
 from qsa_aiter.tools.cli_args import add_selection_point_options
 from qsa_aiter.tools.inputs import selection_inputs
@@ -74,11 +75,21 @@ def plan_named(name: str, columns: int, platform: Platform) -> nt.Plan:
 
 
 def trace_point(point, page: int, cache: str, plan_name: str | None, launches: int,
-                defines: tuple[str, ...] = ()) -> None:
+                defines: tuple[str, ...] = (), expand: bool = False) -> None:
     inputs = selection_inputs(point, page, cache)
     logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
     rows, columns = logits.shape
     k = groups.shape[1]
+    batch, tokens = inputs.batch, inputs.picked
+    expansion = None
+    token_pointers = (0, 0, 0, 0)
+    if expand:  # the op's fused expansion into its token indices (int32 metadata)
+        if not all(t.dtype == torch.int32 for t in (batch.query_positions, batch.context_lens,
+                                                     batch.token_to_request)):
+            raise SystemExit("--expand traces int32 metadata only")
+        expansion = nt.Expansion(batch.context_lens.shape[0], batch.compress_ratio, tokens.shape[1], tokens.stride(0))
+        token_pointers = (batch.query_positions.data_ptr(), batch.context_lens.data_ptr(),
+                          batch.token_to_request.data_ptr(), tokens.data_ptr())
     platform = Platform.of(logits.device)
     plan = plan_named(plan_name, columns, platform) if plan_name else nt.choose_plan(rows, columns, k, platform)
     variant = plan.variant
@@ -88,20 +99,28 @@ def trace_point(point, page: int, cache: str, plan_name: str | None, launches: i
                                 name="native_topk.cu")
     kernel = native.load_cubin(built.cubin, variant.name, variant.name + "-trace", logits.device.index or 0,
                                variant.non_portable_cluster)
-    call = nt.launch_arguments(plan, rows, columns, logits.stride(0), k, logits.stride(0) % 4 == 0 or rows == 1)
+    call = nt.launch_arguments(plan, rows, columns, logits.stride(0), k, logits.stride(0) % 4 == 0 or rows == 1,
+                               expansion)
     launch = native.PreparedLaunch("trace", kernel, call.grid, call.block, call.shared_bytes,
                                    tuple(n for n, _ in call.pointers), call.scalars)
     for _ in range(launches):
-        launch(logits.data_ptr(), visible.data_ptr(), groups.data_ptr(), 0, 0, 0, 0, 0)
+        launch(logits.data_ptr(), visible.data_ptr(), groups.data_ptr(), *token_pointers, 0)
     torch.cuda.synchronize()
     expected = torch.empty_like(groups)
     torch_block_topk(logits, visible, k, expected)
     if not torch.equal(groups, expected):
         raise SystemExit(f"{point.name}: the traced kernel differs from torch_block_topk")
+    if expand:
+        expected_tokens = torch.empty_like(tokens)
+        torch_expand_block_indices(expected, batch.query_positions, batch.context_lens, batch.token_to_request,
+                                   expansion.ratio, tokens.shape[1] - expansion.ratio + 1, expected_tokens)
+        if not torch.equal(tokens, expected_tokens):
+            raise SystemExit(f"{point.name}: the traced kernel's tokens differ from torch_expand_block_indices")
     trace = read_trace(kernel, ctas)
     ns_per_cycle, stages = stage_times(trace)
     traced = trace[trace[:, START_NS] > 0]
-    print(f"# {point.name}: {rows} x {columns}, {plan.describe()}{' with ' + ' '.join(defines) if defines else ''}, "
+    print(f"# {point.name}: {rows} x {columns}, {plan.describe()}{' with ' + ' '.join(defines) if defines else ''}"
+          f"{', with the expansion' if expand else ''}, "
           f"{traced.shape[0]} CTAs traced, {ns_per_cycle:.3f} ns per cycle")
     print("point,stage,median_ns,max_ns,ctas")
     for stage, median, largest, ctas_seen in stages:
@@ -119,9 +138,11 @@ def main() -> None:
     ap.add_argument("--plan", default=None, help="a variant (rows_256, rows_512, cluster2/4/8/16); default the op's")
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--defines", default="", help="the source's switches to build with (NAME=VALUE,...)")
+    ap.add_argument("--expand", action="store_true", help="with the fused expansion into the op's token indices")
     a = ap.parse_args()
     for point in a.points:
-        trace_point(point, a.page, a.cache, a.plan, a.launches, tuple(d for d in a.defines.split(",") if d))
+        trace_point(point, a.page, a.cache, a.plan, a.launches, tuple(d for d in a.defines.split(",") if d),
+                    a.expand)
 
 
 if __name__ == "__main__":

@@ -167,10 +167,18 @@ __device__ __forceinline__ long long global_ns() {
 //                      after the top-k reads them there (no second read of the groups from global memory, no scan
 //                      to place them, a warp's token stores consecutive); the row's token facts are read at the
 //                      start.
-//   TOPK_CLASSIFY_FULL_QUADS=1  the classify pass walks the full quads without a mask of valid columns, and the
-//                      last, partial quad after them.
-//   TOPK_CLASSIFY_SKIP=1  the classify pass skips a quad whose largest key is below the threshold bin (most quads
-//                      of a long row) after one comparison, without building its masks.
+//   TOPK_EXPAND_VEC=1  where a group has 4 tokens (R = 4, the model's): the row kernels' expansion stores 16-byte
+//                      aligned blocks of 4 token slots (no division by R per token), and in a row of 16-byte
+//                      aligned tokens a kept group's tokens written with it are one 16-byte store.
+//   TOPK_CLASSIFY_UNITS=1  the row kernels' classify pass gives each thread 16 columns at a time, whose half bitmap
+//                      word it stores alone (no shared atomic per quad) and whose candidates take one counter
+//                      update; 0: a quad at a time, as the clusters' (whose chunks split into fewer, unevenly
+//                      shared units) and as the next two switches change it.
+//   TOPK_CLASSIFY_FULL_QUADS=1  the classify pass a quad at a time (the clusters', and the row kernels' with
+//                      TOPK_CLASSIFY_UNITS=0) walks the full quads without a mask of valid columns, and the last,
+//                      partial quad after them.
+//   TOPK_CLASSIFY_SKIP=1  the classify pass a quad at a time skips a quad whose largest key is below the threshold
+//                      bin (most quads of a long row) after one comparison, without building its masks.
 #ifndef TOPK_KEY_FADD
 #define TOPK_KEY_FADD 1
 #endif
@@ -200,6 +208,12 @@ __device__ __forceinline__ long long global_ns() {
 #endif
 #ifndef TOPK_EXPAND_SMEM
 #define TOPK_EXPAND_SMEM 1
+#endif
+#ifndef TOPK_EXPAND_VEC
+#define TOPK_EXPAND_VEC 1
+#endif
+#ifndef TOPK_CLASSIFY_UNITS
+#define TOPK_CLASSIFY_UNITS 1
 #endif
 #ifndef TOPK_CLASSIFY_FULL_QUADS
 #define TOPK_CLASSIFY_FULL_QUADS 0
@@ -648,6 +662,11 @@ __device__ __forceinline__ int load_group(const int* p) {
 #endif
 }
 
+// A request's context length as read (negative, or past what int32 token indices hold) as the expansion uses it.
+__device__ __forceinline__ long long context_limit(long long read) {
+    return read < 0 ? 0 : (read > TOPK_TOKEN_LIMIT ? TOPK_TOKEN_LIMIT : read);
+}
+
 __device__ __forceinline__ unsigned tokens_kept(long long g, long long limit, int R) {
     if (g < 0 || g * R >= limit) return 0u;  // a group past the context (or a negative id) keeps no token
     const long long c = limit - g * R;
@@ -660,59 +679,100 @@ __device__ __forceinline__ unsigned tokens_kept(long long g, long long limit, in
 // one that finds the total for the tail.  FUSED false: the output passes write no tokens (compiled out).  COPIES:
 // they copy each group into shared memory at its slot (groups, K words; nullptr: not this launch), from which the
 // row kernels' expansion reads them after the top-k (TOPK_EXPAND_SMEM).
+//
+// The row's facts are read in two steps so that no thread waits for them before the top-k: its request and position
+// where the sink is made (at the kernel's start), the request's context length once the row's visible count has
+// arrived (fetch_context: the request id came with it; after a barrier, where no thread waits for it), and the
+// length is first used (limit()) by the output.
+// the output.
 template <bool FUSED, bool COPIES = false>
 struct TokenSink {
     static constexpr bool fused = FUSED, copies = COPIES;
     int* trow;        // the row's token indices; nullptr: no fused expansion
-    long long limit;  // the request's context length (0 for a bad request), at most TOPK_TOKEN_LIMIT
     long long p;      // the row's position
     int R;
     unsigned count;   // tokens this thread wrote
     unsigned* groups = nullptr;
+    long long req = -1;  // the row's request, until fetch_context
+    const void* ctx = nullptr;
+    int num_requests = 0;
+    bool wide_ctx = false;
+    // The request's context length as read (0 for a bad request): its low word (an int32 length's only one) and an
+    // int64 length's high word, each loaded into its own register and joined only where used (an extension or a
+    // move right after the load would wait for it).
+    unsigned ctx_lo = 0u, ctx_hi = 0u;
+
+    __device__ __forceinline__ void fetch_context() {
+        if (trow != nullptr && req >= 0 && req < num_requests) {
+            const unsigned* w = reinterpret_cast<const unsigned*>(ctx) + (wide_ctx ? 2 * req : req);
+            ctx_lo = w[0];
+            if (wide_ctx) ctx_hi = w[1];
+        }
+    }
+    // The context length the expansion keeps tokens below (0 for a bad request, at most TOPK_TOKEN_LIMIT).
+    __device__ __forceinline__ long long limit() const {
+        return context_limit(wide_ctx ? (long long)(((unsigned long long)ctx_hi << 32) | ctx_lo)
+                                      : (long long)(int)ctx_lo);
+    }
 };
-// The row's token facts (its request's context length, clamped, and its position) where tok != nullptr.
+// The row's request and position where tok != nullptr (fetch_context reads the context length).
 template <bool FUSED = true, bool COPIES = false>
-__device__ __forceinline__ TokenSink<FUSED, COPIES> token_row(int row, const void* pos, const void* ctx,
-                                                              const void* t2r, int* tok, int num_requests, int R,
-                                                              int tok_ld, int idx_wide) {
-    TokenSink<FUSED, COPIES> t = {nullptr, 0, 0, R, 0u};
+__device__ __forceinline__ TokenSink<FUSED, COPIES> token_facts(int row, const void* pos, const void* ctx,
+                                                                const void* t2r, int* tok, int num_requests, int R,
+                                                                int tok_ld, int idx_wide) {
+    TokenSink<FUSED, COPIES> t = {nullptr, 0, R, 0u};
     if (tok != nullptr) {
-        const long long req = load_index(t2r, row, idx_wide & 4);
-        const bool ok = req >= 0 && req < num_requests;
-        const long long limit = ok ? load_index(ctx, req, idx_wide & 2) : 0;
-        t.limit = limit < 0 ? 0 : (limit > TOPK_TOKEN_LIMIT ? TOPK_TOKEN_LIMIT : limit);
+        t.req = load_index(t2r, row, idx_wide & 4);
         t.p = load_index(pos, row, idx_wide & 1);
         t.trow = tok + (long long)row * tok_ld;
+        t.ctx = ctx;
+        t.num_requests = num_requests;
+        t.wide_ctx = (idx_wide & 2) != 0;
     }
     return t;
 }
-// The sink the output passes write into: the row's tokens where FUSED; the groups into `groups` (with the row's token
-// facts, read here so that their latency hides under the top-k) where COPIES; else nothing.
+// The sink the output passes write into: the row's tokens where FUSED; the groups into `groups` where COPIES; else
+// nothing.  The caller calls fetch_context once the row's visible count is read.
 template <bool FUSED, bool COPIES = false>
 __device__ __forceinline__ TokenSink<FUSED, COPIES> token_sink(int row, const void* pos, const void* ctx,
                                                                const void* t2r, int* tok, int num_requests, int R,
                                                                int tok_ld, int idx_wide, unsigned* groups = nullptr) {
     if constexpr (FUSED || COPIES) {
-        auto t = token_row<FUSED, COPIES>(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
+        auto t = token_facts<FUSED, COPIES>(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
         if (COPIES && tok != nullptr) t.groups = groups;
         return t;
     } else {
-        return TokenSink<FUSED, COPIES>{nullptr, 0, 0, R, 0u};
+        return TokenSink<FUSED, COPIES>{nullptr, 0, R, 0u};
     }
+}
+// A row of 4-token groups whose token slots are 16-byte aligned (TOPK_EXPAND_VEC).
+__device__ __forceinline__ bool tokens_vec(const int* trow, int R) {
+    return TOPK_EXPAND_VEC && R == 4 && (reinterpret_cast<unsigned long long>(trow) & 15u) == 0;
+}
+// Group g's c tokens at slot `slot` of a row of 4-token groups, 16-byte aligned: one store when all 4 are kept.
+__device__ __forceinline__ void store_group4(int* __restrict__ trow, long long slot, long long g, unsigned c) {
+    const int t0 = (int)(g * 4);
+    if (c == 4u)
+        *reinterpret_cast<int4*>(trow + slot * 4) = make_int4(t0, t0 + 1, t0 + 2, t0 + 3);
+    else
+        for (unsigned j = 0; j < c; ++j) trow[slot * 4 + j] = t0 + (int)j;
 }
 // The tokens of group g at output slot `slot`; how many.  Not inlined: the output passes call it from many unrolled
 // sites, and only for the few kept groups (inlined, it doubles the kernels' code).
 __device__ __noinline__ unsigned write_group_tokens(int* __restrict__ trow, long long limit, int R, long long slot,
                                                     long long g) {
     const unsigned c = tokens_kept(g, limit, R);
-    for (unsigned j = 0; j < c; ++j) trow[slot * R + j] = (int)(g * R + j);
+    if (tokens_vec(trow, R))
+        store_group4(trow, slot, g, c);
+    else
+        for (unsigned j = 0; j < c; ++j) trow[slot * R + j] = (int)(g * R + j);
     return c;
 }
 // Group g was written to output slot `slot`: the sink's share of it.
 template <class Sink>
 __device__ __forceinline__ void put_tokens(Sink& t, long long slot, long long g) {
     if constexpr (Sink::fused)
-        if (t.trow != nullptr) t.count += write_group_tokens(t.trow, t.limit, t.R, slot, g);
+        if (t.trow != nullptr) t.count += write_group_tokens(t.trow, t.limit(), t.R, slot, g);
     if constexpr (Sink::copies)
         if (t.groups != nullptr) t.groups[slot] = (unsigned)g;
 }
@@ -794,13 +854,14 @@ __device__ __forceinline__ void pass_emit(const float* __restrict__ g, const uns
     }
 }
 
-// Rows with n <= K: 0..n-1 then -1 (scores never read).  A copying sink gets the -1 slots too: its expansion reads
-// all K.
+// Rows with n <= K: 0..n-1 then -1 (scores never read).  The sink gets every slot, the -1 ones too (they keep no
+// token; a copying sink's expansion reads all K).
 template <class Sink>
 __device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K, int first, int stride, Sink& ts) {
     for (int i = first; i < K; i += stride) {
-        orow[i] = i < n ? i : -1;
-        if (i < n || Sink::copies) put_tokens(ts, i, i < n ? i : -1);
+        const int g = i < n ? i : -1;
+        orow[i] = g;
+        put_tokens(ts, i, g);
     }
 }
 
@@ -842,12 +903,51 @@ __device__ __forceinline__ void classify_quad(const uint4 t, int q, unsigned val
     }
 }
 
-template <int BLOCK>
+template <int BLOCK, bool UNITS>
 __device__ __forceinline__ unsigned pass_classify(const unsigned* cache, int len, unsigned b0, bool exhausted,
                                                   unsigned* SB, unsigned short* cand, unsigned* s_ncand) {
     unsigned marked = 0;  // the columns this thread marked (callers that need the count use it)
     const unsigned thr = exhausted ? b0 : b0 + 1u;     // mark top digit >= thr
     const unsigned want = exhausted ? 0xFFFFFFFFu : b0;  // list top digit == want (no digit is 0xFFFFFFFF)
+    if constexpr (UNITS) {
+        // A thread a unit of 16 columns (4 quads) at a time: the unit's half of a bitmap word is the thread's own
+        // (one plain 16-bit store, no atomic), and its candidates take one counter update.  Lanes read the quads of
+        // their 64-byte units in a rotated order (lane / 2), so that the 8 lanes of a 16-byte access phase hit 8
+        // distinct bank groups.
+        unsigned short* SBh = reinterpret_cast<unsigned short*>(SB);
+        const int nunits = (len + 15) >> 4, rot = (threadIdx.x % WS) >> 1;
+        for (int u = threadIdx.x; u < nunits; u += BLOCK) {
+            unsigned kept = 0, listed = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int jj = (j + rot) & 3, q = 4 * u + jj;
+                const int nv = quad_valid(len, q);
+                if (nv > 0) {
+                    const uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
+                    const unsigned d[4] = {t.x >> 21, t.y >> 21, t.z >> 21, t.w >> 21};
+                    unsigned k4 = 0, l4 = 0;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        k4 |= (d[i] >= thr ? 1u : 0u) << i;
+                        l4 |= (d[i] == want ? 1u : 0u) << i;
+                    }
+                    const unsigned valid = (1u << nv) - 1u;
+                    kept |= (k4 & valid) << (4 * jj);
+                    listed |= (l4 & valid) << (4 * jj);
+                }
+            }
+            if (kept) SBh[u] = (unsigned short)kept;
+            marked += __popc(kept);
+            if (listed) {
+                unsigned slot = atomicAdd(s_ncand, (unsigned)__popc(listed));
+                do {
+                    cand[slot++] = (unsigned short)(16 * u + __ffs(listed) - 1);
+                    listed &= listed - 1u;
+                } while (listed);
+            }
+        }
+        return marked;
+    }
 #if TOPK_CLASSIFY_FULL_QUADS
     // The full quads with no per-quad mask of valid columns; the row's last, partial quad after them.
     const int nfull = len >> 2;
@@ -858,7 +958,7 @@ __device__ __forceinline__ unsigned pass_classify(const unsigned* cache, int len
     if ((len & 3) && threadIdx.x == nfull % BLOCK)
         classify_quad(*reinterpret_cast<const uint4*>(cache + 4 * nfull), nfull, (1u << (len & 3)) - 1u, b0, thr,
                       want, SB, cand, s_ncand, marked);
-#else
+#else  // a thread a quad at a time
     const int nq = (len + 3) >> 2;
 #pragma unroll 2
     for (int q = threadIdx.x; q < nq; q += BLOCK)
@@ -956,6 +1056,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     TRACE(1);
     int* orow = out + (long long)row * K;
     if (n <= K) {
+        ts.fetch_context();
         write_short(orow, n, K, threadIdx.x, BLOCK, ts);
         return;
     }
@@ -983,6 +1084,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
 #endif
     if (threadIdx.x == 0) s_res[7] = 0u;
     __syncthreads();
+    ts.fetch_context();  // after the barrier: no thread waits for the request id before the row's first loads
     TRACE(2);
 #if TOPK_BULK
     if (cached && vec) {
@@ -1005,7 +1107,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
 #if TOPK_FAST
     if (cached && (cnt1 == krem1 || cnt1 <= (unsigned)cand_cap)) {
         const bool exhausted1 = cnt1 == krem1;
-        pass_classify<BLOCK>(buf, n, b0, exhausted1, SB, cand, s_res + 7);
+        pass_classify<BLOCK, TOPK_CLASSIFY_UNITS != 0>(buf, n, b0, exhausted1, SB, cand, s_res + 7);
         __syncthreads();
         TRACE(7);
         const int nw = (n + 31) >> 5;
@@ -1081,8 +1183,9 @@ template <int BLOCK>
 __device__ __forceinline__ void expand_row(const int* grow, int K, int row, const void* pos, const void* ctx,
                                            const void* t2r, int* __restrict__ tok, int num_requests, int R,
                                            int width, int tok_ld, int idx_wide, unsigned* s_scan) {
-    const auto facts = token_row(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
-    const long long limit = facts.limit, p = facts.p;
+    auto facts = token_facts(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
+    facts.fetch_context();
+    const long long limit = facts.limit(), p = facts.p;
     const int per = (K + BLOCK - 1) / BLOCK;
     const int i0 = imin(K, threadIdx.x * per), i1 = imin(K, i0 + per);
     unsigned mine = 0;
@@ -1099,24 +1202,52 @@ __device__ __forceinline__ void expand_row(const int* grow, int K, int row, cons
     write_tail(trow, p, limit, R, total, width, threadIdx.x, BLOCK);
 }
 
+// Token slot w of a row of 4-token groups copied into shared memory: its token, or -1 where its group keeps none.
+__device__ __forceinline__ int token_at4(const unsigned* groups, long long limit, int w) {
+    const long long token = (long long)(int)groups[w >> 2] * 4 + (w & 3);
+    return token >= 0 && token < limit ? (int)token : -1;
+}
+
 // The row's expansion from the groups its sink copied into shared memory (TOPK_EXPAND_SMEM; a barrier after the
-// copies): slot s's tokens start at s*R, as with the fused tokens, so no scan places them, and each thread writes
-// every BLOCK-th token of the first K*R (a warp's stores are consecutive words).
+// copies): slot s's tokens start at s*R, as with the fused tokens, so no scan places them; a scan counts them for
+// the tail.  With R = 4 (TOPK_EXPAND_VEC) the first K*R slots go in 16-byte aligned blocks of 4 (a warp's
+// consecutive; the words before the first 16-byte boundary and after the last one alone), a slot past the kept
+// tokens with -1 and then the tail's value (after the scan's barriers); else each thread writes every BLOCK-th kept
+// token.
 template <int BLOCK, class Sink>
 __device__ __forceinline__ void expand_copied(const Sink& t, int K, int width, unsigned* s_scan) {
     const int R = t.R, n = K * R;  // K <= 2048 where groups are copied
+    const long long limit = t.limit();
     unsigned mine = 0;
-    for (int w = threadIdx.x; w < n; w += BLOCK) {
-        const int slot = w / R;
-        const long long token = (long long)(int)t.groups[slot] * R + (w - slot * R);  // < 0 for a -1 group
-        if (token >= 0 && token < t.limit) {
-            t.trow[w] = (int)token;
-            ++mine;
+    if (TOPK_EXPAND_VEC && R == 4) {
+        const int head = (int)((0u - (unsigned)(reinterpret_cast<unsigned long long>(t.trow) >> 2)) & 3u);
+        const int blocks = (n - head) >> 2, rest = n - head - 4 * blocks;
+        for (int b = threadIdx.x; b < blocks; b += BLOCK) {
+            const int w = head + 4 * b;
+            const int4 v = make_int4(token_at4(t.groups, limit, w), token_at4(t.groups, limit, w + 1),
+                                     token_at4(t.groups, limit, w + 2), token_at4(t.groups, limit, w + 3));
+            *reinterpret_cast<int4*>(t.trow + w) = v;
+            mine += (v.x >= 0 ? 1u : 0u) + (v.y >= 0 ? 1u : 0u) + (v.z >= 0 ? 1u : 0u) + (v.w >= 0 ? 1u : 0u);
+        }
+        if (threadIdx.x < head || (threadIdx.x >= 4 && threadIdx.x < 4 + rest)) {
+            const int w = threadIdx.x < head ? threadIdx.x : head + 4 * blocks + threadIdx.x - 4;
+            const int v = token_at4(t.groups, limit, w);
+            t.trow[w] = v;
+            mine += v >= 0 ? 1u : 0u;
+        }
+    } else {
+        for (int w = threadIdx.x; w < n; w += BLOCK) {
+            const int slot = w / R;
+            const long long token = (long long)(int)t.groups[slot] * R + (w - slot * R);  // < 0 for a -1 group
+            if (token >= 0 && token < limit) {
+                t.trow[w] = (int)token;
+                ++mine;
+            }
         }
     }
     unsigned total;
     block_excl_scan<BLOCK>(mine, total, s_scan);
-    write_tail(t.trow, t.p, t.limit, R, total, width, threadIdx.x, BLOCK);
+    write_tail(t.trow, t.p, limit, R, total, width, threadIdx.x, BLOCK);
 }
 
 // Kernel parameters: the pointers, then the scalars (the launcher passes them in this order).  tok == nullptr: no
@@ -1154,9 +1285,10 @@ __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
         if constexpr (fused) {
             unsigned total;  // the row's group tokens (every thread wrote its groups' own); then the tail
             block_excl_scan<BLOCK>(ts.count, total, smem_row + 2048 + 96);
-            write_tail(ts.trow, ts.p, ts.limit, ratio, total, width, threadIdx.x, BLOCK);
+            write_tail(ts.trow, ts.p, ts.limit(), ratio, total, width, threadIdx.x, BLOCK);
         } else {
             __syncthreads();  // the row's groups are written (and copied)
+            TRACE(16);
             if (copies && ts.groups != nullptr)
                 expand_copied<BLOCK>(ts, K, width, smem_row + 2048);
             else
@@ -1269,7 +1401,7 @@ __device__ __forceinline__ long long gather_finish(const unsigned* cache, int le
     unsigned* s_base = smem_cl + 7304;  // [0] surely kept columns before this chunk, [2] pairs gathered here
     const unsigned rank = cluster_rank();
     const int lane = threadIdx.x % WS;
-    unsigned marked = pass_classify<BLOCK>(cache, len, b0, false, SB, cand, s_res + 7);
+    unsigned marked = pass_classify<BLOCK, false>(cache, len, b0, false, SB, cand, s_res + 7);
     for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = 0u;  // digit 2's histogram (H's counts were pushed)
 #pragma unroll
     for (int o = 1; o < WS; o <<= 1) {  // the warp's sum reaches its last lane
@@ -1341,11 +1473,16 @@ __device__ __forceinline__ long long gather_finish(const unsigned* cache, int le
 #endif
 
 // Which CTA of a cluster writes the row's token tail, and from what (TOPK_FUSED_TOKENS_CLUSTERS): the highest rank
-// whose chunk starts at or below the context's end (every group before it keeps all R tokens, none after it any).
+// whose chunk starts at or below the context's end (every group before it keeps all R tokens, none after it any),
+// decided after the top-k (writer(), from the sink's limit(): its read hides under the top-k).  A row of at most K
+// columns has next < 0: start is the CTA's rank (the first writes), first_slot the row's columns.
 struct CtaTail {
-    bool writer;
+    int start, next;       // this CTA's chunk of the row's columns, [start, next)
     long long first_slot;  // this CTA's first output slot
-    long long total;       // the row's group tokens where known without a sum (rows of at most K columns), else -1
+    __device__ __forceinline__ bool writer(long long limit, int R, bool last) const {
+        if (next < 0) return start == 0;
+        return (long long)start * R <= limit && (last || (long long)next * R > limit);
+    }
 };
 
 // One cluster of CL CTAs per row.  Shared memory (words): H[2048] local histogram,
@@ -1381,9 +1518,9 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     TRACE(1);
     int* orow = out + (long long)row * K;
     if (n <= K) {  // uniform over the cluster: no DSMEM traffic, every CTA returns here
+        ts.fetch_context();
         write_short(orow, n, K, (int)rank * BLOCK + threadIdx.x, CL * BLOCK, ts);
-        const long long groups_tokens = (long long)n * ts.R;
-        tail = {rank == 0, 0, groups_tokens < ts.limit ? groups_tokens : ts.limit};
+        tail = {(int)rank, -1, n};
         return;
     }
     const int chunk = (((n + CL - 1) / CL) + 3) & ~3;
@@ -1392,11 +1529,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     const int len = end - start;
     const float* g = logits + (long long)row * ld + start;
     const bool vec = vec_ok != 0;
-    {
-        const long long next = imin(n, ((int)rank + 1) * chunk);
-        tail.writer = (long long)start * ts.R <= ts.limit && (rank == CL - 1 || next * ts.R > ts.limit);
-        tail.total = -1;
-    }
+    tail = {start, imin(n, ((int)rank + 1) * chunk), 0};
 
 #if TOPK_BULK
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem_cl + CL_MBAR_WORD);
@@ -1423,11 +1556,13 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         bulk_issue(g, len, cache, bars);
 #endif
         __syncthreads();  // the mbarriers set up, H zeroed
+        ts.fetch_context();  // after the barrier: no thread waits for the request id before the row's first loads
         pass_first_bulk<BLOCK>(g, len, cache, H, bars, count);
     } else
 #endif
     {
         __syncthreads();  // H zeroed before pass 1 counts into it
+        ts.fetch_context();
         pass_first<BLOCK, U>(g, len, vec, cache, H, count);
     }
     if (count) {
@@ -1463,7 +1598,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     // cnt1 is the cluster-wide count, so this branch is uniform over the cluster
     if (cnt1 == krem1 || cnt1 <= (unsigned)cand_cap) {
         const bool exhausted1 = cnt1 == krem1;
-        pass_classify<BLOCK>(cache, len, b0, exhausted1, SB, cand, s_res + 7);
+        pass_classify<BLOCK, false>(cache, len, b0, exhausted1, SB, cand, s_res + 7);
         __syncthreads();
         TRACE(7);
         const int nw = (len + 31) >> 5;
@@ -1619,17 +1754,20 @@ __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
     auto ts = token_sink<TOPK_FUSED_TOKENS_CLUSTERS != 0>(row, positions, contexts, requests,
                                                           row < rows ? tokens : nullptr, num_requests, ratio, tok_ld,
                                                           idx_wide);
-    CtaTail tail = {false, 0, -1};
+    CtaTail tail = {0, 0, 0};
     cluster_topk<512, 4, CL>(TOPK_CL_ARGS);
     if constexpr (decltype(ts)::fused) {
-        if (tokens != nullptr && row < rows && tail.writer) {  // uniform over the CTA
-            long long total = tail.total;
-            if (total < 0) {
+        const long long limit = ts.limit();
+        if (tokens != nullptr && row < rows && tail.writer(limit, ratio, cluster_rank() == CL - 1)) {  // CTA-uniform
+            long long total;
+            if (tail.next < 0) {
+                total = tail.first_slot * ratio < limit ? tail.first_slot * ratio : limit;
+            } else {
                 unsigned own;
                 block_excl_scan<512>(ts.count, own, smem_cl + 7168 + 96);
                 total = tail.first_slot * ratio + own;
             }
-            write_tail(ts.trow, ts.p, ts.limit, ratio, total, width, threadIdx.x, 512);
+            write_tail(ts.trow, ts.p, limit, ratio, total, width, threadIdx.x, 512);
             TRACE(17);
         }
     } else if (tokens != nullptr && row < rows) {  // uniform over the cluster: every path of cluster_topk returns here

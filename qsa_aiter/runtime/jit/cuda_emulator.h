@@ -42,8 +42,12 @@ struct alignas(16) uint4 {
 struct alignas(16) float4 {
     float x, y, z, w;
 };
+struct alignas(16) int4 {
+    int x, y, z, w;
+};
 static_assert(sizeof(uint4) == 16, "uint4 is four words");
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
 
 inline unsigned __float_as_uint(float f) {
     unsigned u;

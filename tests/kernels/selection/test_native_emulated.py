@@ -78,19 +78,24 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(kind):
 @pytest.mark.parametrize("wide, defines", [(False, ()), (True, ()), (False, nt.CANDIDATE_SWITCHES["fused_tokens_rows"]),
                                            (False, nt.CANDIDATE_SWITCHES["unfused_tokens_clusters"]),
                                            (True, nt.CANDIDATE_SWITCHES["expand_from_global"]),
+                                           (False, nt.CANDIDATE_SWITCHES["scalar_tokens"]),
                                            (True, nt.CANDIDATE_SWITCHES["all_plain_atomics"])])
 def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
     """Groups past their request's context, bad request ids, int32 and int64 indices; every plan, with and without
     the scorer's histogram; the expansion after the top-k and written with the groups (``TOPK_FUSED_TOKENS_ROWS`` and
     ``_CLUSTERS``: the row kernels' default is after, the clusters' with the groups; each built the other way too),
     and the row kernels' expansion from the groups copied into shared memory (``TOPK_EXPAND_SMEM``, the default) and
-    read back from global memory; rows with fewer groups than ``k`` in requests with tokens."""
+    read back from global memory; 16-byte token stores where a row's tokens are aligned (every fourth row here) and
+    word stores elsewhere (``TOPK_EXPAND_VEC``), and word stores only; rows with fewer groups than ``k`` in requests
+    with tokens."""
     rows, columns, k, ratio, token_topk = 8, 9000, 128, 4, 512
     gen, logits, visible, want = _case("expansion", rows, columns, k, "relu")
     index = torch.int64 if wide else torch.int32
     # rows 4 and 5 (visible 0 and 3: fewer groups than k) in requests with tokens; rows 6 and 7 in bad requests
     requests = torch.tensor([0, 1, 2, 3, 4, 2, -1, 5]).to(index)
-    contexts = torch.tensor([4 * columns, 100, 3 * columns + 2, 0, 4 * columns]).to(index)
+    # request 2's context ends inside row 2's sixth group: that group keeps 2 of its tokens, the later ones none
+    assert int(want[2, 5]) >= 0
+    contexts = torch.tensor([4 * columns, 100, 4 * int(want[2, 5]) + 2, 0, 4 * columns]).to(index)
     positions = torch.randint(-1, 4 * columns, (rows,), generator=gen).to(index)
     want_tokens = torch.empty((rows, token_topk + ratio - 1), dtype=torch.int32)
     torch_expand_block_indices(want, positions, contexts, requests, ratio, token_topk, want_tokens)
@@ -174,7 +179,8 @@ def test_the_output_does_not_depend_on_the_threads_order(kind):
 #: The source's candidate switches that change the top-k (the token switches change the expansion only: the expansion
 #: tests run them), each alone and together.
 SWITCHES = {name: defines for name, defines in nt.CANDIDATE_SWITCHES.items()
-            if name not in ("fused_tokens_rows", "unfused_tokens_clusters", "expand_from_global", "all")}
+            if name not in ("fused_tokens_rows", "unfused_tokens_clusters", "expand_from_global", "scalar_tokens",
+                            "all")}
 
 
 @pytest.mark.parametrize("defines", SWITCHES.values(), ids=SWITCHES.keys())
