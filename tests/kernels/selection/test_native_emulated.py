@@ -85,9 +85,9 @@ def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
     the scorer's histogram; the expansion after the top-k and written with the groups (``TOPK_FUSED_TOKENS_ROWS`` and
     ``_CLUSTERS``: the row kernels' default is after, the clusters' with the groups; each built the other way too),
     and the row kernels' expansion from the groups copied into shared memory (``TOPK_EXPAND_SMEM``, the default) and
-    read back from global memory; 16-byte token stores where a row's tokens are aligned (every fourth row here) and
-    word stores elsewhere (``TOPK_EXPAND_VEC``), and word stores only; rows with fewer groups than ``k`` in requests
-    with tokens."""
+    read back from global memory; 16-byte token stores (``TOPK_EXPAND_VEC``: the row kernels' aligned blocks of
+    every row, the clusters' groups in rows whose tokens are 16-byte aligned, every fourth row here) and word stores
+    only; a context that ends inside a selected group; rows with fewer groups than ``k`` in requests with tokens."""
     rows, columns, k, ratio, token_topk = 8, 9000, 128, 4, 512
     gen, logits, visible, want = _case("expansion", rows, columns, k, "relu")
     index = torch.int64 if wide else torch.int32
