@@ -684,7 +684,6 @@ __device__ __forceinline__ unsigned tokens_kept(long long g, long long limit, in
 // where the sink is made (at the kernel's start), the request's context length once the row's visible count has
 // arrived (fetch_context: the request id came with it; after a barrier, where no thread waits for it), and the
 // length is first used (limit()) by the output.
-// the output.
 template <bool FUSED, bool COPIES = false>
 struct TokenSink {
     static constexpr bool fused = FUSED, copies = COPIES;
@@ -873,6 +872,22 @@ __device__ __forceinline__ void write_short(int* __restrict__ orow, int n, int K
 // histogram the candidates only.  Selected candidates are marked in SB, exact ties (key == T)
 // in TB; the first e ties in column order are moved to SB by a prefix popcount over TB, and a
 // prefix popcount over SB gives every selected column its output slot, in column order.
+// The 4-bit masks of a quad's keys (t; valid: its columns inside the row) whose top digit is >= thr (kept) and
+// == want (listed).
+__device__ __forceinline__ void quad_masks(const uint4 t, unsigned valid, unsigned thr, unsigned want, unsigned& kept,
+                                           unsigned& listed) {
+    const unsigned d[4] = {t.x >> 21, t.y >> 21, t.z >> 21, t.w >> 21};
+    kept = 0;
+    listed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        kept |= (d[i] >= thr ? 1u : 0u) << i;
+        listed |= (d[i] == want ? 1u : 0u) << i;
+    }
+    kept &= valid;
+    listed &= valid;
+}
+
 // One quad q of the classify pass (keys t; valid: its columns inside the row, as a 4-bit mask).  A quad's four
 // columns are bits 4 (q & 7) .. 4 (q & 7) + 3 of bitmap word q >> 3: one OR per quad, and one counter update per
 // quad holding candidates.
@@ -884,15 +899,8 @@ __device__ __forceinline__ void classify_quad(const uint4 t, int q, unsigned val
     // anything, so they can only stop the skip, never cause it.
     if (umax(umax(t.x, t.y), umax(t.z, t.w)) < (b0 << 21)) return;
 #endif
-    const unsigned d[4] = {t.x >> 21, t.y >> 21, t.z >> 21, t.w >> 21};
-    unsigned kept = 0, listed = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        kept |= (d[i] >= thr ? 1u : 0u) << i;
-        listed |= (d[i] == want ? 1u : 0u) << i;
-    }
-    kept &= valid;
-    listed &= valid;
+    unsigned kept, listed;
+    quad_masks(t, valid, thr, want, kept, listed);
     if (kept) atomicOr(&SB[q >> 3], kept << (4 * (q & 7)));
     marked += __popc(kept);
     if (listed) {
@@ -923,17 +931,10 @@ __device__ __forceinline__ unsigned pass_classify(const unsigned* cache, int len
                 const int jj = (j + rot) & 3, q = 4 * u + jj;
                 const int nv = quad_valid(len, q);
                 if (nv > 0) {
-                    const uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
-                    const unsigned d[4] = {t.x >> 21, t.y >> 21, t.z >> 21, t.w >> 21};
-                    unsigned k4 = 0, l4 = 0;
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        k4 |= (d[i] >= thr ? 1u : 0u) << i;
-                        l4 |= (d[i] == want ? 1u : 0u) << i;
-                    }
-                    const unsigned valid = (1u << nv) - 1u;
-                    kept |= (k4 & valid) << (4 * jj);
-                    listed |= (l4 & valid) << (4 * jj);
+                    unsigned k4, l4;
+                    quad_masks(*reinterpret_cast<const uint4*>(cache + 4 * q), (1u << nv) - 1u, thr, want, k4, l4);
+                    kept |= k4 << (4 * jj);
+                    listed |= l4 << (4 * jj);
                 }
             }
             if (kept) SBh[u] = (unsigned short)kept;
