@@ -50,8 +50,7 @@ def edge_visible(gen, tokens: int, columns: int, k: int, device: str = "cuda") -
 
 def native_plans(rows: int, columns: int, k: int, platform: Platform | None = None) -> list[nt.Plan]:
     """Every plan that can serve the shape on ``platform`` (default this GPU): both row kernels cached (and with an
-    8-entry candidate list, which forces the full-scan path), uncached with the full and an 8-key buffer, persistent
-    grids of 2 and 3 CTAs (each CTA several rows, the next row's copies started under the one before), every
+    8-entry candidate list, which forces the full-scan path), uncached with the full and an 8-key buffer, every
     cluster size."""
     platform = platform or Platform.of(torch.device("cuda"))
     plans = []
@@ -60,8 +59,6 @@ def native_plans(rows: int, columns: int, k: int, platform: Platform | None = No
         plans += [cached, dataclasses.replace(cached, candidates=8)]
         plans += [nt.rows_plan(threads, columns, platform, cached=False),
                   nt.rows_plan(threads, columns, platform, cached=False, buffer=8)]
-        plans += [dataclasses.replace(cached, ctas=2 if threads == 256 else 3),
-                  dataclasses.replace(cached, candidates=8, ctas=3 if threads == 256 else 2)]
     if platform.capability >= (9, 0):
         for size in (2, 4, 8, 16):
             plan = nt.cluster_plan(size, columns, platform)

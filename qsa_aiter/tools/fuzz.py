@@ -37,7 +37,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -300,8 +300,6 @@ def run_native_topk(logits: torch.Tensor, visible: torch.Tensor, k: int, out: to
     platform = Platform.of(logits.device) if on_gpu else EMULATED_PLATFORM
     draw = Draw(seed * 7919 + 17)
     plan = draw.pick(list(native_topk.plans_for(logits.shape[0], logits.shape[1], k, platform).values()))
-    if plan.ctas:  # a persistent grid of fewer CTAs than the case's rows, where it has several
-        plan = replace(plan, ctas=draw.int(1, max(1, logits.shape[0] - 1)))
     if on_gpu:
         registries.native_block_topk(logits, visible, out, k, plan=plan)
     else:

@@ -179,9 +179,6 @@ __device__ __forceinline__ long long global_ns() {
 //                      partial quad after them.
 //   TOPK_CLASSIFY_SKIP=1  the classify pass a quad at a time skips a quad whose largest key is below the threshold
 //                      bin (most quads of a long row) after one comparison, without building its masks.
-//   TOPK_ROW_PREFETCH=1  a row kernel launched with fewer CTAs than rows (each CTA takes rows blockIdx.x,
-//                      blockIdx.x + gridDim.x, ...) starts its next row's bulk copies as soon as the row before no
-//                      longer reads the key cache, under that row's output and expansion; 0: at the row's start.
 #ifndef TOPK_KEY_FADD
 #define TOPK_KEY_FADD 1
 #endif
@@ -221,9 +218,6 @@ __device__ __forceinline__ long long global_ns() {
 #ifndef TOPK_CLASSIFY_FULL_QUADS
 #define TOPK_CLASSIFY_FULL_QUADS 0
 #endif
-#ifndef TOPK_ROW_PREFETCH
-#define TOPK_ROW_PREFETCH 1
-#endif
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
 #define CL_FIXED_WORDS 7344    // H[2048] | S0[2048] | S1[2048] | S2[1024] | scan[128] | res[8] | base[8] | mbarriers[16 x u64] | cache...
@@ -234,7 +228,6 @@ __device__ __forceinline__ long long global_ns() {
 #define CL_GATHER_PAIRS 1520
 #define CL_GATHER_OFFSETS_WORD 7152
 #define ROW_MBAR_WORD 2184     // the row kernels' mbarriers: words [ROW_MBAR_WORD, ROW_FIXED_WORDS)
-#define ROW_LOOP_WORD 2180     // a persistent row kernel's row with its prefetch flag: res[4]
 
 // ---------------------------------------------------------------------------------------
 // warp primitives
@@ -1041,43 +1034,11 @@ __device__ __forceinline__ void bitmap_emit(unsigned* SB, const unsigned* TB, in
 
 // ---------------------------------------------------------------------------------------
 // One CTA per row.
-// A persistent row kernel's prefetch (TOPK_ROW_PREFETCH): thread 0 starts the bulk copies of the CTA's next row
-// (`next`, n_next columns; -1: none) into the key cache, where that row will take the bulk pass 1 (`bulk`: the
-// plan caches rows and they are 16-byte aligned; more than K columns).  Called after a barrier that ends this
-// row's reads of the cache, so that the copies' latency passes under this row's output and expansion.  Returns
-// whether it started them (block-uniform).
-__device__ __forceinline__ bool row_prefetch(const float* __restrict__ logits, const int* __restrict__ visible,
-                                             int rows, int columns, int ld, int K, bool bulk, unsigned* cache,
-                                             unsigned* bars, const unsigned* s_row) {
-#if TOPK_BULK && TOPK_ROW_PREFETCH
-    if (!bulk || threadIdx.x != 0) return false;
-    const int row = (int)(*s_row >> 1);
-    if (rows - row <= (int)gridDim.x) return false;
-    const int next = row + (int)gridDim.x;
-    int n_next = visible[next];
-    n_next = n_next < 0 ? 0 : (n_next > columns ? columns : n_next);
-    if (n_next <= K) return false;
-    bulk_issue(logits + (long long)next * ld, n_next, cache, reinterpret_cast<unsigned long long*>(bars));
-    return true;
-#else
-    return false;
-#endif
-}
-
-// Thread 0 of a row kernel: whether the CTA's row before this one started this row's bulk copies (row_prefetch).
-// Only thread 0 issues copies, so only it asks.
-__device__ __forceinline__ bool row_copies_started(const unsigned* smem_row) {
-    return threadIdx.x == 0 && (smem_row[ROW_LOOP_WORD] & 1u) != 0u;
-}
-
-// One row of a row kernel's loop (the kernel's word ROW_LOOP_WORD: the row shifted left by one, bit 0 set where the
-// CTA's row before it started this row's bulk copies, row_prefetch).  Returns, in thread 0, whether this row
-// started the copies of the CTA's next row, row + gridDim.x (false in the others).
 template <int BLOCK, int U, class Sink>
-__device__ __forceinline__ bool row_topk(const float* __restrict__ logits, const int* __restrict__ visible,
+__device__ __forceinline__ void row_topk(const float* __restrict__ logits, const int* __restrict__ visible,
                                          int* __restrict__ out, int rows, int columns, int ld, int K,
                                          int buf_cap, int cached, int vec_ok, int cand_cap,
-                                         const unsigned* __restrict__ hist, int row, Sink& ts) {
+                                         const unsigned* __restrict__ hist, Sink& ts) {
     TOPK_DYNAMIC_SMEM(smem_row);
     unsigned* H = smem_row;              // 2048
     unsigned* s_scan = smem_row + 2048;  // 2 x 64
@@ -1089,23 +1050,19 @@ __device__ __forceinline__ bool row_topk(const float* __restrict__ logits, const
     unsigned* buf = SB + nwcap + (cand_cap >> 1);
     TRACE_NS(30);
     TRACE(0);
+    const int row = blockIdx.x;
+    if (row >= rows) return;
     int n = visible[row];
     n = n < 0 ? 0 : (n > columns ? columns : n);
     TRACE(1);
     int* orow = out + (long long)row * K;
-    const bool vec = vec_ok != 0;
-    // The next row's copies go into the key cache once this row no longer reads it (a barrier before each call).
-    auto prefetch = [&]() {
-        return row_prefetch(logits, visible, rows, columns, ld, K, cached != 0 && vec, buf,
-                            smem_row + ROW_MBAR_WORD, smem_row + ROW_LOOP_WORD);
-    };
     if (n <= K) {
-        const bool started = prefetch();
         ts.fetch_context();
         write_short(orow, n, K, threadIdx.x, BLOCK, ts);
-        return started;
+        return;
     }
     const float* g = logits + (long long)row * ld;
+    const bool vec = vec_ok != 0;
     const unsigned* src = cached ? buf : nullptr;  // source of keys for later passes
 
     // With the scorer's histogram (hist != nullptr) pass 1 only caches the keys: its histogram is the scorer's.
@@ -1113,8 +1070,7 @@ __device__ __forceinline__ bool row_topk(const float* __restrict__ logits, const
 #if TOPK_BULK
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem_row + ROW_MBAR_WORD);
 #if TOPK_EARLY_COPY
-    if (cached && vec && !row_copies_started(smem_row)) bulk_issue(g, n, buf, bars);  // the barrier after the
-                                                                                      // zeroing covers their setup
+    if (cached && vec) bulk_issue(g, n, buf, bars);  // the barrier after the zeroing covers the mbarriers' setup
 #endif
 #endif
 #if TOPK_VECTOR_SMEM
@@ -1134,7 +1090,7 @@ __device__ __forceinline__ bool row_topk(const float* __restrict__ logits, const
 #if TOPK_BULK
     if (cached && vec) {
 #if !TOPK_EARLY_COPY
-        if (!row_copies_started(smem_row)) bulk_issue(g, n, buf, bars);
+        bulk_issue(g, n, buf, bars);
         __syncthreads();
 #endif
         pass_first_bulk<BLOCK>(g, n, buf, H, bars, hrow == nullptr);
@@ -1185,10 +1141,9 @@ __device__ __forceinline__ bool row_topk(const float* __restrict__ logits, const
             __syncthreads();
             TRACE(12);
         }
-        const bool started = prefetch();
         bitmap_emit<BLOCK>(SB, H, nw, e, 0u, 0u, e != TOPK_ALL, 0, orow, s_scan, ts);
         TRACE(15);
-        return started;
+        return;
     }
 #endif
     if (cnt1 == krem1) {
@@ -1223,9 +1178,6 @@ __device__ __forceinline__ bool row_topk(const float* __restrict__ logits, const
         }
     }
     pass_emit<BLOCK, 4>(g, src, n, vec, 0, T, e, 0u, 0u, orow, (unsigned)K, s_scan, ts);
-    if (!cached || gridDim.x >= (unsigned)rows) return false;  // a CTA per row (block-uniform)
-    __syncthreads();  // the cache's last reads
-    return prefetch();
 }
 
 template <int BLOCK>
@@ -1307,12 +1259,8 @@ __device__ __forceinline__ void expand_copied(const Sink& t, int K, int width, u
         const void *__restrict__ requests, int *__restrict__ tokens, const unsigned *__restrict__ histogram, \
         int rows, int columns, int ld, int K, int buf_cap, int cached, int vec_ok, int cand_cap, int num_requests, \
         int ratio, int width, int tok_ld, int idx_wide
-#define TOPK_ROW_ARGS \
-    logits, visible, out, rows, columns, ld, K, buf_cap, cached, vec_ok, cand_cap, histogram, row, ts
+#define TOPK_ROW_ARGS logits, visible, out, rows, columns, ld, K, buf_cap, cached, vec_ok, cand_cap, histogram, ts
 #define TOPK_EXPAND_ARGS positions, contexts, requests, tokens, num_requests, ratio, width, tok_ld, idx_wide
-#define TOPK_ROW_FORWARD                                                                                         \
-    logits, visible, out, positions, contexts, requests, tokens, histogram, rows, columns, ld, K, buf_cap, cached, \
-        vec_ok, cand_cap, num_requests, ratio, width, tok_ld, idx_wide
 
 // A programmatic dependent launch (native.programmatic_config) may start while the kernel before it on the stream
 // (the scorer) still runs: every kernel waits for that one and its writes before its first global read.  A no-op in
@@ -1323,63 +1271,38 @@ __device__ __forceinline__ void wait_for_prior_grid() {
 #endif
 }
 
-// The row's expansion after its top-k (with tokens; block-uniform: every path of row_topk returns here).
-template <int BLOCK, class Sink>
-__device__ __forceinline__ void row_expand(Sink& ts, const int* grow, int K, int row, const void* pos,
-                                           const void* ctx, const void* t2r, int* __restrict__ tok,
-                                           int num_requests, int R, int width, int tok_ld, int idx_wide) {
-    TOPK_DYNAMIC_SMEM(smem_row);
-    if (tok == nullptr) return;
-    if constexpr (Sink::fused) {
-        unsigned total;  // the row's group tokens (every thread wrote its groups' own); then the tail
-        block_excl_scan<BLOCK>(ts.count, total, smem_row + 2048 + 96);
-        write_tail(ts.trow, ts.p, ts.limit(), R, total, width, threadIdx.x, BLOCK);
-    } else {
-        __syncthreads();  // the row's groups are written (and copied)
-        TRACE(16);
-        if (Sink::copies && ts.groups != nullptr)
-            expand_copied<BLOCK>(ts, K, width, smem_row + 2048);
-        else
-            expand_row<BLOCK>(grow, K, row, pos, ctx, t2r, tok, num_requests, R, width, tok_ld, idx_wide,
-                              smem_row + 2048);
-    }
-    TRACE(17);
-}
-
-// A CTA per row, or fewer CTAs than rows, each taking rows blockIdx.x, blockIdx.x + gridDim.x, ... (a persistent
-// launch: each row's copies start under the row before it, TOPK_ROW_PREFETCH): the row's top-k, then (with tokens)
-// its expansion.  The CTA's row and whether its copies were started pass from one iteration to the next through a
-// shared word (ROW_LOOP_WORD), not registers: held in registers across a row, the loop's values pushed the row's own
-// to local memory.
+// One CTA per row: the top-k, then (with tokens) the row's expansion by the same CTA.
 template <int BLOCK>
 __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_row);
-    unsigned* s_loop = smem_row + ROW_LOOP_WORD;
     wait_for_prior_grid();
+    const int row = blockIdx.x;
     // The groups' copies for the expansion go into H (free once the output pass runs), if K fits it.
     constexpr bool fused = TOPK_FUSED_TOKENS_ROWS != 0, copies = !fused && TOPK_EXPAND_SMEM != 0;
-    if (blockIdx.x >= (unsigned)rows) return;
-    *s_loop = blockIdx.x << 1;  // every thread: each reads its own write until the first handover
-    for (;;) {
-        const int row = (int)(*s_loop >> 1);
-        auto ts = token_sink<fused, copies>(row, positions, contexts, requests, tokens, num_requests, ratio, tok_ld,
-                                            idx_wide, K <= 2048 ? smem_row : nullptr);
-        const bool started = row_topk<BLOCK, 4>(TOPK_ROW_ARGS);
-        const int again = (int)(*s_loop >> 1);  // the row, read again rather than held across row_topk
-        row_expand<BLOCK>(ts, out + (long long)again * K, K, again, TOPK_EXPAND_ARGS);
-        if (gridDim.x >= (unsigned)rows) break;  // a CTA per row
-        __syncthreads();  // the row's last reads of the shared memory (and of the word) are done
-        if (threadIdx.x == 0) {
-            const int mine = (int)(*s_loop >> 1);
-            *s_loop = rows - mine > (int)gridDim.x ? (unsigned)(mine + (int)gridDim.x) << 1 | started : ~0u;
+    auto ts = token_sink<fused, copies>(row, positions, contexts, requests, row < rows ? tokens : nullptr,
+                                        num_requests, ratio, tok_ld, idx_wide, K <= 2048 ? smem_row : nullptr);
+    row_topk<BLOCK, 4>(TOPK_ROW_ARGS);
+    if (tokens != nullptr && row < rows) {  // block-uniform: every path of row_topk returns here
+        if constexpr (fused) {
+            unsigned total;  // the row's group tokens (every thread wrote its groups' own); then the tail
+            block_excl_scan<BLOCK>(ts.count, total, smem_row + 2048 + 96);
+            write_tail(ts.trow, ts.p, ts.limit(), ratio, total, width, threadIdx.x, BLOCK);
+        } else {
+            __syncthreads();  // the row's groups are written (and copied)
+            TRACE(16);
+            if (copies && ts.groups != nullptr)
+                expand_copied<BLOCK>(ts, K, width, smem_row + 2048);
+            else
+                expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
         }
-        __syncthreads();
-        if (*s_loop == ~0u) break;
+        TRACE(17);
     }
     TRACE(29);
     TRACE_NS(31);
 }
-#define TOPK_ROW_CALL(BLOCK) row_kernel<BLOCK>(TOPK_ROW_FORWARD)
+#define TOPK_ROW_CALL(BLOCK)                                                                                  \
+    row_kernel<BLOCK>(logits, visible, out, positions, contexts, requests, tokens, histogram, rows, columns, ld, K, \
+                      buf_cap, cached, vec_ok, cand_cap, num_requests, ratio, width, tok_ld, idx_wide)
 
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_256)
 extern "C" __global__ void __launch_bounds__(256, 4) topk_rows_256(TOPK_ROW_PARAMS) {

@@ -19,7 +19,7 @@ top of the ``.cu`` file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -57,8 +57,6 @@ TWO_PER_SM_MARGIN = 2 * 1024
 #: Bins of the scorer's per-row histogram the kernels start from: the top 11 bits of the order-preserving key
 #: (``kernels/scoring/histogram.py``).
 HISTOGRAM_BINS = 2048
-#: Shared memory the hardware reserves per CTA on top of its dynamic shared memory (sm_80 and sm_90).
-RESERVED_SHARED_BYTES = 1024
 #: The source's candidate changes (``native_topk.cu``, "Candidate changes"), each a compile-time switch timed by
 #: ``benchmarks/native_variants.py`` against the shipped kernel: each variant below is a build that differs from the
 #: source's defaults (``SWITCH_DEFAULTS``, on where a GPU timed the change faster), by what it changes, one at a
@@ -79,12 +77,11 @@ CANDIDATE_SWITCHES = {
     "classify_quads": ("TOPK_CLASSIFY_UNITS=0",),
     "classify_full_quads": ("TOPK_CLASSIFY_UNITS=0", "TOPK_CLASSIFY_FULL_QUADS=1"),
     "scalar_tokens": ("TOPK_EXPAND_VEC=0",),
-    "no_row_prefetch": ("TOPK_ROW_PREFETCH=0",),
 }
 _EVERY_CHANGE = ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1", "TOPK_VECTOR_SMEM=1",
                  "TOPK_FUSED_TOKENS_ROWS=1", "TOPK_FUSED_TOKENS_CLUSTERS=1", "TOPK_CLASSIFY_SKIP=1",
                  "TOPK_PIECE_QUADS=512", "TOPK_EXPAND_SMEM=1", "TOPK_EXPAND_VEC=1", "TOPK_CLASSIFY_UNITS=0",
-                 "TOPK_CLASSIFY_FULL_QUADS=1", "TOPK_ROW_PREFETCH=1")
+                 "TOPK_CLASSIFY_FULL_QUADS=1")
 CANDIDATE_SWITCHES["all"] = (*_EVERY_CHANGE, "TOPK_HIST=3")
 CANDIDATE_SWITCHES["all_plain_atomics"] = (*_EVERY_CHANGE, "TOPK_HIST=1")
 #: The defaults of the source's switches: on where a GPU timed them faster (docs/selection.md says which).
@@ -92,7 +89,7 @@ SWITCH_DEFAULTS = {"TOPK_KEY_FADD": 1, "TOPK_OWNER_ZERO": 1, "TOPK_EARLY_COPY": 
                    "TOPK_VECTOR_SMEM": 0, "TOPK_FUSED_TOKENS_ROWS": 0, "TOPK_FUSED_TOKENS_CLUSTERS": 1,
                    "TOPK_CLASSIFY_SKIP": 0, "TOPK_HIST": 1, "TOPK_PIECE_QUADS": 2048,
                    "TOPK_EXPAND_SMEM": 1, "TOPK_EXPAND_VEC": 1, "TOPK_CLASSIFY_UNITS": 1,
-                   "TOPK_CLASSIFY_FULL_QUADS": 0, "TOPK_ROW_PREFETCH": 1}
+                   "TOPK_CLASSIFY_FULL_QUADS": 0}
 #: Every launch argument after the three pointers is a C ``int``: the kernels compute row offsets in 64 bits, but
 #: columns, the row stride and block_topk must be below 2**31.
 INT_LIMIT = 2**31
@@ -192,15 +189,12 @@ def _candidates(fixed_bytes: int, cached_columns: int, platform: Platform) -> in
 class Plan:
     """How one launch runs: ``variant``; ``cached``: the row (or chunk) is kept in shared memory as keys;
     ``buffer``: the keys one CTA caches (a row, or a cluster's chunk), or the uncached kernel's compaction buffer;
-    ``candidates``: the fast-path candidate list (0: none); ``ctas``: a row kernel's persistent grid (at most this
-    many CTAs, each taking every ``ctas``-th row, its next row's copies started under the row before; 0: a CTA per
-    row)."""
+    ``candidates``: the fast-path candidate list (0: none)."""
 
     variant: Variant
     cached: bool
     buffer: int
     candidates: int
-    ctas: int = 0
 
     @property
     def shared_bytes(self) -> int:
@@ -212,29 +206,8 @@ class Plan:
 
     def describe(self) -> str:
         mode = "cached" if self.cached else f"uncached, {self.buffer}-key buffer"
-        grid = f", at most {self.ctas} CTAs" if self.ctas else ""
         return (f"{self.variant.name} ({mode}, {self.candidates} candidates, {self.shared_bytes} B shared memory "
-                f"per CTA{grid})")
-
-    def grid(self, rows: int) -> int:
-        """CTAs of its launch over ``rows`` rows."""
-        if self.ctas:
-            return min(rows, self.ctas)
-        return rows * self.variant.cluster
-
-
-def resident_ctas(plan: Plan, platform: Platform) -> int:
-    """CTAs of ``plan`` that ``platform`` runs at once: its multiprocessors times the CTAs one holds (the launch
-    bounds' promise, and what its shared memory allows), at least one a multiprocessor."""
-    per_multiprocessor = platform.shared_memory_per_multiprocessor // (plan.shared_bytes + RESERVED_SHARED_BYTES)
-    return platform.multiprocessors * max(1, min(plan.variant.blocks_per_multiprocessor, per_multiprocessor))
-
-
-def persistent(plan: Plan, platform: Platform) -> Plan:
-    """``plan`` (a cached row plan) launched as a persistent grid of the CTAs ``platform`` runs at once."""
-    if plan.variant.cluster > 1 or not plan.cached:
-        raise ValueError(f"a persistent grid needs a cached row plan; got {plan.describe()}")
-    return replace(plan, ctas=resident_ctas(plan, platform))
+                "per CTA)")
 
 
 def rows_plan(threads: int, columns: int, platform: Platform, cached: bool = True,
@@ -311,7 +284,6 @@ def plans_for(rows: int, columns: int, block_topk: int, platform: Platform) -> d
     if columns <= block_topk:
         return {"trivial": choose_plan(rows, columns, block_topk, platform)}
     plans = {f"rows_{threads}": rows_plan(threads, columns, platform) for threads in (256, 512)}
-    plans |= {f"{name}_persistent": persistent(plan, platform) for name, plan in list(plans.items())}
     plans["rows_512_uncached"] = rows_plan(512, columns, platform, cached=False)
     if platform.capability >= (9, 0):
         plans |= {f"cluster{size}": cluster_plan(size, columns, platform) for size in (2, 4, 8)}
@@ -377,8 +349,8 @@ def launch_arguments(plan: Plan, rows: int, columns: int, row_stride: int, block
     """The launch of ``plan`` over ``rows`` rows of ``columns`` fp32 logits ``row_stride`` elements apart (last dim
     contiguous), writing int32 ``[rows, block_topk]`` (rows ``block_topk`` apart), and with ``expansion`` each row's
     token indices too. ``vectorised``: the logits' base is 16-byte aligned and every row starts 16-byte aligned
-    (``row_stride % 4 == 0``, or one row): float4 loads and bulk copies. One CTA per row, ``cluster`` CTAs per
-    row, or a persistent grid (``plan.ctas``)."""
+    (``row_stride % 4 == 0``, or one row): float4 loads and bulk copies. One CTA per row, or ``cluster`` CTAs per
+    row."""
     if rows < 1 or rows * plan.variant.cluster >= INT_LIMIT:
         raise ValueError(f"rows must be in [1, 2**31 / CTAs per row); got {rows}")
     if row_stride >= INT_LIMIT or columns >= INT_LIMIT or block_topk >= INT_LIMIT:
@@ -396,5 +368,5 @@ def launch_arguments(plan: Plan, rows: int, columns: int, row_stride: int, block
     else:
         values = {**common, "buf_cap": plan.buffer, "cached": int(plan.cached)}
         names = ROW_SCALARS
-    return NativeLaunch(variant.name, (plan.grid(rows), 1, 1), (variant.threads, 1, 1), plan.shared_bytes,
+    return NativeLaunch(variant.name, (rows * variant.cluster, 1, 1), (variant.threads, 1, 1), plan.shared_bytes,
                         POINTERS, tuple((name, "int", values[name]) for name in names))

@@ -88,7 +88,7 @@ struct Thread {
     jmp_buf resume;      // where a thread that gave up its turn goes on
     bool started = false;
     Cta* cta = nullptr;
-    dim3 thread_idx, block_idx, grid_dim;
+    dim3 thread_idx, block_idx;
     bool done = false;
     unsigned barrier_phase = 0;  // the CTA barrier generation this thread waits to see pass
     unsigned warp_phase = 0;
@@ -243,7 +243,6 @@ inline unsigned* cluster_word(unsigned address) {
 
 #define threadIdx (emu::current().thread_idx)
 #define blockIdx (emu::current().block_idx)
-#define gridDim (emu::current().grid_dim)
 #define TOPK_DYNAMIC_SMEM(name) unsigned* name = emu::dynamic_smem()
 
 inline void __syncthreads() { emu::syncthreads(); }
@@ -404,7 +403,6 @@ inline std::string run(int grid, int block, int cluster, size_t smem_bytes, void
                 t.cta = &l.cluster.ctas[r];
                 t.thread_idx.x = x;
                 t.block_idx.x = c0 + r;
-                t.grid_dim.x = grid;
                 getcontext(&t.context);
                 t.context.uc_stack.ss_sp = l.stacks[(size_t)r * block + x];
                 t.context.uc_stack.ss_size = kStackBytes;

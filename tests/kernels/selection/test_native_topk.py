@@ -195,10 +195,8 @@ def test_rows_no_wider_than_the_budget_take_the_trivial_plan():
 
 def test_plans_for_lists_the_plans_that_fit():
     plans = nt.plans_for(4, 9000, 512, H200)
-    assert list(plans) == ["rows_256", "rows_512", "rows_256_persistent", "rows_512_persistent", "rows_512_uncached",
-                           "cluster2", "cluster4", "cluster8"]
+    assert list(plans) == ["rows_256", "rows_512", "rows_512_uncached", "cluster2", "cluster4", "cluster8"]
     assert plans["rows_512_uncached"] == nt.rows_plan(512, 9000, H200, cached=False)
-    assert plans["rows_256_persistent"] == dataclasses.replace(plans["rows_256"], ctas=132 * 4)
     assert plans["cluster4"] == nt.cluster_plan(4, 9000, H200)
     ampere = dataclasses.replace(H200, arch="sm_80", capability=(8, 0))
     assert not any(name.startswith("cluster") for name in nt.plans_for(4, 9000, 512, ampere))
