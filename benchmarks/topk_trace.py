@@ -24,6 +24,7 @@ from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.runtime.jit import native, nvrtc
+from qsa_aiter.runtime.registries import native_topk_call
 from qsa_aiter.tools.cli_args import add_selection_point_options
 from qsa_aiter.tools.inputs import selection_inputs
 
@@ -81,15 +82,11 @@ def trace_point(point, page: int, cache: str, plan_name: str | None, launches: i
     rows, columns = logits.shape
     k = groups.shape[1]
     batch, tokens = inputs.batch, inputs.picked
-    expansion = None
-    token_pointers = (0, 0, 0, 0)
-    if expand:  # the op's fused expansion into its token indices (int32 metadata)
-        if not all(t.dtype == torch.int32 for t in (batch.query_positions, batch.context_lens,
-                                                     batch.token_to_request)):
-            raise SystemExit("--expand traces int32 metadata only")
-        expansion = nt.Expansion(batch.context_lens.shape[0], batch.compress_ratio, tokens.shape[1], tokens.stride(0))
-        token_pointers = (batch.query_positions.data_ptr(), batch.context_lens.data_ptr(),
-                          batch.token_to_request.data_ptr(), tokens.data_ptr())
+    ratio = batch.compress_ratio
+    token_topk = tokens.shape[1] - ratio + 1
+    # the op's fused expansion into its token indices, as selection launches it
+    expand_into = (batch.query_positions, batch.context_lens, batch.token_to_request, tokens, ratio,
+                   token_topk) if expand else None
     platform = Platform.of(logits.device)
     plan = plan_named(plan_name, columns, platform) if plan_name else nt.choose_plan(rows, columns, k, platform)
     variant = plan.variant
@@ -99,12 +96,11 @@ def trace_point(point, page: int, cache: str, plan_name: str | None, launches: i
                                 name="native_topk.cu")
     kernel = native.load_cubin(built.cubin, variant.name, variant.name + "-trace", logits.device.index or 0,
                                variant.non_portable_cluster)
-    call = nt.launch_arguments(plan, rows, columns, logits.stride(0), k, logits.stride(0) % 4 == 0 or rows == 1,
-                               expansion)
+    call, addresses, _target, _direct, _keep = native_topk_call(logits, visible, groups, k, plan, expand_into, None)
     launch = native.PreparedLaunch("trace", kernel, call.grid, call.block, call.shared_bytes,
                                    tuple(n for n, _ in call.pointers), call.scalars)
     for _ in range(launches):
-        launch(logits.data_ptr(), visible.data_ptr(), groups.data_ptr(), *token_pointers, 0)
+        launch(*addresses)
     torch.cuda.synchronize()
     expected = torch.empty_like(groups)
     torch_block_topk(logits, visible, k, expected)
@@ -112,8 +108,7 @@ def trace_point(point, page: int, cache: str, plan_name: str | None, launches: i
         raise SystemExit(f"{point.name}: the traced kernel differs from torch_block_topk")
     if expand:
         expected_tokens = torch.empty_like(tokens)
-        torch_expand_block_indices(expected, batch.query_positions, batch.context_lens, batch.token_to_request,
-                                   expansion.ratio, tokens.shape[1] - expansion.ratio + 1, expected_tokens)
+        torch_expand_block_indices(expected, *expand_into[:3], ratio, token_topk, expected_tokens)
         if not torch.equal(tokens, expected_tokens):
             raise SystemExit(f"{point.name}: the traced kernel's tokens differ from torch_expand_block_indices")
     trace = read_trace(kernel, ctas)

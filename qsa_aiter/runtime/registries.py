@@ -212,9 +212,10 @@ def _check_histogram(logits: torch.Tensor, histogram: torch.Tensor | None) -> No
                          f"{histogram.dtype} {tuple(histogram.shape)} on {histogram.device})")
 
 
-def _native_topk_call(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
+def native_topk_call(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
                       plan: native_topk.Plan, expand_into: tuple | None, histogram: torch.Tensor | None):
-    """The launch of ``plan`` for ``native_block_topk``'s arguments: ``(call, addresses, target, direct, keep)``, where
+    """The launch of ``plan`` for ``native_block_topk``'s arguments (also what ``benchmarks/topk_trace.py`` launches a
+    traced build with): ``(call, addresses, target, direct, keep)``, where
     ``target`` is ``out`` or the contiguous buffer the kernel writes instead, ``direct`` says the kernel takes the
     tensors as they are (no copies), and ``keep`` holds the copies ``addresses`` point into (alive until the launch
     is issued)."""
@@ -272,7 +273,7 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     platform = Platform.of(torch.device("cuda", device))
     plan = plan or native_topk.choose_plan(rows, columns, block_topk, platform)
-    call, addresses, target, direct, _keep = _native_topk_call(logits, visible, out, block_topk, plan, expand_into,
+    call, addresses, target, direct, _keep = native_topk_call(logits, visible, out, block_topk, plan, expand_into,
                                                                histogram)
     variant = plan.variant
     kernel = native.kernel_for(native_topk.source(), variant.name, (*variant.defines, *defines), device,
@@ -308,7 +309,7 @@ def emulated_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.
     if logits.shape[0] == 0:
         return
     _check_histogram(logits, histogram)
-    call, addresses, target, _direct, _keep = _native_topk_call(logits, visible, out, block_topk, plan, expand_into,
+    call, addresses, target, _direct, _keep = native_topk_call(logits, visible, out, block_topk, plan, expand_into,
                                                                 histogram)
     lib = emulated.build(native_topk.SOURCE_PATH, EMULATED_TOPK_KERNELS, tuple(defines))
     emulated.run(lib, call, addresses, plan.variant.cluster, order_seed)

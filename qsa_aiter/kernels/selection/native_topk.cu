@@ -744,27 +744,17 @@ __device__ __forceinline__ TokenSink<FUSED, COPIES> token_sink(int row, const vo
         return TokenSink<FUSED, COPIES>{nullptr, 0, R, 0u};
     }
 }
-// A row of 4-token groups whose token slots are 16-byte aligned (TOPK_EXPAND_VEC).
-__device__ __forceinline__ bool tokens_vec(const int* trow, int R) {
-    return TOPK_EXPAND_VEC && R == 4 && (reinterpret_cast<unsigned long long>(trow) & 15u) == 0;
-}
-// Group g's c tokens at slot `slot` of a row of 4-token groups, 16-byte aligned: one store when all 4 are kept.
-__device__ __forceinline__ void store_group4(int* __restrict__ trow, long long slot, long long g, unsigned c) {
-    const int t0 = (int)(g * 4);
-    if (c == 4u)
-        *reinterpret_cast<int4*>(trow + slot * 4) = make_int4(t0, t0 + 1, t0 + 2, t0 + 3);
-    else
-        for (unsigned j = 0; j < c; ++j) trow[slot * 4 + j] = t0 + (int)j;
-}
-// The tokens of group g at output slot `slot`; how many.  Not inlined: the output passes call it from many unrolled
-// sites, and only for the few kept groups (inlined, it doubles the kernels' code).
+// The tokens of group g at output slot `slot`; how many.  A whole group of 4 in a row of 16-byte aligned token
+// slots is one 16-byte store (TOPK_EXPAND_VEC).  Not inlined: the output passes call it from many unrolled sites,
+// and only for the few kept groups (inlined, it doubles the kernels' code).
 __device__ __noinline__ unsigned write_group_tokens(int* __restrict__ trow, long long limit, int R, long long slot,
                                                     long long g) {
     const unsigned c = tokens_kept(g, limit, R);
-    if (tokens_vec(trow, R))
-        store_group4(trow, slot, g, c);
+    const int t0 = (int)(g * R);
+    if (TOPK_EXPAND_VEC && R == 4 && c == 4u && (reinterpret_cast<unsigned long long>(trow) & 15u) == 0)
+        *reinterpret_cast<int4*>(trow + slot * 4) = make_int4(t0, t0 + 1, t0 + 2, t0 + 3);
     else
-        for (unsigned j = 0; j < c; ++j) trow[slot * R + j] = (int)(g * R + j);
+        for (unsigned j = 0; j < c; ++j) trow[slot * R + j] = t0 + (int)j;
     return c;
 }
 // Group g was written to output slot `slot`: the sink's share of it.
@@ -1203,9 +1193,11 @@ __device__ __forceinline__ void expand_row(const int* grow, int K, int row, cons
     write_tail(trow, p, limit, R, total, width, threadIdx.x, BLOCK);
 }
 
-// Token slot w of a row of 4-token groups copied into shared memory: its token, or -1 where its group keeps none.
-__device__ __forceinline__ int token_at4(const unsigned* groups, long long limit, int w) {
-    const long long token = (long long)(int)groups[w >> 2] * 4 + (w & 3);
+// Token slot w of a row of R-token groups copied into shared memory: its token, or -1 where its group (-1 past the
+// row's kept groups) keeps none.
+__device__ __forceinline__ int token_at(const unsigned* groups, long long limit, int R, int w) {
+    const unsigned slot = (unsigned)w / (unsigned)R;  // w >= 0: with R a constant 4, a shift
+    const long long token = (long long)(int)groups[slot] * R + (w - (int)slot * R);
     return token >= 0 && token < limit ? (int)token : -1;
 }
 
@@ -1225,23 +1217,22 @@ __device__ __forceinline__ void expand_copied(const Sink& t, int K, int width, u
         const int blocks = (n - head) >> 2, rest = n - head - 4 * blocks;
         for (int b = threadIdx.x; b < blocks; b += BLOCK) {
             const int w = head + 4 * b;
-            const int4 v = make_int4(token_at4(t.groups, limit, w), token_at4(t.groups, limit, w + 1),
-                                     token_at4(t.groups, limit, w + 2), token_at4(t.groups, limit, w + 3));
+            const int4 v = make_int4(token_at(t.groups, limit, 4, w), token_at(t.groups, limit, 4, w + 1),
+                                     token_at(t.groups, limit, 4, w + 2), token_at(t.groups, limit, 4, w + 3));
             *reinterpret_cast<int4*>(t.trow + w) = v;
             mine += (v.x >= 0 ? 1u : 0u) + (v.y >= 0 ? 1u : 0u) + (v.z >= 0 ? 1u : 0u) + (v.w >= 0 ? 1u : 0u);
         }
         if (threadIdx.x < head || (threadIdx.x >= 4 && threadIdx.x < 4 + rest)) {
             const int w = threadIdx.x < head ? threadIdx.x : head + 4 * blocks + threadIdx.x - 4;
-            const int v = token_at4(t.groups, limit, w);
+            const int v = token_at(t.groups, limit, 4, w);
             t.trow[w] = v;
             mine += v >= 0 ? 1u : 0u;
         }
     } else {
         for (int w = threadIdx.x; w < n; w += BLOCK) {
-            const int slot = w / R;
-            const long long token = (long long)(int)t.groups[slot] * R + (w - slot * R);  // < 0 for a -1 group
-            if (token >= 0 && token < limit) {
-                t.trow[w] = (int)token;
+            const int v = token_at(t.groups, limit, R, w);
+            if (v >= 0) {
+                t.trow[w] = v;
                 ++mine;
             }
         }
