@@ -56,6 +56,30 @@ def check_int(name, value, *, minimum, maximum=None, op="qsa_paged_mqa_logits") 
 
 
 
+def index_cache_strides(cache, op: str = "qsa_paged_mqa_logits",
+                        name: str = "compressed_k_cache") -> tuple[int, int] | None:
+    """The ``(page stride, slot stride)`` of an index cache ``[pages, page_size, 1, width]`` that is a strided view
+    of a larger buffer (an engine keeps the index keys inside a wider cache tensor and passes ``buffer[..., :width]``),
+    in elements; None when it is laid out densely. Its last dim must be dense (stride 1, the packed bytes of MXFP4):
+    the kernels read each key as one run of bytes. Pages and slots may lie any distance apart, as long as no two
+    keys overlap (a view that repeats keys, such as an expanded one, is refused: the writer would race on it)."""
+    pages, page_size, _, width = cache.shape
+    if width > 1 and cache.stride(3) != 1:
+        fail_argument(ValueError, name, "dense along its last dim (stride 1; a view of a larger buffer may have any "
+                      "page and slot strides)", f"strides {cache.stride()}", op)
+    # A dim of size 1 has no meaningful stride: take the dense one there.
+    slot = cache.stride(1) if page_size > 1 else width
+    page = cache.stride(0) if pages > 1 else page_size * slot
+    if slot == width and page == page_size * width:
+        return None
+    inner, outer = sorted(((slot, page_size), (page, pages)))
+    # Non-overlapping keys: the shorter step clears a key's width, the longer one clears the shorter one's whole run.
+    if (inner[1] > 1 and inner[0] < width) or (outer[1] > 1 and outer[0] < max(width, inner[0] * inner[1])):
+        fail_argument(ValueError, name, "a view whose keys do not overlap", f"strides {cache.stride()} of shape "
+                      f"{tuple(cache.shape)}", op)
+    return page, slot
+
+
 def _check_k_scale(k_scale, kv: str, num_pages: int, page_size: int, head_dim: int, device) -> int:
     """The scale tensor must match the cache (docs/cache_formats.md). Returns its size in bytes."""
     layout = scale_layout(kv, num_pages, page_size, head_dim)
@@ -104,7 +128,7 @@ def validate_scoring_call(
     except TypeError:
         _fail(TypeError, "compressed_k_cache", _CACHE_DTYPE_TEXT, cache.dtype)
     check_tensor("compressed_k_cache", cache, ndim=4, dtypes=(q.dtype,) if kv == "bf16" else (cache.dtype,),
-                  device=device, contiguous=True)
+                  device=device)
     num_pages, block_size, kv_heads, cache_dim = cache.shape
     stored_dim = cache_width(kv, head_dim)
     if kv == "fp4" and head_dim % FP4_BLOCK:
@@ -113,6 +137,7 @@ def validate_scoring_call(
         _fail(ValueError, "compressed_k_cache", f"[pages, page_size, 1, {stored_dim}]", tuple(cache.shape))
     if num_pages < 1 or block_size < 1:
         _fail(ValueError, "compressed_k_cache", "at least one page of at least one slot", tuple(cache.shape))
+    key_strides = index_cache_strides(cache)
     scale_bytes = _check_k_scale(k_scale, kv, num_pages, block_size, head_dim, device)
     check_tensor("page_table", page_table, ndim=2, dtypes=_INDEX_DTYPES, device=device)
     if page_table.shape[1] > 0 and page_table.stride(1) != 1:
@@ -186,6 +211,7 @@ def validate_scoring_call(
         e4m3_mma=e4m3_mma,
         # One integer load per key's exponents needs the scale tensor aligned to them (a view may not be).
         scale_aligned=k_scale is None or kv != "fp4" or k_scale.data_ptr() % max(1, head_dim // 32) == 0,
+        key_strides=key_strides,
     )
     return problem, divisor
 

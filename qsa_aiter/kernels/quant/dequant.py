@@ -89,6 +89,23 @@ def key_slots(pt_row_ptr, cols, col_ok, num_pages, PAGE_SIZE: tl.constexpr):
     return page.to(tl.int64) * PAGE_SIZE + (cols % PAGE_SIZE), page_ok
 
 
+@triton.jit
+def key_rows(slot, ROW: tl.constexpr, PAGE_SIZE: tl.constexpr, KEY_PAGE_STRIDE: tl.constexpr,
+             KEY_SLOT_STRIDE: tl.constexpr):
+    """Element offsets (int64, in the cache's kernel view) of the keys at cache slots ``slot``, each ``ROW`` elements
+    wide (``HEAD_DIM``, or ``HEAD_DIM // 2`` bytes of MXFP4). ``KEY_SLOT_STRIDE`` 0: a dense cache, ``slot * ROW``
+    (the address math of a dense cache, unchanged); else a strided view of a larger buffer (``ScoreProblem.key_strides``):
+    slots ``KEY_SLOT_STRIDE`` apart, pages ``KEY_PAGE_STRIDE`` apart. Both are constexprs, so a view whose pages
+    are whole runs of slots costs one multiply by a constant, like a dense cache."""
+    if KEY_SLOT_STRIDE == 0:
+        rows = slot * ROW
+    elif KEY_PAGE_STRIDE == PAGE_SIZE * KEY_SLOT_STRIDE:
+        rows = slot * KEY_SLOT_STRIDE
+    else:
+        rows = (slot // PAGE_SIZE) * KEY_PAGE_STRIDE + (slot % PAGE_SIZE) * KEY_SLOT_STRIDE
+    return rows
+
+
 #: e4m3 MMAs take head_dim in K-steps of 32: a smaller head_dim cannot be one.
 E4M3_MIN_HEAD_DIM = 32
 
@@ -369,13 +386,15 @@ def fp4_pairs(packed, exps, OUT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
 
 @triton.jit
 def load_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
+                  DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  KEY_PAGE_STRIDE: tl.constexpr, KEY_SLOT_STRIDE: tl.constexpr):
     """Keys ``[BLOCK_N, HEAD_DIM]`` at cache slots ``slot`` (``key_slots`` or ``tile_slots``) in ``DOT_DTYPE``
     (zeros where not ``page_ok``) and the per-column factor ``[BLOCK_N]`` fp32 to apply after the head sum. 16-bit
     and fp8 caches (MXFP4: ``load_fp4_key_tile``). ``HEAD_DIM`` must be a power of two (the tensor-core kernels
-    require it).
+    require it). The keys' addresses as ``key_rows``; the scales are read densely at ``slot``.
     """
-    keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+    keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE, PAGE_SIZE, KEY_PAGE_STRIDE,
+                      KEY_SLOT_STRIDE)
     if KV_KIND == KIND_16BIT:
         factor = tl.full(slot.shape, scale, tl.float32)
     else:
@@ -385,10 +404,12 @@ def load_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM: tl.constexpr, K
 
 @triton.jit
 def key_values(k_ptr, slot, page_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
-               FAST_DECODE: tl.constexpr):
+               FAST_DECODE: tl.constexpr, PAGE_SIZE: tl.constexpr, KEY_PAGE_STRIDE: tl.constexpr,
+               KEY_SLOT_STRIDE: tl.constexpr):
     """``load_key_tile``'s keys alone, for loops that load the fp8 scales themselves (``fp8_tile_scales``)."""
     d = tl.arange(0, HEAD_DIM)
-    raw = tl.load(k_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=page_ok[:, None], other=0)
+    rows = key_rows(slot, HEAD_DIM, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
+    raw = tl.load(k_ptr + rows[:, None] + d[None, :], mask=page_ok[:, None], other=0)
     if KV_KIND == KIND_16BIT:
         keys = raw.to(DOT_DTYPE)
     elif (DOT_DTYPE == tl.float8e4nv) or (DOT_DTYPE == tl.float8e4b8):
@@ -400,7 +421,8 @@ def key_values(k_ptr, slot, page_ok, HEAD_DIM: tl.constexpr, KV_KIND: tl.constex
 
 @triton.jit
 def load_fp4_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      FAST_DECODE: tl.constexpr):
+                      FAST_DECODE: tl.constexpr, PAGE_SIZE: tl.constexpr, KEY_PAGE_STRIDE: tl.constexpr,
+                      KEY_SLOT_STRIDE: tl.constexpr):
     """MXFP4 keys at cache slots ``slot`` (``key_slots`` or ``tile_slots``) as even and odd elements, each
     ``[BLOCK_N, HEAD_DIM // 2]`` in ``DOT_DTYPE`` (element ``2j`` and ``2j + 1`` of head_dim: the low and high nibble
     of byte ``j``), fully dequantised (zeros where not ``page_ok``); plus the per-column factor (``scale``). Callers
@@ -409,7 +431,8 @@ def load_fp4_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM: tl.constexp
     NB: tl.constexpr = HEAD_DIM // 32
     blk = tl.arange(0, NB)
     pair = tl.arange(0, 16)
-    packed = tl.load(k_ptr + slot[:, None, None] * (HEAD_DIM // 2) + blk[None, :, None] * 16 + pair[None, None, :],
+    rows = key_rows(slot, HEAD_DIM // 2, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
+    packed = tl.load(k_ptr + rows[:, None, None] + blk[None, :, None] * 16 + pair[None, None, :],
                      mask=page_ok[:, None, None], other=0)
     exps = tl.load(ks_ptr + slot[:, None] * NB + blk[None, :], mask=page_ok[:, None], other=127)
     even, odd = fp4_pairs(packed, exps[:, :, None], DOT_DTYPE, FAST_DECODE)

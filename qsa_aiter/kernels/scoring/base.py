@@ -27,7 +27,7 @@ class ScoreArgs:
     """Tensors and scalars every scoring kernel receives.
 
     q: ``[tokens, heads, head_dim]`` bf16/fp16, contiguous; k_cache: the index cache (docs/cache_formats.md),
-    contiguous;
+    dense along its last dim, any page and slot strides (``ScoreProblem.key_strides``);
     k_scale: its scale tensor (fp8: fp32 ``[pages, page_size]``; fp4: e8m0 ``[pages, page_size, 1, head_dim // 32]``)
     or None for 16-bit caches; page_table: ``[requests, width]`` int32/int64 (last dim contiguous);
     token_to_request, query_positions: ``[tokens]``; context_lens: ``[requests]``; logits: fp32
@@ -160,7 +160,20 @@ def stacked_constexprs(problem, platform: Platform, cfg) -> dict:
         FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
         E4M3_MMA=mma, SCALED_MMA=scaled_mma_serves(problem, platform),
         SCALE_WORDS=problem.scale_aligned and scale_words_fit(problem.head_dim), HISTOGRAM=problem.histogram,
+        **key_stride_constexprs(problem),
     )
+
+
+def key_stride_constexprs(problem) -> dict:
+    """``KEY_PAGE_STRIDE`` and ``KEY_SLOT_STRIDE`` (``dequant.key_rows``) of a cache that is a strided view
+    (``ScoreProblem.key_strides``); nothing for a dense cache, so its launches, warm-up variants and ahead-of-time
+    builds stay the ones a dense cache always had (the kernels default both to 0). Constexprs, not runtime ints: a
+    dense-like view compiles to a multiply by a constant, and an engine keeps one layout for the whole run, so a
+    strided layout compiles once (at its first call; warm-up covers the dense layout)."""
+    if problem.key_strides is None:
+        return {}
+    page_stride, slot_stride = problem.key_strides
+    return {"KEY_PAGE_STRIDE": page_stride, "KEY_SLOT_STRIDE": slot_stride}
 
 
 class ScorerSpec(KernelSpec):

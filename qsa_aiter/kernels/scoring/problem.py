@@ -42,6 +42,9 @@ class ScoreProblem:
     e4m3_mma: bool = True  # QSA_AITER_E4M3_MMA as read for the call: e4m3 tensor cores may score e4m3fn/MXFP4 keys
     scale_aligned: bool = True  # an MXFP4 scale tensor's address is a multiple of a key's exponent bytes
     histogram: bool = False  # the Triton scorers also count the stored scores per row (scoring/histogram.py)
+    #: ``(page stride, slot stride)`` in elements of the cache's kernel view when the cache is a strided view of a
+    #: larger buffer (pages or slots further apart than a dense cache's), None when it is laid out densely.
+    key_strides: tuple[int, int] | None = None
 
     def summary(self) -> str:
         return (

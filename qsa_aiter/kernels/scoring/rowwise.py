@@ -14,10 +14,11 @@ import triton
 import triton.language as tl
 
 from ..quant.dequant import (
-    KIND_16BIT, KIND_E4M3FN, KIND_E4M3FNUZ, KIND_FP4, KV_16BIT, KV_FP4, fp4_pairs, fp8_keys, key_slots, kv_kind,
+    KIND_16BIT, KIND_E4M3FN, KIND_E4M3FNUZ, KIND_FP4, KV_16BIT, KV_FP4, fp4_pairs, fp8_keys, key_rows, key_slots,
+    kv_kind,
 )
 from ..spec import cdiv
-from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs
+from .base import DYNAMIC_SCALARS, ScorerSpec, column_programs, key_stride_constexprs
 from .histogram import BINS, count_scores
 from .tiles import row_visibility
 
@@ -29,6 +30,7 @@ def _rowwise_scorer_kernel(
     RATIO: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_CHUNK: tl.constexpr,
     N_CHUNKS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     KV_KIND: tl.constexpr, FAST_DECODE: tl.constexpr, HISTOGRAM: tl.constexpr,
+    KEY_PAGE_STRIDE: tl.constexpr = 0, KEY_SLOT_STRIDE: tl.constexpr = 0,
 ):
     row = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -44,6 +46,10 @@ def _rowwise_scorer_kernel(
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < vis
         slot, page_ok = key_slots(pt_row, cols, col_ok, num_pages, PAGE_SIZE)
+        if KV_KIND == KIND_FP4:
+            k_rows = key_rows(slot, HEAD_DIM // 2, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
+        else:
+            k_rows = key_rows(slot, HEAD_DIM, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
         # Per head: elementwise partial products [BLOCK_N, D_CHUNK] summed over the head_dim chunks, then one
         # lane reduction over D_CHUNK (not over all of head_dim). Identical key loads (and their decoding) across
         # heads are merged by the compiler, so each key chunk is read once per tile.
@@ -53,7 +59,7 @@ def _rowwise_scorer_kernel(
             for c in tl.static_range(N_CHUNKS):
                 if KV_KIND == KIND_FP4:
                     # MXFP4: a chunk is one 32-element block: D_CHUNK (16) bytes of element pairs, one exponent.
-                    packed = tl.load(k_ptr + slot[:, None] * (HEAD_DIM // 2) + c * 16 + dc[None, :],
+                    packed = tl.load(k_ptr + k_rows[:, None] + c * 16 + dc[None, :],
                                      mask=page_ok[:, None], other=0)
                     exps = tl.load(ks_ptr + slot * (HEAD_DIM // 32) + c, mask=page_ok, other=127)
                     even, odd = fp4_pairs(packed, exps[:, None], tl.bfloat16 if FAST_DECODE else tl.float32,
@@ -65,7 +71,7 @@ def _rowwise_scorer_kernel(
                 else:
                     d = c * D_CHUNK + dc
                     d_ok = d < HEAD_DIM
-                    raw = tl.load(k_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=page_ok[:, None] & d_ok[None, :],
+                    raw = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=page_ok[:, None] & d_ok[None, :],
                                   other=0)
                     if KV_KIND == KIND_16BIT:
                         keys = raw.to(tl.float32)
@@ -123,7 +129,7 @@ class RowwiseSpec(ScorerSpec):
             RATIO=problem.compress_ratio, NUM_HEADS=problem.num_heads, HEAD_DIM=problem.head_dim,
             D_CHUNK=d_chunk, N_CHUNKS=n_chunks, PAGE_SIZE=problem.block_size, BLOCK_N=cfg.block_n,
             NUM_STAGES=cfg.num_stages, KV_KIND=kind, FAST_DECODE=kind != KV_16BIT and platform.fast_decode,
-            HISTOGRAM=problem.histogram,
+            HISTOGRAM=problem.histogram, **key_stride_constexprs(problem),
         )
 
     def grid(self, problem, platform, cfg: RowwiseConfig) -> tuple[int, int]:

@@ -40,6 +40,7 @@ def _stacked_scorer_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KV_KIND: tl.constexpr,
     DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr,
     SCALAR_PAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, HISTOGRAM: tl.constexpr,
+    KEY_PAGE_STRIDE: tl.constexpr = 0, KEY_SLOT_STRIDE: tl.constexpr = 0,
 ):
     block = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -76,7 +77,8 @@ def _stacked_scorer_kernel(
                     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
                     slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
                     dots_t = fp4_mma_dots(k_ptr, slot, page_ok, exps, q_first, q_second, q_scale, HEAD_DIM,
-                                                 DOT_DTYPE, FAST_DECODE, SCALE_WORDS, SCALED_MMA)
+                                                 DOT_DTYPE, FAST_DECODE, SCALE_WORDS, SCALED_MMA, PAGE_SIZE,
+                                                 KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
                     store_keys_major(out_rows, cols, dots_t, page_ok, tl.full((BLOCK_N,), 1.0, tl.float32), mine,
                                      vis, hist_rows, BLOCK_N, BLOCK_ROWS, NUM_HEADS, HISTOGRAM)
                     exps = next_exps
@@ -90,7 +92,8 @@ def _stacked_scorer_kernel(
                                                   scale, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
                     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
                     slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
-                    keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+                    keys = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE, PAGE_SIZE,
+                                      KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
                     dots_t = fp8_keys_major_dots(keys, q_first, q_second, q_factor)
                     store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, hist_rows, BLOCK_N,
                                      BLOCK_ROWS, NUM_HEADS, HISTOGRAM)
@@ -100,7 +103,8 @@ def _stacked_scorer_kernel(
                     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
                     k_first, k_second, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages,
                                                                    scale, BLOCK_N, PAGE_SIZE, HEAD_DIM, KV_KIND,
-                                                                   DOT_DTYPE, FAST_DECODE, SCALAR_PAGES)
+                                                                   DOT_DTYPE, FAST_DECODE, SCALAR_PAGES,
+                                                                   KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
                     dots = pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
                     score = stacked_head_scores(dots, page_ok, factor, BLOCK_ROWS, NUM_HEADS, BLOCK_N)
                     keep = mine[:, None] & (cols[None, :] < vis[:, None])

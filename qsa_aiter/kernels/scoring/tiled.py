@@ -26,7 +26,8 @@ import triton.language as tl
 from ..quant.dequant import KV_16BIT, KV_FP4, dot_dtype, key_values, kv_kind
 from ..spec import FLAG, cdiv, is_pow2
 from .base import (
-    DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma_refusal, e4m3_mma_serves, scaled_mma_serves,
+    DYNAMIC_SCALARS, ScorerSpec, column_programs, e4m3_mma_refusal, e4m3_mma_serves, key_stride_constexprs,
+    scaled_mma_serves,
 )
 from .histogram import BINS, count_scores
 from .tiles import (
@@ -90,7 +91,7 @@ def _tiled_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PER_HEAD: tl.constexpr,
     KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
     SCALAR_PAGES: tl.constexpr, KEYS_MAJOR: tl.constexpr, E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr,
-    HISTOGRAM: tl.constexpr,
+    HISTOGRAM: tl.constexpr, KEY_PAGE_STRIDE: tl.constexpr = 0, KEY_SLOT_STRIDE: tl.constexpr = 0,
 ):
     row_tile = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -145,7 +146,7 @@ def _tiled_prefill_kernel(
             if SCALED_MMA:
                 # MXFP4 as stored: packed nibbles (the MMA's M operand) and their e8m0 exponents (its scales).
                 slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
-                ka = load_fp4_packed(k_ptr, slot, page_ok, HEAD_DIM)
+                ka = load_fp4_packed(k_ptr, slot, page_ok, HEAD_DIM, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
                 kb = tl.load(ks_ptr + slot[:, None] * (HEAD_DIM // 32) + tl.arange(0, HEAD_DIM // 32)[None, :],
                              mask=page_ok[:, None], other=0)
                 factor = tl.full((BLOCK_N,), scale, tl.float32)
@@ -154,12 +155,13 @@ def _tiled_prefill_kernel(
                 ahead = fp8_tile_scales(ks_ptr, pt_row, tile + col_progs, n_tiles, req_vis, num_pages, scale,
                                         BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
                 slot, page_ok = key_tile_slots(pt_row, tile, req_vis, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
-                ka = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+                ka = key_values(k_ptr, slot, page_ok, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE, PAGE_SIZE,
+                                KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
                 kb = ka
             else:
                 ka, kb, page_ok, factor = load_keys(k_ptr, ks_ptr, pt_row, tile, req_vis, num_pages, scale, BLOCK_N,
                                                     PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE,
-                                                    SCALAR_PAGES)
+                                                    SCALAR_PAGES, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
             if PER_HEAD:
                 acc = _head_scores(q0a, q0b, q0f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
                 acc += _head_scores(q1a, q1b, q1f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
@@ -242,6 +244,7 @@ class TiledSpec(ScorerSpec):
             KV_KIND=kind, DOT_DTYPE=dot_dtype(problem, platform.upcast, e4m3_mma),
             FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
             KEYS_MAJOR=keys_major, E4M3_MMA=e4m3_mma, SCALED_MMA=scaled, HISTOGRAM=problem.histogram,
+            **key_stride_constexprs(problem),
         )
 
     def grid(self, problem, platform, cfg: TiledConfig) -> tuple[int, int]:

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from ..quant.dequant import (
-    KIND_FP4, e4m3_row_scale, fp4_block_order, fp4_e4m3_block, key_slots, load_fp4_key_tile, load_key_tile, split_e4m3,
-    split_query_e4m3, tile_slots,
+    KIND_FP4, e4m3_row_scale, fp4_block_order, fp4_e4m3_block, key_rows, key_slots, load_fp4_key_tile, load_key_tile,
+    split_e4m3, split_query_e4m3, tile_slots,
 )
 from .histogram import count_scores
 
@@ -166,17 +166,19 @@ def key_tile_slots(pt_row_ptr, tile, valid, num_pages, BLOCK_N: tl.constexpr, PA
 @triton.jit
 def load_keys(k_ptr, ks_ptr, pt_row_ptr, tile, valid, num_pages, scale, BLOCK_N: tl.constexpr,
               PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
-              FAST_DECODE: tl.constexpr, SCALAR_PAGES: tl.constexpr):
+              FAST_DECODE: tl.constexpr, SCALAR_PAGES: tl.constexpr, KEY_PAGE_STRIDE: tl.constexpr,
+              KEY_SLOT_STRIDE: tl.constexpr):
     """Key tile ``tile`` (columns ``tile * BLOCK_N + [0, BLOCK_N)``, those ``< valid`` wanted) of one request as dot
     operands ``(first, second, page_ok, factor)``: for an MXFP4 cache the even and odd elements
     (``load_fp4_key_tile``), else the keys twice (``load_key_tile``); pair them with ``load_q_tile``. Slots and
-    ``page_ok`` as ``key_tile_slots``."""
+    ``page_ok`` as ``key_tile_slots``; the keys' addresses as ``key_rows``."""
     slot, page_ok = key_tile_slots(pt_row_ptr, tile, valid, num_pages, BLOCK_N, PAGE_SIZE, SCALAR_PAGES)
     if KV_KIND == KIND_FP4:
         first, second, factor = load_fp4_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM, DOT_DTYPE,
-                                                  FAST_DECODE)
+                                                  FAST_DECODE, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
     else:
-        first, factor = load_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE)
+        first, factor = load_key_tile(k_ptr, ks_ptr, slot, page_ok, scale, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE,
+                                      PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
         second = first
     return first, second, page_ok, factor
 
@@ -289,7 +291,8 @@ def fp4_block_factors(exps, NB: tl.constexpr, SCALE_WORDS: tl.constexpr):
 
 @triton.jit
 def fp4_keys_major_dots(k_ptr, slot, page_ok, exps, q_hi, q_lo, q_factor, HEAD_DIM: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, SCALE_WORDS: tl.constexpr):
+                        DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                        PAGE_SIZE: tl.constexpr, KEY_PAGE_STRIDE: tl.constexpr, KEY_SLOT_STRIDE: tl.constexpr):
     """``E4M3_MMA`` dots of an MXFP4 key tile, keys major: ``[BLOCK_N, M]`` fp32 for the keys at cache slots ``slot``
     (``[BLOCK_N]``; zeros where not ``page_ok``) with block exponents ``exps`` (``fp4_tile_exponents``) against q's
     per-block e4m3 terms (``load_q_fp4_blocks``).
@@ -303,10 +306,10 @@ def fp4_keys_major_dots(k_ptr, slot, page_ok, exps, q_hi, q_lo, q_factor, HEAD_D
     """
     NB: tl.constexpr = HEAD_DIM // 32
     pair = tl.arange(0, 16)
+    rows = key_rows(slot, HEAD_DIM // 2, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
     block_dots = ()
     for b in tl.static_range(NB):
-        packed = tl.load(k_ptr + slot[:, None] * (HEAD_DIM // 2) + b * 16 + pair[None, :], mask=page_ok[:, None],
-                         other=0)
+        packed = tl.load(k_ptr + rows[:, None] + b * 16 + pair[None, :], mask=page_ok[:, None], other=0)
         keys = fp4_e4m3_block(packed, DOT_DTYPE, FAST_DECODE)
         block_dots = block_dots + (tl.dot(keys, tl.trans(q_lo[b]), tl.dot(keys, tl.trans(q_hi[b]))),)
     factors = fp4_block_factors(exps, NB, SCALE_WORDS)
@@ -330,11 +333,13 @@ def fp4_scale_bytes(exps, NB: tl.constexpr, SCALE_WORDS: tl.constexpr):
 
 
 @triton.jit
-def load_fp4_packed(k_ptr, slot, page_ok, HEAD_DIM: tl.constexpr):
-    """MXFP4 keys at cache slots ``slot`` as stored: uint8 ``[BLOCK_N, HEAD_DIM // 2]`` (element ``2j`` in the low
-    nibble of byte ``j``), zeros where not ``page_ok``."""
+def load_fp4_packed(k_ptr, slot, page_ok, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    KEY_PAGE_STRIDE: tl.constexpr, KEY_SLOT_STRIDE: tl.constexpr):
+    """MXFP4 keys at cache slots ``slot`` (addresses as ``key_rows``) as stored: uint8 ``[BLOCK_N, HEAD_DIM // 2]``
+    (element ``2j`` in the low nibble of byte ``j``), zeros where not ``page_ok``."""
     d = tl.arange(0, HEAD_DIM // 2)
-    return tl.load(k_ptr + slot[:, None] * (HEAD_DIM // 2) + d[None, :], mask=page_ok[:, None], other=0)
+    rows = key_rows(slot, HEAD_DIM // 2, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
+    return tl.load(k_ptr + rows[:, None] + d[None, :], mask=page_ok[:, None], other=0)
 
 
 @triton.jit
@@ -353,16 +358,17 @@ def fp4_scaled_dots(packed, scales, q_hi, q_lo, q_factor):
 @triton.jit
 def fp4_mma_dots(k_ptr, slot, page_ok, exps, q_hi, q_lo, q_factor, HEAD_DIM: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr, SCALE_WORDS: tl.constexpr,
-                 SCALED_MMA: tl.constexpr):
+                 SCALED_MMA: tl.constexpr, PAGE_SIZE: tl.constexpr, KEY_PAGE_STRIDE: tl.constexpr,
+                 KEY_SLOT_STRIDE: tl.constexpr):
     """The keys-major dots ``[BLOCK_N, M]`` of an MXFP4 key tile on low-precision matrix instructions: block-scaled
     (``SCALED_MMA``, ``fp4_scaled_dots``) or one e4m3 K-step per 32-element block (``fp4_keys_major_dots``). Operands
     as ``load_q_tile`` gives them for the same ``SCALED_MMA``; ``exps`` from ``fp4_tile_exponents``."""
     if SCALED_MMA:
-        packed = load_fp4_packed(k_ptr, slot, page_ok, HEAD_DIM)
+        packed = load_fp4_packed(k_ptr, slot, page_ok, HEAD_DIM, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
         dots = fp4_scaled_dots(packed, fp4_scale_bytes(exps, HEAD_DIM // 32, SCALE_WORDS), q_hi, q_lo, q_factor)
     else:
         dots = fp4_keys_major_dots(k_ptr, slot, page_ok, exps, q_hi, q_lo, q_factor, HEAD_DIM, DOT_DTYPE,
-                                   FAST_DECODE, SCALE_WORDS)
+                                   FAST_DECODE, SCALE_WORDS, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
     return dots
 
 
