@@ -16,6 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "kernels", "scoring"))
 
 from test_quantised import fill_random_codes  # noqa: E402
 
@@ -27,13 +28,18 @@ from qsa_aiter.tools.workloads import make_batch  # noqa: E402
 from helpers import E4M3_MMA_TOL, magnitude_bound, uses_e4m3_mma  # noqa: E402
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/e4m3_mma_error.py``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache", type=cache_format, default="fp8", choices=("fp8", "fp4"),
                     help="index-cache format (docs/cache_formats.md): those e4m3 tensor cores read")
     ap.add_argument("--kv", dest="cache", type=cache_format, choices=("fp8", "fp4"), action=RenamedOption,
                     renamed_to="--cache")
-    cache = ap.parse_args().cache
+    return ap
+
+
+def main() -> None:
+    cache = build_parser().parse_args().cache
     worst = 0.0
     for seed in range(6):
         gen = torch.Generator().manual_seed(seed)

@@ -92,7 +92,8 @@ def _measure(cache: str, env: dict, profile_rows: int = 0, startup: bool = False
     return json.loads(lines[-1].removeprefix("FIRST-CALL "))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/first_call.py``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=cache_format, default="bf16",
                         help="index-cache format (docs/cache_formats.md; default bf16)")
@@ -101,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", default=None, help="directory for the JIT and Triton caches (default: temporary)")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="print the warm process's first call under cProfile (this many rows, by cumulative time)")
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(opts.keep or tmp)
         jit_dir, triton_dir = base / "jit", base / "triton"

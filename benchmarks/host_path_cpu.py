@@ -45,12 +45,17 @@ def stub_launches() -> None:
     torch.cuda.current_device = lambda: 0  # read only when recording a plan (as for a GPU call)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/host_path_cpu.py``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=100, help="calls per timed batch (default 100)")
     parser.add_argument("--batches", type=int, default=7, help="timed batches per call; the minimum is kept "
                                                                 "(default 7)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     stub_launches()
     point = point_named("9x4@64K-128K")
     # The calls `bench --eager` times, with and without `out=`, on the point's batch on the CPU.

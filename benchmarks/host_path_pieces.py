@@ -46,12 +46,17 @@ def per_call_us(piece, calls: int, batches: int) -> float:
     return statistics.median(times)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/host_path_pieces.py``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--batches", type=int, default=15)
     parser.add_argument("--point", default="9x4@64K-128K", help="a work point's name (qsa_aiter.tools.work_points)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2

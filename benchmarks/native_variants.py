@@ -70,7 +70,8 @@ def switch_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/native_variants.py``."""
     ap = argparse.ArgumentParser()
     add_selection_point_options(ap)
     ap.add_argument("--switches", type=switch_names, default=tuple(SWITCHES),
@@ -78,7 +79,11 @@ def main() -> None:
     ap.add_argument("--also", type=extra_builds, default={},
                     help="other builds of the chosen plan, LABEL:NAME=VALUE+NAME=VALUE;...")
     ap.add_argument("--no-other-plans", action="store_true", help="time the chosen plan's builds only")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     builds = {**{name: SWITCHES[name] for name in a.switches}, **a.also}
     print("point,rows,columns,plan,variant,topk_us,over_shipped,topk_expand_us,expand_over_shipped")
     for point in a.points:

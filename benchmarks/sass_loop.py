@@ -64,7 +64,8 @@ def innermost_loops(sass: str) -> list[list[str]]:
     return [[op for op, _ in ops[s:e + 1]] for s, e in inner if e > s]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/sass_loop.py``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", default="stacked", choices=("stacked", "keys_major", "tiled"))
     ap.add_argument("--cache", type=cache_format, default="fp4", help="index-cache format (docs/cache_formats.md)")
@@ -73,7 +74,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4, help="verify rows per request (stacked)")
     ap.add_argument("--no-e4m3", action="store_true", help="build the decoding path (QSA_AITER_E4M3_MMA=0)")
     ap.add_argument("--set", nargs="*", default=[], help="config fields to replace: name=value ...")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     if os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
     overrides = {k: int(v) for k, v in (item.split("=") for item in a.set)}

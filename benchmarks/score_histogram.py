@@ -39,10 +39,15 @@ COLUMNS = ("point", "scorer", "score", "score_hist", "score_hist_only", "zero", 
            "select", "select_hist")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/score_histogram.py``."""
     ap = argparse.ArgumentParser()
     add_selection_point_options(ap)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     print(",".join(COLUMNS))
     tested = 0
     for point in a.points:

@@ -50,11 +50,16 @@ def time_graph_with_pdl(select, replays: int) -> float:
             os.environ["QSA_AITER_TOPK_PDL"] = before
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/selection.py``."""
     ap = argparse.ArgumentParser()
     add_selection_point_options(ap)
     ap.add_argument("--kv", dest="cache", type=cache_format, action=RenamedOption, renamed_to="--cache")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     print("point,cache,page,scoring_us,selection_us,selection_over_scoring,selection_pdl_us,topk_candidate,topk_us,"
           "torch_topk_sort_us,topk_speedup")
     settings = get_settings()

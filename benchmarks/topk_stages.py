@@ -75,12 +75,17 @@ def launch_stage(stage: int, logits: torch.Tensor, visible: torch.Tensor, out: t
         num_warps=cfg.num_warps)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/topk_stages.py``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", default="9x4@64K-128K,64x4@98K,128x1@98K")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--replays", type=int, default=30)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     try:
         points = points_named(a.points)
     except ValueError as err:

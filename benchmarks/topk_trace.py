@@ -127,14 +127,19 @@ def trace_point(point, page: int, cache: str, plan_name: str | None, launches: i
           f"{(traced[:, END_NS].max() - traced[:, START_NS].min()).item():.0f},,")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/topk_trace.py``."""
     ap = argparse.ArgumentParser()
     add_selection_point_options(ap, replays=False)
     ap.add_argument("--plan", default=None, help="a variant (rows_256, rows_512, cluster2/4/8/16); default the op's")
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--defines", default="", help="the source's switches to build with (NAME=VALUE,...)")
     ap.add_argument("--expand", action="store_true", help="with the fused expansion into the op's token indices")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     for point in a.points:
         trace_point(point, a.page, a.cache, a.plan, a.launches, tuple(d for d in a.defines.split(",") if d),
                     a.expand)

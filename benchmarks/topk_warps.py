@@ -24,13 +24,18 @@ POINTS = "9x4@64K-128K,4x4@262K,1x1@262K,64x4@98K,128x1@98K,prefill 16K@96K"
 PREFILL_ROWS = (256, 512, 1024, 2048, 4096, 16384)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/topk_warps.py``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
     ap.add_argument("--kv", dest="cache", type=cache_format, action=RenamedOption, renamed_to="--cache")
     ap.add_argument("--replays", type=int, default=30)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     print("point,rows,columns,w8_us,w4_us,w2_us,w4_over_w8")
     for point in points_named(POINTS):
         inputs = selection_inputs(point, a.page, a.cache)

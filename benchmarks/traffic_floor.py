@@ -99,7 +99,8 @@ def launch_traffic(problem, args, tile: Tile) -> None:
     )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python benchmarks/traffic_floor.py``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="64x4@98K,128x1@98K", help="work-point names, comma-separated")
     ap.add_argument("--pages", default="64,16")
@@ -111,7 +112,11 @@ def main() -> None:
     ap.add_argument("--stages", default="3,5", help="pipeline depths to try")
     ap.add_argument("--per-sm", default="4,8", help="programs per multiprocessor to try")
     ap.add_argument("--warps", default="4", help="warps per program to try")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     grid_axes = [[int(v) for v in getattr(a, f).split(",")] for f in ("block_n", "stages", "per_sm", "warps")]
     try:
         points = points_named(a.points)

@@ -18,5 +18,9 @@ def load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a script that fails to load is not left half-loaded for the next caller
+        raise
     return module

@@ -37,8 +37,10 @@ def test_the_readme_examples_run_as_written(capsys):
 # ---------------------------------------------------------------------------------------------------------------
 
 ROOT = README.parent
-#: The documents a reader is sent to: the README and docs/ (docs/bench/ holds raw measurement output).
-DOCS = (README, *sorted((ROOT / "docs").glob("*.md")))
+#: The documents a reader is sent to: the README and docs/, its design log included (docs/bench/ holds raw
+#: measurement output).
+DOCS = (README, *sorted(p for p in (ROOT / "docs").rglob("*.md")
+                         if "bench" not in p.relative_to(ROOT).parts))
 
 
 def test_every_python_block_of_the_docs_is_python():
@@ -113,3 +115,45 @@ def test_nothing_cites_a_document_outside_the_repository():
         if count:
             found[str(path.relative_to(ROOT))] = count
     assert found == KNOWN_CITATIONS
+
+
+#: A Markdown document named in prose (``KINDS.md``, ``docs/selection.md``) or a link's target.
+MARKDOWN_NAME = re.compile(r"(?<![\w/.-])([\w./-]*\w\.md)\b")
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+#: Where the repository keeps documents (not its virtual environment or build outputs).
+REPOSITORY_DOCS = {p.name for p in ROOT.rglob("*.md")
+                   if not {".venv", ".git", "build", "node_modules"} & set(p.relative_to(ROOT).parts)}
+
+
+def _outside_documents(path: Path) -> list[str]:
+    """The documents and link targets ``path`` names that are not in the repository: a Markdown name that is no
+    file's here, a path that resolves neither from the file's folder nor from the root, a relative link that does
+    not resolve from the file's folder."""
+    text = path.read_text()
+    missing = []
+    for name in MARKDOWN_NAME.findall(text):
+        if "/" in name:
+            if not ((path.parent / name).exists() or (ROOT / name).exists() or (ROOT / "docs" / name).exists()):
+                missing.append(name)
+        elif name not in REPOSITORY_DOCS:
+            missing.append(name)
+    if path.suffix == ".md":
+        missing += [target for target in LINK.findall(text)
+                    if "://" not in target and not (path.parent / target).exists()]
+    return list(dict.fromkeys(missing))
+
+
+def test_every_document_named_is_in_the_repository():
+    """A page may send the reader only to a document they have: one of the repository's (KINDS.md, the device
+    tool's notes, once was cited in docs/benchmarks.md)."""
+    missing = {}
+    for path in [*DOCS, *sorted((ROOT / "qsa_aiter").rglob("*.py"))]:
+        if found := _outside_documents(path):
+            missing[str(path.relative_to(ROOT))] = found
+    assert not missing, missing
+
+
+def test_the_document_check_catches_a_missing_one(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("See KINDS.md of the device tool, [the log](log/2026.md) and docs/kernels.md.\n")
+    assert _outside_documents(page) == ["KINDS.md", "log/2026.md"]
