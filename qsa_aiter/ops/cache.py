@@ -9,7 +9,7 @@ import torch
 
 from ..kernels.quant.formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
 from ..runtime import registries, replay
-from ..runtime.arguments import fail_argument
+from ..runtime.arguments import fail_argument, index_cache_strides
 from ..runtime.settings import get_settings
 from .traced import through_custom_op
 
@@ -28,7 +28,8 @@ def qsa_write_index_cache(keys: torch.Tensor, slot_mapping: torch.Tensor, cache:
         slot_mapping: ``[tokens]`` int32/int64. Slots outside ``[0, pages * page_size)`` write nothing; a slot named
             more than once takes the last of its keys (``cache.reference.last_writer_slots``'s rule).
         cache: ``[pages, P, 1, D]`` bf16/fp16/``float8_e4m3fn``/``float8_e4m3fnuz``, or ``[pages, P, 1, D // 2]``
-            ``float4_e2m1fn_x2``; contiguous.
+            ``float4_e2m1fn_x2``; dense along its last dim, any page and slot strides (a view of a larger buffer,
+            ``buffer[..., :width]``, is written in place; nothing else of the buffer is touched).
         k_scale: fp32 ``[pages, P]`` for fp8; ``float8_e8m0fnu`` ``[pages, P, 1, D // 32]`` for fp4; None otherwise.
 
     16-bit caches take the keys rounded to nearest-even (fp32 keys into a bf16 cache included). The Triton kernel
@@ -61,8 +62,10 @@ def _write_validated(keys, slot_mapping, cache, k_scale, settings):
         kind = cache_kind(cache)
     except TypeError as err:
         _fail(TypeError, "cache", "an index cache", str(err))
-    if cache.dim() != 4 or cache.shape[2] != 1 or not cache.is_contiguous():
-        _fail(ValueError, "cache", "a contiguous [pages, page_size, 1, width] tensor", tuple(cache.shape))
+    if cache.dim() != 4 or cache.shape[2] != 1:
+        _fail(ValueError, "cache", "a [pages, page_size, 1, width] tensor", tuple(cache.shape))
+    # A strided view of a larger buffer is written in place; its last dim must be dense, its keys apart.
+    index_cache_strides(cache, op="qsa_write_index_cache", name="cache")
     if cache.device != keys.device:
         _fail(ValueError, "cache", f"on {keys.device} like `keys`", cache.device)
     head_dim = keys.shape[1]

@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from ..kernels.quant.formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
+from ..kernels.quant.formats import FP4_BLOCK, cache_kind, cache_width, scale_layout, view_strides
 from ..kernels.scoring.problem import MAX_CONTEXT_TOKENS, PHASES, ScoreProblem, infer_phase
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -67,11 +67,10 @@ def index_cache_strides(cache, op: str = "qsa_paged_mqa_logits",
     if width > 1 and cache.stride(3) != 1:
         fail_argument(ValueError, name, "dense along its last dim (stride 1; a view of a larger buffer may have any "
                       "page and slot strides)", f"strides {cache.stride()}", op)
-    # A dim of size 1 has no meaningful stride: take the dense one there.
-    slot = cache.stride(1) if page_size > 1 else width
-    page = cache.stride(0) if pages > 1 else page_size * slot
-    if slot == width and page == page_size * width:
+    strides = view_strides(cache)
+    if strides is None:
         return None
+    page, slot = strides
     inner, outer = sorted(((slot, page_size), (page, pages)))
     # Non-overlapping keys: the shorter step clears a key's width, the longer one clears the shorter one's whole run.
     if (inner[1] > 1 and inner[0] < width) or (outer[1] > 1 and outer[0] < max(width, inner[0] * inner[1])):

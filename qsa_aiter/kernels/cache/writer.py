@@ -17,9 +17,9 @@ import triton.language as tl
 
 from ..platform import Platform
 from ..quant.dequant import (
-    KIND_16BIT, KIND_E4M3FNUZ, KIND_FP4, KV_16BIT, KV_FP4, KV_FP8_E4M3FN, KV_FP8_E4M3FNUZ, kernel_view,
+    KIND_16BIT, KIND_E4M3FNUZ, KIND_FP4, KV_16BIT, KV_FP4, KV_FP8_E4M3FN, KV_FP8_E4M3FNUZ, kernel_view, key_rows,
 )
-from ..quant.formats import allocate_index_cache
+from ..quant.formats import allocate_index_cache, view_strides
 from ..spec import KernelSpec, next_pow2
 from .reference import last_writer_slots
 
@@ -104,7 +104,8 @@ def not_named_later(slot_ptr, token, slot, scan_tokens, LATER_BLOCK: tl.constexp
 def _write_index_cache_kernel(
     keys_ptr, slot_ptr, cache_ptr, scale_ptr, num_slots, keys_stride, scan_tokens,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr, FP8_MAX: tl.constexpr,
-    N_BLOCKS: tl.constexpr, LATER_BLOCK: tl.constexpr,
+    N_BLOCKS: tl.constexpr, LATER_BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr = 1,
+    KEY_PAGE_STRIDE: tl.constexpr = 0, KEY_SLOT_STRIDE: tl.constexpr = 0,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -130,7 +131,8 @@ def _write_index_cache_kernel(
             lo = _e2m1_codes(even * factor[:, None])
             hi = _e2m1_codes(odd * factor[:, None])
             packed = (lo | (hi << 4)).to(tl.uint8)
-            tl.store(cache_ptr + slot * (HEAD_DIM // 2) + blk[:, None] * 16 + pair[None, :], packed, mask=ok)
+            row = key_rows(slot, HEAD_DIM // 2, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
+            tl.store(cache_ptr + row + blk[:, None] * 16 + pair[None, :], packed, mask=ok)
             tl.store(scale_ptr + slot * (HEAD_DIM // 32) + blk, exp.to(tl.uint8), mask=blk < HEAD_DIM // 32)
         else:
             d = tl.arange(0, BLOCK_D)
@@ -141,12 +143,14 @@ def _write_index_cache_kernel(
                     value = _bf16_rne(k.to(tl.float32))  # fp16 widens exactly, then one rounding
                 else:
                     value = k.to(cache_ptr.dtype.element_ty)
-                tl.store(cache_ptr + slot * HEAD_DIM + d, value, mask=ok)
+                tl.store(cache_ptr + key_rows(slot, HEAD_DIM, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE) + d, value,
+                         mask=ok)
             else:
                 kf = k.to(tl.float32)
                 scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(kf), axis=0), 1.0e-4), FP8_MAX)
                 v = tl.minimum(tl.maximum(tl.math.div_rn(kf, scale), -FP8_MAX), FP8_MAX)
-                tl.store(cache_ptr + slot * HEAD_DIM + d, _fp8_codes(v, KIND == KIND_E4M3FNUZ), mask=ok)
+                row = key_rows(slot, HEAD_DIM, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
+                tl.store(cache_ptr + row + d, _fp8_codes(v, KIND == KIND_E4M3FNUZ), mask=ok)
                 tl.store(scale_ptr + slot, scale)
 
 
@@ -161,11 +165,16 @@ def kind_of(cache: torch.Tensor, kind: str) -> str:
     return "fp8_fnuz" if cache.dtype == torch.float8_e4m3fnuz else "fp8"
 
 
-def constexprs(kind: str, head_dim: int) -> dict:
-    """The kernel's specialisation for a cache ``kind`` (a ``KIND_CODES`` key) and ``head_dim``."""
+def constexprs(kind: str, head_dim: int, layout: tuple[int, int, int] | None = None) -> dict:
+    """The kernel's specialisation for a cache ``kind`` (a ``KIND_CODES`` key) and ``head_dim``; ``layout``
+    ``(page_size, page stride, slot stride)`` of a cache that is a strided view (``WriterProblem.layout``), whose
+    keys go where ``dequant.key_rows`` says (the scorers read them there). A dense cache passes none of the three:
+    its build is the one it always was."""
     fp8_max = float(torch.finfo(_FP8_DTYPES[kind]).max) if kind in _FP8_DTYPES else 1.0
+    strided = {} if layout is None else dict(PAGE_SIZE=layout[0], KEY_PAGE_STRIDE=layout[1],
+                                             KEY_SLOT_STRIDE=layout[2])
     return dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), KIND=KIND_CODES[kind], FP8_MAX=fp8_max,
-                N_BLOCKS=next_pow2(max(1, head_dim // 32)), LATER_BLOCK=LATER_BLOCK)
+                N_BLOCKS=next_pow2(max(1, head_dim // 32)), LATER_BLOCK=LATER_BLOCK, **strided)
 
 
 @dataclass(frozen=True)
@@ -177,6 +186,9 @@ class WriterProblem:
     kind: str
     head_dim: int
     keys_dtype: torch.dtype = torch.bfloat16
+    #: ``(page_size, page stride, slot stride)`` in elements when the cache is a strided view of a larger buffer
+    #: (``quant.formats.view_strides``), None when it is dense.
+    layout: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -195,7 +207,7 @@ class WriterSpec(KernelSpec):
         return WriterConfig()
 
     def constexprs(self, problem: WriterProblem, platform, cfg) -> dict:
-        return constexprs(problem.kind, problem.head_dim)
+        return constexprs(problem.kind, problem.head_dim, problem.layout)
 
     def grid(self, problem: WriterProblem, platform, cfg) -> tuple[int]:
         return (problem.tokens,)
@@ -222,11 +234,14 @@ SPEC = WriterSpec()
 def launch(keys, slot_mapping, cache_bytes, scale, kind: str, head_dim: int, num_slots: int) -> None:
     """keys: ``[tokens, D]`` (last dim contiguous); slot_mapping: ``[tokens]`` int32/int64, a slot named more than
     once written by its last key; cache_bytes: the cache (uint8 view for fp8/fp4); scale: fp32 ``[pages, P]``
-    (fp8), uint8 ``[pages, P, 1, D // 32]`` (fp4) or None."""
+    (fp8), uint8 ``[pages, P, 1, D // 32]`` (fp4) or None. The cache may be a strided view (dense last dim, keys
+    that do not overlap): the keys are written into it in place."""
     tokens = keys.shape[0]
     scan = tokens <= SCAN_MAX_TOKENS
     slots = slot_mapping if scan else last_writer_slots(slot_mapping)
-    problem = WriterProblem(tokens, kind, head_dim, keys.dtype)
+    strides = view_strides(cache_bytes)
+    layout = None if strides is None else (cache_bytes.shape[1], *strides)
+    problem = WriterProblem(tokens, kind, head_dim, keys.dtype, layout)
     SPEC.plan(problem, Platform.of(keys.device)).launch(
         keys, slots, cache_bytes, scale if scale is not None else cache_bytes, num_slots, keys.stride(0),
         tokens if scan else 0)

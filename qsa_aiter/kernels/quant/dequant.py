@@ -94,8 +94,8 @@ def key_rows(slot, ROW: tl.constexpr, PAGE_SIZE: tl.constexpr, KEY_PAGE_STRIDE: 
              KEY_SLOT_STRIDE: tl.constexpr):
     """Element offsets (int64, in the cache's kernel view) of the keys at cache slots ``slot``, each ``ROW`` elements
     wide (``HEAD_DIM``, or ``HEAD_DIM // 2`` bytes of MXFP4). ``KEY_SLOT_STRIDE`` 0: a dense cache, ``slot * ROW``
-    (the address math of a dense cache, unchanged); else a strided view of a larger buffer (``ScoreProblem.key_strides``):
-    slots ``KEY_SLOT_STRIDE`` apart, pages ``KEY_PAGE_STRIDE`` apart. Both are constexprs, so a view whose pages
+    (the address math of a dense cache, unchanged); else a strided view of a larger buffer
+    (``ScoreProblem.key_strides``): slots ``KEY_SLOT_STRIDE`` apart, pages ``KEY_PAGE_STRIDE`` apart. Both are constexprs, so a view whose pages
     are whole runs of slots costs one multiply by a constant, like a dense cache."""
     if KEY_SLOT_STRIDE == 0:
         rows = slot * ROW

@@ -95,6 +95,17 @@ def cache_width(kind: str, head_dim: int) -> int:
     return head_dim // 2 if kind == "fp4" else head_dim
 
 
+def view_strides(cache: torch.Tensor) -> tuple[int, int] | None:
+    """``(page stride, slot stride)`` in elements of an index cache ``[pages, P, 1, width]`` whose pages or slots
+    lie further apart than a dense cache's (a strided view of a larger buffer, ``buffer[..., :width]``), or None when
+    it is laid out densely (a dim of size 1 counts as dense whatever its stride). The last dim's stride is not
+    looked at: the callers require it to be 1 (``runtime.arguments.index_cache_strides``)."""
+    pages, page_size, _, width = cache.shape
+    slot = cache.stride(1) if page_size > 1 else width
+    page = cache.stride(0) if pages > 1 else page_size * slot
+    return None if (slot, page) == (width, page_size * width) else (page, slot)
+
+
 def scale_layout(kind: str, num_pages: int, page_size: int, head_dim: int):
     """``(shape, dtype)`` of the scale tensor a ``kind`` (``cache_kind``) cache needs, or None for 16-bit caches."""
     if kind == "fp8":
