@@ -128,6 +128,15 @@ def _rocm_gpu_reasons(problem: ScoreProblem) -> list[str]:
     return []
 
 
+def _dense_cache_reasons(problem: ScoreProblem) -> list[str]:
+    """The libraries' scorers are handed the cache tensor and address it as a dense ``[pages, P, 1, D]`` block: a
+    strided view (``ScoreProblem.key_strides``) is not theirs to read (the Triton scorers and torch take it)."""
+    if problem.key_strides is None:
+        return []
+    page, slot = problem.key_strides
+    return [f"reads a dense index cache only (this one is a strided view: page stride {page}, slot stride {slot})"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # AITER's QSA Triton scorer
 # ---------------------------------------------------------------------------------------------------------------
@@ -139,6 +148,7 @@ def aiter_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) ->
     if problem.q_dtype != torch.bfloat16 or problem.cache_dtype != torch.bfloat16:
         reasons.append(f"serves bf16 queries and caches only (got q {str(problem.q_dtype).removeprefix('torch.')}, "
                        f"cache {str(problem.cache_dtype).removeprefix('torch.')})")
+    reasons += _dense_cache_reasons(problem)
     if not reasons:
         _, fn, why = _load(*AITER_SCORER)
         if why:
@@ -182,6 +192,7 @@ def flydsl_reasons(problem: ScoreProblem, settings: QsaSettings | None = None) -
         reasons.append(f"serves the prefill phase only (phase {problem.phase})")
     if problem.q_dtype != torch.bfloat16 or problem.cache_dtype != torch.bfloat16:
         reasons.append("serves bf16 queries and caches only")
+    reasons += _dense_cache_reasons(problem)
     reasons += _flydsl_shape_reasons(problem, FlydslShape())
     if not reasons:
         if not _package_importable(FLYDSL_PACKAGE):

@@ -148,6 +148,8 @@ def test_flydsl_serves_its_shape_and_leads_prefill(rocm_platform):
     (dict(compress_ratio=8), "(got 4, 128, 16, 8)"),
     (dict(num_tokens=40000, num_columns=16384), "logits exceed its 2 GiB buffer addressing"),
     (dict(cache_bytes=2**31), "index cache exceeds its 2 GiB"),
+    (dict(key_strides=(16 * 256, 256)), "reads a dense index cache only (this one is a strided view: page stride "
+                                        "4096, slot stride 256)"),
     (dict(device_type="cpu"), "needs ROCm GPU tensors (tensors are on cpu)"),
 ])
 def test_flydsl_shape_and_phase_gates(rocm_platform, change, why):
@@ -232,6 +234,19 @@ def test_aiter_gates(rocm_platform):
     assert rocm.aiter_reasons(example_problem()) == [
         "aiter.ops.triton.attention.qsa.qsa_paged_mqa_logits has no num_columns, score_divisor argument (an older "
         "aiter)"]
+
+def test_aiter_refuses_a_strided_cache_view_without_importing(rocm_platform):
+    """A cache that is a view of a wider buffer (``buffer[..., :128]``) is left to the Triton scorers, with the
+    reason, before AITER is imported; ``explain`` says why."""
+    install(rocm_platform, aiter_scorer_standin([]))
+    assert rocm.aiter_reasons(example_problem()) == []
+    rocm.reset()
+    strided = example_problem(key_strides=(64 * 256, 256))
+    why = "reads a dense index cache only (this one is a strided view: page stride 16384, slot stride 256)"
+    assert rocm.aiter_reasons(strided) == [why]
+    assert rocm._loaded == {}
+    assert registries.SCORING.select(strided).chosen != "aiter"
+    assert f"- aiter: {why}" in registries.SCORING.explain(strided)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Running them: argument mapping, results, fallback
