@@ -1,5 +1,5 @@
-"""A built wheel is complete: it ships the native kernels' CUDA source, installed on its own it reads the shipped
-tuned rows from inside itself, and using it writes nothing into the installed package."""
+"""A built wheel is complete: it ships the native kernels' CUDA source and the changelog, installed on its own it
+reads the shipped tuned rows from inside itself, and using it writes nothing into the installed package."""
 
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ def test_a_built_wheel_ships_the_tuned_tables_and_stays_unwritten(tmp_path):
     installed = _files(site)
     assert "qsa_aiter/kernels/selection/native_topk.cu" in installed  # the native kernels compile from it at run time
     assert "qsa_aiter/py.typed" in installed  # type checkers read the package's hints
+    # The changelog travels with the package (qsa_aiter/CHANGELOG.md links to the top-level one): its text, not a link.
+    changelog = site / "qsa_aiter" / "CHANGELOG.md"
+    assert not changelog.is_symlink() and changelog.read_text() == (ROOT / "CHANGELOG.md").read_text()
     info = next(site.glob("qsa_aiter-*.dist-info"))
     metadata = (info / "METADATA").read_text()
     assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
