@@ -1,4 +1,5 @@
-"""Test setup: the Triton interpreter on CPU-only machines, the ``gpu`` marker and a clean environment per test.
+"""Test setup: the Triton interpreter on CPU-only machines, the ``gpu``, ``nvrtc`` and ``slow`` markers and a clean
+environment per test.
 
 ``TRITON_INTERPRET`` must be set before Triton is imported (``triton.jit`` decides at decoration time whether a kernel
 is interpreted), so it is set here before anything imports Triton or ``qsa_aiter``.
@@ -15,6 +16,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from qsa_aiter.runtime import log, dispatch  # noqa: E402
+from qsa_aiter.runtime.jit import nvrtc  # noqa: E402
 from qsa_aiter.runtime.jit.triton_compat import install_uniform_interpreter_dots  # noqa: E402
 from qsa_aiter.kernels.platform import interpreting  # noqa: E402
 from qsa_aiter.runtime.settings import ENV_VARIABLES  # noqa: E402
@@ -24,13 +26,30 @@ if interpreting():
     install_uniform_interpreter_dots()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--require-nvrtc", action="store_true",
+                     help="run the tests marked nvrtc even where NVRTC is missing (they fail there) instead of "
+                          "skipping them: .ci/run passes it after installing NVRTC")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA/HIP GPU (run with `-m gpu`); skipped without one")
+    config.addinivalue_line("markers", "nvrtc: compiles the native CUDA sources with NVRTC; skipped without NVRTC "
+                                       "unless --require-nvrtc")
+    config.addinivalue_line("markers", "slow: the long interpreted matrix beyond the default set's representative "
+                                       "cases; deselect with -m 'not slow' (.ci/run runs it)")
     # Triton 3.6's interpreter converts 1-element arrays to scalars, which NumPy >= 1.25 deprecates (many lines).
     config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
 def pytest_collection_modifyitems(config, items):
+    missing = nvrtc.unavailable_reason()
+    if missing and not config.getoption("--require-nvrtc"):
+        skip_nvrtc = pytest.mark.skip(reason=f"needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; .ci/run installs "
+                                             f"it): {missing}")
+        for item in items:
+            if "nvrtc" in item.keywords:
+                item.add_marker(skip_nvrtc)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA/HIP GPU")

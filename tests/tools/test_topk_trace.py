@@ -2,7 +2,6 @@
 traced are left out, each stage timed from the CTA's previous boundary), and the trace build of the native kernels
 compiles for sm_90 with its buffer (NVRTC; CI installs it)."""
 
-import os
 
 import pytest
 import torch
@@ -43,8 +42,7 @@ def test_every_boundary_the_table_names_is_marked_in_the_source():
     assert f"#define TOPK_TRACE_SLOTS {topk_trace.SLOTS}" in source
 
 
-@pytest.mark.skipif(nvrtc.unavailable_reason() is not None and not os.environ.get("CI"),
-                    reason=f"NVRTC: {nvrtc.unavailable_reason()}")
+@pytest.mark.nvrtc
 @pytest.mark.parametrize("name", ["topk_rows_256", "topk_cluster4_512"])
 def test_the_trace_build_compiles_without_spills(name):
     variant = nt.BY_NAME[name]

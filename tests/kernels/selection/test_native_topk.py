@@ -8,7 +8,6 @@ new lengths written in place, and selection through the native top-k equal to se
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import zlib
 from pathlib import Path
@@ -105,8 +104,7 @@ def test_the_documented_switch_defaults_are_the_sources():
     assert len(rows) == len(nt.SWITCH_DEFAULTS)
 
 
-@pytest.mark.skipif(nvrtc.unavailable_reason() is not None and not os.environ.get("CI"),
-                    reason="needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; .ci/run installs it)")
+@pytest.mark.nvrtc
 @pytest.mark.parametrize("variant", nt.VARIANTS, ids=lambda v: v.name)
 def test_the_candidate_switches_compile_without_spills(variant):
     """Every kernel with all the candidate switches on (as benchmarks/native_variants.py builds them), and the cluster

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -38,9 +37,9 @@ from jit_children import (  # noqa: F401 (sources, same_sources_here: the module
     sources,
 )
 
-# Skipped without NVRTC, except in CI (CI=true), which installs it: there a missing NVRTC fails the tests.
-pytestmark = pytest.mark.skipif(nvrtc.unavailable_reason() is not None and not os.environ.get("CI"),
-                                reason="needs NVRTC (pip install nvidia-cuda-nvrtc-cu12; .ci/run installs it)")
+# Skipped without NVRTC (tests/conftest.py), except under --require-nvrtc (.ci/run, which installs it): there a
+# missing NVRTC fails the tests.
+pytestmark = pytest.mark.nvrtc
 ARCH = "sm_90"
 SOURCE = nt.source()
 ROWS_256 = nt.BY_NAME["topk_rows_256"]
