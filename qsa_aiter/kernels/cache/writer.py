@@ -126,10 +126,14 @@ def _write_index_cache_kernel(
             amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)
             exp = tl.where(amax > 0, _floor_log2(amax) - 2 + 127, 0)
             exp = tl.minimum(tl.maximum(exp, 0), 254)
+            # A block holding a NaN or an infinity (x - x is then NaN) stores e8m0's NaN, 0xFF, and zero codes: it
+            # dequantises to NaN (0 x 2**128) on every path (docs/cache_formats.md, "NaN").
+            bad = tl.max((((even - even) != 0) | ((odd - odd) != 0)).to(tl.int32), axis=1) > 0
+            exp = tl.where(bad, 255, exp)
             shift = 127 - exp  # in [-127, 127]; 2**-127 is applied as 2**-126 * 0.5
             factor = _pow2(tl.maximum(shift, -126)) * tl.where(shift < -126, 0.5, 1.0)
-            lo = _e2m1_codes(even * factor[:, None])
-            hi = _e2m1_codes(odd * factor[:, None])
+            lo = tl.where(bad[:, None], 0, _e2m1_codes(even * factor[:, None]))
+            hi = tl.where(bad[:, None], 0, _e2m1_codes(odd * factor[:, None]))
             packed = (lo | (hi << 4)).to(tl.uint8)
             row = key_rows(slot, HEAD_DIM // 2, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
             tl.store(cache_ptr + row + blk[:, None] * 16 + pair[None, :], packed, mask=ok)
@@ -147,10 +151,15 @@ def _write_index_cache_kernel(
                          mask=ok)
             else:
                 kf = k.to(tl.float32)
+                # A key holding a NaN or an infinity (x - x is then NaN) gets a NaN scale and the format's NaN code
+                # in every byte, as the torch path (docs/cache_formats.md, "NaN"); tl.max alone would drop a NaN.
+                bad = tl.max(((kf - kf) != 0).to(tl.int32), axis=0) > 0
                 scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(kf), axis=0), 1.0e-4), FP8_MAX)
+                scale = tl.where(bad, float("nan"), scale)
                 v = tl.minimum(tl.maximum(tl.math.div_rn(kf, scale), -FP8_MAX), FP8_MAX)
+                codes = tl.where(bad, 0x80 if KIND == KIND_E4M3FNUZ else 0x7F, _fp8_codes(v, KIND == KIND_E4M3FNUZ))
                 row = key_rows(slot, HEAD_DIM, PAGE_SIZE, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
-                tl.store(cache_ptr + row + d, _fp8_codes(v, KIND == KIND_E4M3FNUZ), mask=ok)
+                tl.store(cache_ptr + row + d, codes.to(tl.uint8), mask=ok)
                 tl.store(scale_ptr + slot, scale)
 
 

@@ -148,11 +148,13 @@ def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def quantize_fp8(keys: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn):
-    """``keys [n, D]`` (any float) -> ``(values [n, D] fp8, scale [n] fp32)``, round-to-nearest-even."""
+    """``keys [n, D]`` (any float) -> ``(values [n, D] fp8, scale [n] fp32)``, round-to-nearest-even. A key holding
+    a NaN or an infinity gets a NaN scale and the format's NaN in every value (it dequantises to NaN)."""
     fmax = torch.finfo(fp8_dtype).max
     k = keys.float()
-    scale = k.abs().amax(dim=-1).clamp_min(1e-4) / fmax
-    values = (k / scale[:, None]).clamp(-fmax, fmax).to(fp8_dtype)
+    bad = ~torch.isfinite(k).all(dim=-1)
+    scale = torch.where(bad, float("nan"), k.abs().amax(dim=-1).clamp_min(1e-4) / fmax)
+    values = torch.where(bad[:, None], float("nan"), (k / scale[:, None]).clamp(-fmax, fmax)).to(fp8_dtype)
     return values, scale
 
 
@@ -172,7 +174,8 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp4(keys: torch.Tensor):
-    """``keys [n, D]`` -> ``(packed [n, D // 2] uint8, exponents [n, D // 32] uint8 e8m0)``."""
+    """``keys [n, D]`` -> ``(packed [n, D // 2] uint8, exponents [n, D // 32] uint8 e8m0)``. A block holding a NaN
+    or an infinity stores e8m0's NaN (255) and zero codes: it dequantises to NaN (``0 * 2**128``)."""
     n, d = keys.shape
     if d % FP4_BLOCK:
         raise ValueError(f"fp4 needs head_dim divisible by {FP4_BLOCK}; got {d}")
@@ -180,8 +183,10 @@ def quantize_fp4(keys: torch.Tensor):
     amax = blocks.abs().amax(dim=-1)
     exp = torch.where(amax > 0, _floor_log2(amax.clamp_min(torch.finfo(torch.float32).tiny)) - 2 + 127,
                       torch.zeros_like(amax, dtype=torch.int32))
-    exp = exp.clamp(0, 254)
-    codes = e2m1_codes(blocks * torch.exp2(127.0 - exp.float())[..., None]).reshape(n, d)
+    bad = ~torch.isfinite(blocks).all(dim=-1)
+    exp = torch.where(bad, 255, exp.clamp(0, 254))
+    codes = e2m1_codes(blocks * torch.exp2(127.0 - exp.float())[..., None])
+    codes = torch.where(bad[..., None], 0, codes).reshape(n, d)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return packed, exp.to(torch.uint8)
 

@@ -35,11 +35,12 @@ def count_scores(hist_rows, score, keep):
 
 
 def score_keys(scores: torch.Tensor) -> torch.Tensor:
-    """The order-preserving 32-bit keys of fp32 ``scores`` (as int64 in ``[0, 2**32)``): ``-0.0`` maps as ``+0.0``,
-    negative scores to ``~bits``, the others to ``bits | 2**31``."""
+    """The order-preserving 32-bit keys of fp32 ``scores`` (as int64 in ``[0, 2**32)``), ``topk.order_key``'s:
+    ``-0.0`` maps as ``+0.0``, every NaN to one key just above ``+inf``'s, negative scores to ``~bits``, the others
+    to ``bits | 2**31``."""
     bits = scores.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    bits = torch.where(bits == 0x80000000, torch.zeros_like(bits), bits)
-    return torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    magnitude = (bits & 0x7FFFFFFF).clamp_max(0x7F800001)
+    return torch.where(scores < 0, magnitude ^ 0x7FFFFFFF, magnitude | 0x80000000)
 
 
 def torch_score_histogram(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,8 @@ def _rowwise_scorer_kernel(
                                         FAST_DECODE).to(tl.float32)
                     q_c = tl.load(q_row + h * HEAD_DIM + d, mask=d_ok, other=0.0)
                     part += keys * q_c.to(tl.float32)[None, :]
-            acc += tl.maximum(tl.sum(part, axis=1), 0.0)
+            # ReLU keeping NaN (IEEE propagation, docs/kernels.md): max.NaN is one instruction, as max is.
+            acc += tl.maximum(tl.sum(part, axis=1), 0.0, propagate_nan=tl.PropagateNan.ALL)
         if KV_KIND == KIND_E4M3FN or KV_KIND == KIND_E4M3FNUZ:
             acc *= tl.load(ks_ptr + slot, mask=page_ok, other=0.0)  # the fp8 scale, once per column
         score = tl.where(page_ok, acc * scale, float("-inf"))

@@ -53,7 +53,7 @@ def _head_scores(q_first, q_second, q_factor, k_first, k_second, KV_KIND: tl.con
         dots = keys_major_pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
     else:
         dots = pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
-    return tl.maximum(dots, 0.0)
+    return tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN dot stays NaN (docs/kernels.md)
 
 
 @triton.jit

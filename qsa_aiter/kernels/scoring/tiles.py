@@ -69,7 +69,8 @@ def stacked_head_scores(dots, page_ok, factor, ROWS: tl.constexpr, NUM_HEADS: tl
     ReLU is applied per head, then the heads are summed out of M and each column is multiplied by its ``factor``
     (``load_key_tile``). Columns whose page is bad score ``-inf``.
     """
-    s = tl.sum(tl.reshape(tl.maximum(dots, 0.0), (ROWS, NUM_HEADS, BLOCK_N)), axis=1)
+    relu = tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN dot stays NaN (docs/kernels.md)
+    s = tl.sum(tl.reshape(relu, (ROWS, NUM_HEADS, BLOCK_N)), axis=1)
     return tl.where(page_ok[None, :], s * factor[None, :], float("-inf"))
 
 
@@ -380,7 +381,8 @@ def store_keys_major(out_rows, cols, dots_t, page_ok, factor, mine, vis, hist_ro
     ``page_ok``), stored transposed at ``out_rows[r] + cols`` for the rows that are ``mine`` and columns below each
     row's ``vis``; with ``HISTOGRAM`` each stored score is counted in its row's histogram at ``hist_rows``
     (``histogram.count_scores``)."""
-    s_t = tl.sum(tl.reshape(tl.maximum(dots_t, 0.0), (BLOCK_N, ROWS, NUM_HEADS)), axis=2)
+    relu = tl.maximum(dots_t, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN dot stays NaN (docs/kernels.md)
+    s_t = tl.sum(tl.reshape(relu, (BLOCK_N, ROWS, NUM_HEADS)), axis=2)
     score_t = tl.where(page_ok[:, None], s_t * factor[:, None], float("-inf"))
     keep_t = mine[None, :] & (cols[:, None] < vis[None, :])
     tl.store(out_rows[None, :] + cols[:, None], score_t, mask=keep_t)

@@ -56,6 +56,9 @@ def _block_maxima_kernel(logits_ptr, vis_ptr, max_ptr, logits_stride, max_stride
         blk = start + offs
         cols = blk[:, None] * B + within[None, :]
         x = tl.load(src + cols, mask=cols < n, other=float("-inf"))
+        # A NaN ranks above +inf (topk.order_key) and tl.max drops it: a block holding one has maximum +inf, so
+        # that it reaches any floor.
+        x = tl.where(x != x, float("inf"), x)
         tl.store(dst + blk, tl.max(x, axis=1), mask=blk < blocks)
 
 

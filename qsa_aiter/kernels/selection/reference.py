@@ -13,7 +13,8 @@ def reference_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk
     """The oracle of block top-k: int32 ``[tokens, block_topk]``, row by row.
 
     Row ``t`` ranks its columns ``[0, visible[t])`` by ``(-score, index)`` (ties to the lower group; ``-inf`` scores of
-    bad pages rank last but are still groups), keeps the first ``block_topk`` (all of them when ``visible <=
+    bad pages rank last but are still groups; a NaN ranks above ``+inf``, whatever its sign, as in ``torch.sort``,
+    NaNs among themselves by index), keeps the first ``block_topk`` (all of them when ``visible <=
     block_topk``, without looking at the scores), and lists the kept groups in ascending order, ``-1`` after them.
     Columns at or past ``visible`` are never read; ``visible`` is clamped to ``[0, columns]``.
     """
@@ -26,7 +27,8 @@ def reference_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk
             chosen = list(range(n))
         else:
             row = scores[t, :n].tolist()
-            chosen = sorted(sorted(range(n), key=lambda c: (-row[c], c))[:block_topk])
+            chosen = sorted(sorted(range(n), key=lambda c: (row[c] == row[c], -row[c] if row[c] == row[c] else 0.0,
+                                                            c))[:block_topk])
         out[t, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     return out.to(logits.device)
 
@@ -60,7 +62,7 @@ def reference_expand_block_indices(block_indices: torch.Tensor, query_positions:
 def torch_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int, out: torch.Tensor) -> None:
     """The torch path of ``qsa_block_topk`` (any device, graph-safe): a stable descending sort of the visible scores
     (ties keep the lower index first; masked columns sort after every visible one, ``-inf`` included, because they
-    have higher indices), the first ``block_topk`` columns, then an ascending sort with ``-1`` last."""
+    have higher indices; a NaN of either sign sorts first, as ``torch.sort`` ranks it above ``+inf``), the first ``block_topk`` columns, then an ascending sort with ``-1`` last."""
     tokens, columns = logits.shape
     if tokens == 0:
         return

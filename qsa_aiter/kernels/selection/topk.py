@@ -52,12 +52,14 @@ FLOOR_BLOCKS = tl.constexpr(2)
 
 @triton.jit
 def order_key(scores):
-    """fp32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 keyed as +0.0, they compare equal):
-    the native top-k's ``f2key``, and the key the scorers' histogram bins (``scoring/histogram.py``)."""
-    bits = scores.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)
-    flipped = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse the magnitude order
-    return flipped.to(tl.uint32, bitcast=True) ^ 0x80000000
+    """fp32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 keyed as +0.0, they compare equal)
+    with every NaN, whatever its sign and payload, one key above +inf's (NaN ranks first, ties by index, as in
+    ``torch.sort``): the native top-k's ``f2key``, and the key the scorers' histogram bins
+    (``scoring/histogram.py``). Five operations, one fewer than a sign-bit map with a ``-0.0`` test."""
+    bits = scores.to(tl.uint32, bitcast=True)
+    magnitude = tl.minimum(bits & 0x7FFFFFFF, 0x7F800001)  # every NaN alike, just above +inf
+    # ``scores < 0`` is false for NaN and -0.0: both take the non-negative map (magnitude | sign bit).
+    return magnitude ^ tl.where(scores < 0.0, 0x7FFFFFFF, 0x80000000).to(tl.uint32)
 
 
 @triton.jit
@@ -198,7 +200,8 @@ def collect_candidates(src, n, n_vec, floor, buf_row, CAPACITY: tl.constexpr, SC
     for start in range(0, n, SCAN):
         cols = start + quad
         x = tl.load(src + cols, mask=cols < n_vec, other=0.0)
-        kept = _append_in_order(buf_row, cols, ((cols < n) & (x >= floor)).to(tl.int32), kept, CAPACITY)
+        # not (x < floor): a NaN (ranked above +inf) is kept too, at no cost (one unordered compare).
+        kept = _append_in_order(buf_row, cols, ((cols < n) & ~(x < floor)).to(tl.int32), kept, CAPACITY)
     return kept
 
 
@@ -226,7 +229,7 @@ def block_candidates(src, n, max_row, buf_row, k, B: tl.constexpr, MAX_BLOCKS: t
     blocks = tl.cdiv(n, B)
     maxima = tl.load(max_row + b, mask=b < blocks, other=float("-inf"))
     floor = _key_to_float(_kth_key(order_key(maxima), b < blocks, k, 4)[0])
-    reach = ((b < blocks) & (maxima >= floor)).to(tl.int32)
+    reach = ((b < blocks) & ~(maxima < floor)).to(tl.int32)  # a NaN maximum (a NaN in the block) reaches
     reaching = tl.sum(reach, axis=0)
     slot = tl.cumsum(reach, axis=0) - reach
     # A reaching block holds at least one candidate: more blocks than the capacity means too many candidates.
@@ -244,7 +247,7 @@ def block_candidates(src, n, max_row, buf_row, k, B: tl.constexpr, MAX_BLOCKS: t
             blk = tl.load(block_list + start + step, mask=listed, other=0)
             cols = blk[:, None] * B + within[None, :]
             x = tl.load(src + cols, mask=listed[:, None] & (cols < n), other=float("-inf"))
-            keep = (listed[:, None] & (cols < n) & (x >= floor)).to(tl.int32)
+            keep = (listed[:, None] & (cols < n) & ~(x < floor)).to(tl.int32)
             kept = _append_in_order(buf_row, cols, keep, kept, CAPACITY)
     return kept
 

@@ -26,7 +26,7 @@ from .. import tuned
 from .paths import jit_root
 from .routing import Activation, active_store
 from .store import Store
-from .triton_compat import driver
+from .triton_compat import driver, install_uniform_interpreter_dots
 
 #: What ``scope`` returns where there is nothing to route (one shared object: a launch allocates nothing for it).
 _NO_SCOPE = contextlib.nullcontext()
@@ -107,8 +107,15 @@ def load(device: torch.device | int | None = None, settings: QsaSettings | None 
 def scope(device: torch.device, settings: QsaSettings | None = None):
     """Context manager around a launch of this library's kernels on ``device``: warmed variants load from the JIT
     cache, new ones are compiled into it and recorded. A no-op off the GPU, under the interpreter, inside another
-    scope (the outer one's directory serves) and where the cache is read-only or unusable."""
-    if device.type != "cuda" or active_store() is not None or interpreting():
+    scope (the outer one's directory serves) and where the cache is read-only or unusable.
+
+    Under the interpreter it installs the uniform interpreter dots first (once, the interpreter's only; no GPU is
+    touched): every launch of this library's kernels passes here (``Registry.dispatch``), so a score does not depend
+    on the other rows of the call in a user's process either, not only in the test suite and the fuzzer."""
+    if interpreting():
+        install_uniform_interpreter_dots()
+        return _NO_SCOPE
+    if device.type != "cuda" or active_store() is not None:
         return _NO_SCOPE
     settings = settings or get_settings()
     index = device.index if device.index is not None else torch.cuda.current_device()

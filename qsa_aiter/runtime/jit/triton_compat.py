@@ -150,8 +150,9 @@ def install_uniform_interpreter_dots() -> None:
     The interpreter computes a dot with ``np.matmul``, whose BLAS kernel rounds an element by its place in the tile
     (vector body against tail, fused or separate multiply-adds, chosen by the CPU), so identical keys can score
     differently on one machine and alike on another. A GPU's MMA treats every element alike; this does too: fp32
-    products, then one add per K step in K order, the same for every element. The test suite and the fuzzer install
-    it; it changes nothing outside the interpreter.
+    products, then one add per K step in K order, the same for every element. The package installs it at its first
+    launch under the interpreter (``launching.scope``, never at import), as the test suite and the fuzzer do at
+    their start; it changes nothing outside the interpreter.
     """
     import numpy as np
     from triton import language as tl
