@@ -23,6 +23,8 @@ from qsa_aiter.runtime.settings import ENV_VARIABLES  # noqa: E402
 
 if interpreting():
     # Interpreted dots sum every element alike, as an MMA does, whatever BLAS kernel this CPU picks (tie tests).
+    # The package installs them at its first interpreted launch too; here they are in place for tests that
+    # launch kernels directly.
     install_uniform_interpreter_dots()
 
 
