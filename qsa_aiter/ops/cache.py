@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ..kernels.quant.formats import FP4_BLOCK, cache_kind, cache_width, scale_layout
+from ..kernels.quant.formats import FP4_BLOCK, cache_kind, scale_layout
 from ..runtime import registries, replay
 from ..runtime.arguments import fail_argument, index_cache_strides
 from ..runtime.settings import get_settings
@@ -69,11 +69,14 @@ def _write_validated(keys, slot_mapping, cache, k_scale, settings):
     if cache.device != keys.device:
         _fail(ValueError, "cache", f"on {keys.device} like `keys`", cache.device)
     head_dim = keys.shape[1]
-    width = cache_width(kind, head_dim)
+    # The cache's layout fixes the format's head_dim: keys of another one are the argument at fault.
+    cache_dim = cache.shape[3] * 2 if kind == "fp4" else cache.shape[3]
+    if head_dim != cache_dim:
+        _fail(ValueError, "keys", f"[tokens, 1, {cache_dim}] or [tokens, {cache_dim}] (the head_dim of the {kind} "
+              f"cache {tuple(cache.shape)})", tuple(keys.shape))
     if kind == "fp4" and head_dim % FP4_BLOCK:
-        _fail(ValueError, "keys", f"a head_dim divisible by {FP4_BLOCK} for an fp4 cache", head_dim)
-    if cache.shape[3] != width:
-        _fail(ValueError, "cache", f"last dim {width} for head_dim {head_dim}", tuple(cache.shape))
+        _fail(ValueError, "cache", f"a head_dim divisible by {FP4_BLOCK} for an fp4 cache (last dim a multiple of "
+              f"{FP4_BLOCK // 2})", tuple(cache.shape))
     if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
         _fail(TypeError, "slot_mapping", "an int32/int64 tensor", getattr(slot_mapping, "dtype", type(slot_mapping)))
     if slot_mapping.dim() != 1 or slot_mapping.numel() != keys.shape[0] or not slot_mapping.is_contiguous():

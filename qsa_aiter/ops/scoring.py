@@ -17,12 +17,13 @@ from .traced import through_custom_op
 
 
 def _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
-             score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len, settings=None):
+             score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len, settings=None,
+             op="qsa_paged_mqa_logits"):
     settings = settings or get_settings()
     return validate_scoring_call(
         q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, compress_ratio,
         score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len,
-        stacked_enabled=settings.stacked_decode_scorer, e4m3_mma=settings.e4m3_mma,
+        stacked_enabled=settings.stacked_decode_scorer, e4m3_mma=settings.e4m3_mma, op=op,
     )
 
 
@@ -149,10 +150,12 @@ def score_validated(problem: ScoreProblem, divisor: float, q, compressed_k_cache
 
 def describe_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
                   compress_ratio=4, score_divisor=None, max_columns=None, row_starts=None, *, k_scale=None,
-                  out=None, phase=None, max_query_len=None) -> ScoreProblem:
-    """The validated ``ScoreProblem`` a ``qsa_paged_mqa_logits`` call with these arguments would dispatch on."""
+                  out=None, phase=None, max_query_len=None, op="qsa_paged_mqa_logits") -> ScoreProblem:
+    """The validated ``ScoreProblem`` a ``qsa_paged_mqa_logits`` call with these arguments would dispatch on; an
+    argument error names ``op``, the public op called."""
     return _prepare(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                    compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len)[0]
+                    compress_ratio, score_divisor, max_columns, row_starts, k_scale, out, phase, max_query_len,
+                    op=op)[0]
 
 
 # Typed like the op they explain, whose signature is the one declaration of its arguments and defaults.
@@ -162,11 +165,11 @@ def explain(call: Call) -> str:
     does not: the problem, where its phase came from, the registry row, the rule that chose, every candidate with
     its reasons, and for a Triton kernel its launch plan (or why there is none). The arguments are validated as the
     op validates them; nothing is launched or written."""
-    return registries.SCORING.explain(describe_call(**call))
+    return registries.SCORING.explain(describe_call(**call, op="explain"))
 
 
 @taking_arguments_of(qsa_paged_mqa_logits)
 def selected_kernel(call: Call) -> str | None:
     """Name of the candidate a ``qsa_paged_mqa_logits`` call with these arguments would run (``None`` if none
     serves); the arguments are validated as the op validates them."""
-    return registries.SCORING.select(describe_call(**call)).chosen
+    return registries.SCORING.select(describe_call(**call, op="selected_kernel")).chosen

@@ -51,7 +51,8 @@ def qsa_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int,
         logits: fp32 ``[tokens, columns]`` (last dim contiguous); only ``[0, visible)`` of each row is read.
         visible: int32 ``[tokens]`` (as ``qsa_paged_mqa_logits`` returns it); read clamped to ``[0, columns]``, so no
             value makes a kernel read past its row.
-        block_topk: groups to keep per row (``token_topk // R``).
+        block_topk: groups to keep per row (``token_topk // R``), in ``[1, MAX_BLOCK_TOPK]`` (8192: what the kernels
+            hold; ``kernels/selection/problem.py``).
         out: optional int32 ``[tokens, block_topk]`` (last dim contiguous).
 
     Returns:
@@ -87,7 +88,8 @@ def qsa_expand_block_indices(block_indices: torch.Tensor, query_positions: torch
             (as ``qsa_block_topk`` writes them); ``-1`` entries are skipped wherever they are.
         query_positions, token_to_request: ``[tokens]`` int32/int64; ``-1`` request marks a padded row.
         context_lens: ``[requests]`` int32/int64, in tokens.
-        compress_ratio: tokens per group (R). token_topk: token budget (a multiple of R).
+        compress_ratio: tokens per group (R). token_topk: token budget (a multiple of R; ``token_topk // R`` at
+            most ``MAX_BLOCK_TOPK`` and ``token_topk + R - 1`` at most ``MAX_TOKEN_SLOTS``, what the kernels hold).
         out: optional int32 ``[tokens, token_topk + R - 1]`` (last dim contiguous).
 
     Returns:
@@ -200,19 +202,18 @@ def logits_workspace_bound(logits_workspace_bytes: int | None, device: torch.dev
 
 
 def selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, ratio: int,
-                      max_seq_len: int | None, *, k_scale=None, phase=None, max_query_len=None):
-    """The scoring problem of a ``qsa_select_paged_tokens`` call (its scoring arguments validated): its columns are
-    the page table's capacity, or ``max_seq_len // R``, which must not exceed it."""
+                      max_seq_len: int | None, *, k_scale=None, phase=None, max_query_len=None,
+                      op: str = "qsa_select_paged_tokens"):
+    """The scoring problem of a ``qsa_select_paged_tokens`` call (its scoring arguments validated; an error names
+    ``op``): its columns are the page table's capacity, or ``max_seq_len // R`` clamped to that capacity (an engine
+    passes its longest context plus a slack, and nothing past the table can be selected)."""
     problem = describe_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens, ratio,
-                            k_scale=k_scale, phase=phase, max_query_len=max_query_len)
+                            k_scale=k_scale, phase=phase, max_query_len=max_query_len, op=op)
     if max_seq_len is None:
         return problem
-    op = "qsa_select_paged_tokens"
     max_columns = check_int("max_seq_len", max_seq_len, minimum=1, op=op) // ratio
-    if max_columns > problem.num_columns:
-        fail_argument(ValueError, "max_seq_len", f"at most the page table's {problem.num_columns * ratio} tokens",
-                      max_seq_len, op)
-    return dataclasses.replace(problem, num_columns=max_columns)  # nothing else in it depends on the columns
+    # Nothing else in the problem depends on the columns.
+    return dataclasses.replace(problem, num_columns=min(max_columns, problem.num_columns))
 
 
 @dataclass(frozen=True)
@@ -233,16 +234,17 @@ class ValidatedSelection:
 
 def validate_selection_call(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
                             token_topk, compress_ratio, out, logits_workspace_bytes, max_seq_len, k_scale, phase,
-                            max_query_len, settings: QsaSettings | None = None) -> ValidatedSelection:
+                            max_query_len, settings: QsaSettings | None = None,
+                            op: str = "qsa_select_paged_tokens") -> ValidatedSelection:
     """Check every argument of a ``qsa_select_paged_tokens`` call, given by name as the op declares them (the op and
-    ``explain_selection`` share it), and bound its chunks (``logits_workspace_bound``, with ``settings`` or the
-    current ones); raises before anything is written."""
-    op = "qsa_select_paged_tokens"
+    ``explain_selection`` share it; ``op`` is the one called, which an error names), and bound its chunks
+    (``logits_workspace_bound``, with ``settings`` or the current ones); raises before anything is written."""
     ratio, budget = check_topk_budget(op, compress_ratio, token_topk)
     if logits_workspace_bytes is not None:  # named before any tensor is checked
         check_int("logits_workspace_bytes", logits_workspace_bytes, minimum=1, op=op)
     problem = selection_problem(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                                ratio, max_seq_len, k_scale=k_scale, phase=phase, max_query_len=max_query_len)
+                                ratio, max_seq_len, k_scale=k_scale, phase=phase, max_query_len=max_query_len,
+                                op=op)
     result = check_index_out(op, out, (problem.num_tokens, budget + ratio - 1), q.device, "q")
     bound = logits_workspace_bound(logits_workspace_bytes, q.device, settings or get_settings(), op)
     rows = max(1, min(problem.num_tokens, bound.nbytes // (4 * max(problem.num_columns, 1))))
@@ -275,7 +277,10 @@ def qsa_select_paged_tokens(
     default): ``QSA_AITER_LOGITS_WORKSPACE_MB`` MiB where that is set, else a bound sized from the device once per
     process (on a GPU ``min(total memory / 16, 2 GiB)``, else 128 MiB: ``device_workspace_bound``). ``max_seq_len``
     (tokens) fixes the logits width at ``max_seq_len // R`` columns whatever the page table's width, so a decode CUDA
-    graph captured once serves every context up to it. Other arguments as ``qsa_paged_mqa_logits``; ``out`` is
+    graph captured once serves every context up to it; a ``max_seq_len`` past the table's capacity (``width *
+    page_size * R`` tokens: an engine's longest context plus a slack) is clamped to it, as nothing past the table can
+    be selected. ``token_topk // R`` is at most ``MAX_BLOCK_TOPK`` groups and ``token_topk + R - 1`` at most
+    ``MAX_TOKEN_SLOTS`` (``kernels/selection/problem.py``: what the kernels hold). Other arguments as ``qsa_paged_mqa_logits``; ``out`` is
     validated (int32, that shape, q's device, last dim contiguous) before anything is written.
     """
     settings = get_settings()
@@ -321,7 +326,7 @@ def explain_selection(call: Call) -> str:
     ``QSA_AITER_LOGITS_WORKSPACE_MB``, or the device with its numbers), the scoring decision (with its launch plan)
     and the top-k decision, each with every candidate's reasons. The arguments are validated as the op validates
     them; nothing is launched or written."""
-    selection = validate_selection_call(**call)
+    selection = validate_selection_call(**call, op="explain_selection")
     problem, rows = selection.problem, selection.chunk_rows
     chunks = -(-problem.num_tokens // rows) if problem.num_tokens else 0
     topk_step = registries.TopkProblem(problem.device_type, rows, problem.num_columns,

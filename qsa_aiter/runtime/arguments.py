@@ -13,7 +13,8 @@ import numbers
 import torch
 
 from ..kernels.quant.formats import FP4_BLOCK, cache_kind, cache_width, scale_layout, view_strides
-from ..kernels.scoring.problem import MAX_CONTEXT_TOKENS, PHASES, ScoreProblem, infer_phase
+from ..kernels.scoring.problem import MAX_CONTEXT_TOKENS, MAX_DECODE_ROWS, PHASES, ScoreProblem, infer_phase
+from ..kernels.selection.problem import MAX_BLOCK_TOPK, MAX_TOKEN_SLOTS
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _CACHE_DTYPE_TEXT = "bf16, fp16 (like q), float8_e4m3fn, float8_e4m3fnuz or float4_e2m1fn_x2"
@@ -79,19 +80,19 @@ def index_cache_strides(cache, op: str = "qsa_paged_mqa_logits",
     return page, slot
 
 
-def _check_k_scale(k_scale, kv: str, num_pages: int, page_size: int, head_dim: int, device) -> int:
+def _check_k_scale(k_scale, kv: str, num_pages: int, page_size: int, head_dim: int, device, op: str) -> int:
     """The scale tensor must match the cache (docs/cache_formats.md). Returns its size in bytes."""
     layout = scale_layout(kv, num_pages, page_size, head_dim)
     if layout is None:
         if k_scale is not None:
-            _fail(ValueError, "k_scale", "None for a 16-bit index cache", type(k_scale).__name__)
+            _fail(ValueError, "k_scale", "None for a 16-bit index cache", type(k_scale).__name__, op)
         return 0
     if k_scale is None:
-        _fail(ValueError, "k_scale", f"the scale tensor of the {kv} index cache", None)
+        _fail(ValueError, "k_scale", f"the scale tensor of the {kv} index cache", None, op)
     shape, dtype = layout
-    check_tensor("k_scale", k_scale, ndim=len(shape), dtypes=(dtype,), device=device, contiguous=True)
+    check_tensor("k_scale", k_scale, ndim=len(shape), dtypes=(dtype,), device=device, contiguous=True, op=op)
     if tuple(k_scale.shape) != shape:
-        _fail(ValueError, "k_scale", f"shape {shape} to match compressed_k_cache", tuple(k_scale.shape))
+        _fail(ValueError, "k_scale", f"shape {shape} to match compressed_k_cache", tuple(k_scale.shape), op)
     return k_scale.numel() * k_scale.element_size()
 
 
@@ -112,9 +113,15 @@ def validate_scoring_call(
     max_query_len,
     stacked_enabled: bool,
     e4m3_mma: bool = True,
+    op: str = "qsa_paged_mqa_logits",
 ) -> tuple[ScoreProblem, float]:
-    """Check every argument; return the problem description and the score divisor. Raises before anything is written."""
-    check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), contiguous=True)
+    """Check every argument; return the problem description and the score divisor. Raises before anything is written;
+    an error starts with ``op``, the public op called (the selection op and ``explain`` validate through here)."""
+
+    def _fail(kind: type[Exception], name: str, expected: str, got: object) -> None:  # names the op called
+        fail_argument(kind, name, expected, got, op)
+
+    check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16), contiguous=True, op=op)
     device = q.device
     tokens, heads, head_dim = q.shape
     if heads < 1 or head_dim < 1:
@@ -127,7 +134,7 @@ def validate_scoring_call(
     except TypeError:
         _fail(TypeError, "compressed_k_cache", _CACHE_DTYPE_TEXT, cache.dtype)
     check_tensor("compressed_k_cache", cache, ndim=4, dtypes=(q.dtype,) if kv == "bf16" else (cache.dtype,),
-                  device=device)
+                  device=device, op=op)
     num_pages, block_size, kv_heads, cache_dim = cache.shape
     stored_dim = cache_width(kv, head_dim)
     if kv == "fp4" and head_dim % FP4_BLOCK:
@@ -136,22 +143,22 @@ def validate_scoring_call(
         _fail(ValueError, "compressed_k_cache", f"[pages, page_size, 1, {stored_dim}]", tuple(cache.shape))
     if num_pages < 1 or block_size < 1:
         _fail(ValueError, "compressed_k_cache", "at least one page of at least one slot", tuple(cache.shape))
-    key_strides = index_cache_strides(cache)
-    scale_bytes = _check_k_scale(k_scale, kv, num_pages, block_size, head_dim, device)
-    check_tensor("page_table", page_table, ndim=2, dtypes=_INDEX_DTYPES, device=device)
+    key_strides = index_cache_strides(cache, op)
+    scale_bytes = _check_k_scale(k_scale, kv, num_pages, block_size, head_dim, device, op)
+    check_tensor("page_table", page_table, ndim=2, dtypes=_INDEX_DTYPES, device=device, op=op)
     if page_table.shape[1] > 0 and page_table.stride(1) != 1:
         _fail(ValueError, "page_table", "contiguous along its last dim", f"strides {page_table.stride()}")
     requests, width = page_table.shape
-    check_tensor("token_to_request", token_to_request, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
-    check_tensor("query_positions", query_positions, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
-    check_tensor("context_lens", context_lens, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True)
+    for name, t in (("token_to_request", token_to_request), ("query_positions", query_positions),
+                    ("context_lens", context_lens)):
+        check_tensor(name, t, ndim=1, dtypes=_INDEX_DTYPES, device=device, contiguous=True, op=op)
     if token_to_request.numel() != tokens:
         _fail(ValueError, "token_to_request", f"length {tokens} (q's tokens)", token_to_request.numel())
     if query_positions.numel() != tokens:
         _fail(ValueError, "query_positions", f"length {tokens} (q's tokens)", query_positions.numel())
     if context_lens.numel() != requests:
         _fail(ValueError, "context_lens", f"length {requests} (page_table rows)", context_lens.numel())
-    ratio = check_int("compress_ratio", compress_ratio, minimum=1)
+    ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
     if score_divisor is None:
         divisor = math.sqrt(head_dim)
     else:
@@ -162,17 +169,17 @@ def validate_scoring_call(
             _fail(ValueError, "score_divisor", "finite and > 0", score_divisor)
     capacity = width * block_size
     num_columns = (capacity if max_columns is None
-                   else check_int("max_columns", max_columns, minimum=0, maximum=capacity))
+                   else check_int("max_columns", max_columns, minimum=0, maximum=capacity, op=op))
     if num_columns * ratio > MAX_CONTEXT_TOKENS:
         _fail(ValueError, "page_table" if max_columns is None else "max_columns",
               f"at most {MAX_CONTEXT_TOKENS} tokens of columns (columns x compress_ratio {ratio})",
               f"{num_columns} columns")
     if row_starts is not None:
-        check_tensor("row_starts", row_starts, ndim=1, dtypes=_INDEX_DTYPES, device=device)
+        check_tensor("row_starts", row_starts, ndim=1, dtypes=_INDEX_DTYPES, device=device, op=op)
         if row_starts.numel() != tokens:
             _fail(ValueError, "row_starts", f"length {tokens} (q's tokens)", row_starts.numel())
     if out is not None:
-        check_tensor("out", out, ndim=2, dtypes=(torch.float32,), device=device)
+        check_tensor("out", out, ndim=2, dtypes=(torch.float32,), device=device, op=op)
         if tuple(out.shape) != (tokens, num_columns):
             _fail(ValueError, "out", f"shape ({tokens}, {num_columns})", tuple(out.shape))
         if num_columns > 0 and tokens > 0 and out.stride(1) != 1:
@@ -180,15 +187,12 @@ def validate_scoring_call(
         if tokens > 1 and num_columns > 0 and out.stride(0) < num_columns:
             _fail(ValueError, "out", f"rows that do not overlap (row stride >= {num_columns})",
                   f"strides {out.stride()}")
-    if max_query_len is not None:
-        max_query_len = check_int("max_query_len", max_query_len, minimum=1)
+    max_query_len = check_max_query_len(max_query_len, tokens, op)
     if phase is None:
         phase_name, why = infer_phase(tokens, requests, max_query_len, stacked_enabled)
         source = "inferred: " + why
     else:
-        if phase not in PHASES:
-            _fail(ValueError, "phase", "None or one of " + ", ".join(PHASES), repr(phase))
-        phase_name, source = phase, "hint"
+        phase_name, source = check_phase(phase, tokens, max_query_len, op), "hint"
     problem = ScoreProblem(
         device_type=device.type,
         q_dtype=q.dtype,
@@ -215,25 +219,66 @@ def validate_scoring_call(
     return problem, divisor
 
 
+def check_max_query_len(max_query_len, tokens: int, op: str) -> int | None:
+    """The ``max_query_len`` hint (None, or an int in ``[1, tokens]``: no request has more rows than the call; a call
+    of no rows takes 1)."""
+    if max_query_len is None:
+        return None
+    value = check_int("max_query_len", max_query_len, minimum=1, op=op)
+    if value > max(tokens, 1):
+        fail_argument(ValueError, "max_query_len", f"in [1, {max(tokens, 1)}] (no request has more rows than q's "
+                      f"{tokens})", value, op)
+    return value
+
+
+#: The phases of one row per request (SPEC section 4), and those of at most ``MAX_DECODE_ROWS`` rows.
+_ONE_ROW_PHASES = ("draft", "decode")
+_FEW_ROWS_PHASES = ("verify", "draft")
+
+
+def check_phase(phase, tokens: int, max_query_len: int | None, op: str) -> str:
+    """The ``phase`` hint, checked against the host-side facts its shape rule can be held to (SPEC section 4):
+    ``verify`` and ``draft`` take at most ``MAX_DECODE_ROWS`` rows, ``draft`` and ``decode`` one row per request
+    (checked where ``max_query_len`` says how many; padded rows make the row count alone no proof)."""
+    if not isinstance(phase, str) or phase not in PHASES:
+        fail_argument(ValueError, "phase", "None or one of " + ", ".join(PHASES), repr(phase), op)
+    if phase in _FEW_ROWS_PHASES and tokens > MAX_DECODE_ROWS:
+        fail_argument(ValueError, "phase", f"prefill or decode for {tokens} rows (verify and draft take at most "
+                      f"{MAX_DECODE_ROWS})", repr(phase), op)
+    if phase in _ONE_ROW_PHASES and max_query_len is not None and max_query_len > 1:
+        fail_argument(ValueError, "phase", f"prefill or verify with max_query_len={max_query_len} (draft and decode "
+                      "have one row per request)", repr(phase), op)
+    return phase
+
+
 def check_topk_budget(op: str, compress_ratio, token_topk) -> tuple[int, int]:
-    """``(R, token_topk)`` of a selection or expansion call: integers >= 1, ``token_topk`` a multiple of ``R``."""
+    """``(R, token_topk)`` of a selection or expansion call: integers >= 1, ``token_topk`` a multiple of ``R``, at most
+    ``MAX_BLOCK_TOPK`` groups (``token_topk // R``) and ``MAX_TOKEN_SLOTS`` token slots (``token_topk + R - 1``) per
+    row: what the kernels hold (``kernels/selection/problem.py``)."""
     ratio = check_int("compress_ratio", compress_ratio, minimum=1, op=op)
     topk = check_int("token_topk", token_topk, minimum=1, op=op)
     if topk % ratio:
         fail_argument(ValueError, "token_topk", f"a multiple of compress_ratio ({ratio})", topk, op)
+    if topk // ratio > MAX_BLOCK_TOPK:
+        fail_argument(ValueError, "token_topk", f"at most {MAX_BLOCK_TOPK * ratio} (token_topk // compress_ratio "
+                      f"groups kept per row, at most {MAX_BLOCK_TOPK})", topk, op)
+    if topk + ratio - 1 > MAX_TOKEN_SLOTS:
+        fail_argument(ValueError, "token_topk", f"at most {MAX_TOKEN_SLOTS - ratio + 1} (token_topk + compress_ratio "
+                      f"- 1 token slots per row, at most {MAX_TOKEN_SLOTS})", topk, op)
     return ratio, topk
 
 
 def check_topk_args(op: str, logits, visible, block_topk) -> int:
     """Validate a block top-k call's inputs (fp32 ``logits [tokens, columns]``, last dim contiguous; int32
-    ``visible [tokens]`` on its device; ``block_topk >= 1``) and return ``block_topk``."""
+    ``visible [tokens]`` on its device; ``block_topk`` in ``[1, MAX_BLOCK_TOPK]``, what the kernels hold) and return
+    ``block_topk``."""
     check_tensor("logits", logits, ndim=2, dtypes=(torch.float32,), op=op)
     if logits.stride(-1) != 1:
         fail_argument(ValueError, "logits", "contiguous in its last dimension", f"strides {logits.stride()}", op)
     check_tensor("visible", visible, ndim=1, dtypes=(torch.int32,), device=logits.device, op=op, like="logits")
     if visible.shape[0] != logits.shape[0]:
         fail_argument(ValueError, "visible", f"length {logits.shape[0]} like logits' rows", visible.shape[0], op)
-    return check_int("block_topk", block_topk, minimum=1, op=op)
+    return check_int("block_topk", block_topk, minimum=1, maximum=MAX_BLOCK_TOPK, op=op)
 
 
 def check_index_out(op: str, out, shape: tuple[int, ...], device, like: str) -> torch.Tensor:

@@ -239,8 +239,20 @@ def test_max_seq_len_fixes_the_width(rng):
     capped = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_seq_len=2048, max_query_len=1)
     full = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_query_len=1)
     assert torch.equal(capped, full)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_seq_len=200 * 16 * R + R)
+
+
+def test_max_seq_len_past_the_table_is_clamped_to_its_capacity(rng):
+    """An engine passes its longest context plus a slack (vLLM: 1792 tokens): the width stops at the table's capacity,
+    past which nothing can be selected, and the call equals one with max_seq_len at that capacity."""
+    batch = make_batch([1500, 700], 1, page_size=16, head_dim=64, device=DEVICE, generator=rng, table_width=40)
+    capacity = 40 * 16 * R
+    at_capacity = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_seq_len=capacity, max_query_len=1)
+    for max_seq_len in (capacity + R, capacity + 1792, 10**9):
+        got = qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_seq_len=max_seq_len, max_query_len=1)
+        assert torch.equal(got, at_capacity), max_seq_len
+        text = qsa_aiter.explain_selection(*batch.args()[:6], 128, R, max_seq_len=max_seq_len, max_query_len=1)
+        assert f"columns={capacity // R}" in text and f"x {capacity // R} x 4" in text
+    assert torch.equal(at_capacity, qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], 128, R, max_query_len=1))
 
 
 def test_bad_pages_and_short_rows(monkeypatch, rng):
@@ -281,7 +293,7 @@ def test_bad_arguments_are_named(rng):
     # A rejected call writes nothing.
     out = torch.full((1, 131), -7, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError):
-        qsa_aiter.qsa_select_paged_tokens(*args, 128, R, out=out, max_seq_len=10**9)
+        qsa_aiter.qsa_select_paged_tokens(*args, 128, R, out=out, max_query_len=2)
     assert bool((out == -7).all())
 
 

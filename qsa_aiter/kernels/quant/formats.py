@@ -19,6 +19,7 @@ byte ``i``.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -115,29 +116,66 @@ def scale_layout(kind: str, num_pages: int, page_size: int, head_dim: int):
     return None
 
 
-def allocate_index_cache(cache_format: str, num_pages: int, page_size: int, head_dim: int, *, device="cpu",
-                         fp8_dtype: torch.dtype | None = None):
+def allocate_index_cache(cache_format: str, num_pages: int, page_size: int, head_dim: int, *,
+                         device: torch.device | str | int = "cpu",
+                         fp8_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Zeroed ``(cache, scale)`` of ``cache_format`` (a ``CACHE_FORMATS`` name: ``bf16``, ``fp16``, ``fp8``,
     ``fp8_fnuz`` or ``fp4``; a former spelling is accepted with a ``DeprecationWarning``); scale is None for 16-bit
-    formats. ``fp8_dtype`` picks the e4m3 dtype of an ``fp8`` cache (``float8_e4m3fnuz`` makes it ``fp8_fnuz``)."""
+    formats. ``fp8_dtype`` picks the e4m3 dtype of an ``fp8`` cache (``float8_e4m3fnuz`` makes it ``fp8_fnuz``).
+
+    The cache is ``[num_pages, page_size, 1, head_dim]`` (``head_dim // 2`` bytes for ``fp4``), the scale as
+    ``scale_layout`` says. A bad argument raises ``ValueError``/``TypeError`` starting ``allocate_index_cache:`` and
+    naming it, before anything is allocated."""
+    if not isinstance(cache_format, str) or (cache_format not in CACHE_FORMATS
+                                             and cache_format not in FORMER_SPELLINGS):
+        _allocation_error(TypeError if not isinstance(cache_format, str) else ValueError, "cache_format",
+                          f"one of {', '.join(CACHE_FORMATS)} (former spellings, still accepted: "
+                          f"{', '.join(FORMER_SPELLINGS)})", repr(cache_format))
     name = canonical_format(cache_format, stacklevel=2)
-    if num_pages < 1 or page_size < 1 or head_dim < 1:
-        raise ValueError(f"num_pages, page_size and head_dim must be >= 1; got {num_pages}, {page_size}, {head_dim}")
+    for arg, value in (("num_pages", num_pages), ("page_size", page_size), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            _allocation_error(TypeError, arg, "an int", type(value).__name__)
+        if value < 1:
+            _allocation_error(ValueError, arg, ">= 1", value)
     fmt = CACHE_FORMATS[name]
     cache_dtype = fmt.dtype
-    if fp8_dtype is not None and fmt.kind == "fp8":
+    if fp8_dtype is not None:
         if fp8_dtype not in FP8_DTYPES:
-            raise TypeError(f"fp8_dtype must be float8_e4m3fn or float8_e4m3fnuz; got {fp8_dtype}")
+            _allocation_error(TypeError, "fp8_dtype", "None, float8_e4m3fn or float8_e4m3fnuz", fp8_dtype)
+        if fmt.kind != "fp8":
+            _allocation_error(ValueError, "fp8_dtype", f"None for the {name} format (it picks an fp8 cache's dtype)",
+                              fp8_dtype)
         if name == "fp8_fnuz" and fp8_dtype != torch.float8_e4m3fnuz:
-            raise ValueError(f"fp8_dtype {fp8_dtype} contradicts cache format 'fp8_fnuz' (float8_e4m3fnuz)")
+            _allocation_error(ValueError, "fp8_dtype", "float8_e4m3fnuz (or None) for the fp8_fnuz format", fp8_dtype)
         cache_dtype = fp8_dtype
+    if fmt.kind == "fp4" and head_dim % FP4_BLOCK:
+        _allocation_error(ValueError, "head_dim", f"divisible by {FP4_BLOCK} for the fp4 format", head_dim)
+    device = _allocation_device(device)
     if fmt.kind == "bf16":
         return torch.zeros(num_pages, page_size, 1, head_dim, dtype=cache_dtype, device=device), None
-    if fmt.kind == "fp4" and head_dim % FP4_BLOCK:
-        raise ValueError(f"fp4 caches need head_dim divisible by {FP4_BLOCK}; got {head_dim}")
     scale_shape, scale_dtype = scale_layout(fmt.kind, num_pages, page_size, head_dim)
     cache = _zeros((num_pages, page_size, 1, cache_width(fmt.kind, head_dim)), cache_dtype, device)
     return cache, _zeros(scale_shape, scale_dtype, device)
+
+
+def _allocation_error(kind: type[Exception], name: str, expected: str, got: object) -> None:
+    """Raise ``kind`` naming ``allocate_index_cache``, the argument, what was expected and what came."""
+    raise kind(f"allocate_index_cache: `{name}` must be {expected}; got {got}")
+
+
+def _allocation_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` the process can allocate on (a GPU that exists), else the op's error."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        _allocation_error(TypeError, "device", "a torch.device, a str or an int", type(device).__name__)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        _allocation_error(ValueError, "device", "a device torch knows", f"{device!r} ({err})")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count or count == 0:
+            _allocation_error(ValueError, "device", f"a GPU of this process ({count} visible)", str(device))
+    return device
 
 
 def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
@@ -209,13 +247,35 @@ def dequantize_cache(cache: torch.Tensor, scale: torch.Tensor | None = None) -> 
     """The keys a cache holds, fp32 ``[..., 1, D]`` (16-bit caches are upcast as they are).
 
     ``cache`` is a whole cache ``[pages, P, 1, width]`` with its ``scale``, or any gather of both over the leading
-    dims (``cache[slots]`` with ``scale[slots]``): fp8 scales are ``[...]``, fp4 exponents ``[..., 1, D // 32]``.
+    dims (``cache[slots]`` with ``scale[slots]``): fp8 scales are ``[...]`` (any float dtype), fp4 exponents
+    ``[..., 1, D // 32]`` (``float8_e8m0fnu`` or uint8); a 16-bit cache takes no scale. A bad argument raises
+    ``ValueError``/``TypeError`` starting ``dequantize_cache:`` and naming it.
     """
-    kind = cache_kind(cache)
+    op = "dequantize_cache"
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{op}: `cache` must be a torch.Tensor; got {type(cache).__name__}")
+    try:
+        kind = cache_kind(cache)
+    except TypeError:
+        raise TypeError(f"{op}: `cache` must be bf16, fp16, float8_e4m3fn(uz) or float4_e2m1fn_x2; got "
+                        f"{cache.dtype}") from None
+    if cache.dim() < 2 or cache.shape[-2] != 1:
+        raise ValueError(f"{op}: `cache` must be [..., 1, width]; got shape {tuple(cache.shape)}")
     if kind == "bf16":
+        if scale is not None:
+            raise ValueError(f"{op}: `scale` must be None for a 16-bit cache; got {type(scale).__name__}")
         return cache.float()
-    if scale is None:
-        raise ValueError(f"scale is required to dequantise a {kind} cache")
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{op}: `scale` must be the scale tensor of the {kind} cache; got {type(scale).__name__}")
+    if kind == "fp8":
+        want, dtype_ok = tuple(cache.shape[:-2]), scale.is_floating_point()
+    else:
+        want = (*cache.shape[:-1], cache.shape[-1] * 2 // FP4_BLOCK)
+        dtype_ok = scale.dtype in (torch.float8_e8m0fnu, torch.uint8)
+    if tuple(scale.shape) != want or not dtype_ok or scale.device != cache.device:
+        expected = "float" if kind == "fp8" else "float8_e8m0fnu (or uint8)"
+        raise ValueError(f"{op}: `scale` must be {expected} of shape {want} on {cache.device} like `cache`; got "
+                         f"{scale.dtype} {tuple(scale.shape)} on {scale.device}")
     if kind == "fp8":
         return cache.float() * scale.float()[..., None, None]
     return dequantize_fp4(cache, scale)

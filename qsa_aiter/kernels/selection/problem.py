@@ -10,6 +10,14 @@ import torch
 #: Token indices are int32 (selection's output): expansion keeps tokens below ``min(context_len, 2**31)``, so an
 #: int64 context that long cuts its tokens at or past 2**31 like tokens past the context.
 TOKEN_INDEX_LIMIT = 2**31
+#: The most groups a row may keep (``block_topk``, ``token_topk // R``): the Triton top-k holds a row's candidates,
+#: ``next_pow2(2 * block_topk)`` of them, in one program's registers (``topk.capacity``), and a budget past what a
+#: kernel holds would fail its compile and mark it broken for the process. The ops reject more on every path
+#: (16x the model's 512).
+MAX_BLOCK_TOPK = 2**13
+#: The most token slots a row of expansion may have (``token_topk + R - 1``): the Triton expansion holds a row's
+#: ``next_pow2(token_topk + R - 1)`` slots in one program's registers (``expand.constexprs``' ``BLOCK_W``).
+MAX_TOKEN_SLOTS = 2**16
 
 
 @dataclass(frozen=True)

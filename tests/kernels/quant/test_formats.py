@@ -62,9 +62,9 @@ def test_allocate_takes_former_spellings_and_the_fp8_dtype():
         cache, _ = allocate_index_cache("fp8_e4m3fnuz", 2, 16, 64)
     assert cache.dtype == torch.float8_e4m3fnuz and caught[0].filename == __file__
     assert allocate_index_cache("fp8", 2, 16, 64, fp8_dtype=torch.float8_e4m3fnuz)[0].dtype == torch.float8_e4m3fnuz
-    with pytest.raises(ValueError, match="contradicts cache format 'fp8_fnuz'"):
+    with pytest.raises(ValueError, match="`fp8_dtype` must be float8_e4m3fnuz"):
         allocate_index_cache("fp8_fnuz", 2, 16, 64, fp8_dtype=torch.float8_e4m3fn)
-    with pytest.raises(TypeError, match="fp8_dtype must be"):
+    with pytest.raises(TypeError, match="allocate_index_cache: `fp8_dtype` must be"):
         allocate_index_cache("fp8", 2, 16, 64, fp8_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="index-cache format must be one of"):
+    with pytest.raises(ValueError, match="allocate_index_cache: `cache_format` must be one of"):
         allocate_index_cache("int8", 2, 16, 64)
