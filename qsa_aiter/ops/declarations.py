@@ -75,7 +75,7 @@ def taking_arguments_of(public: Callable[P, Any]) -> Callable[[Callable[[Call], 
         declared = inspect.signature(public)
         bind = argument_binder(declared)
 
-        def taking(*args, **kwargs):
+        def taking(*args: P.args, **kwargs: P.kwargs) -> R:
             try:
                 call = bind(args, kwargs)
             except TypeError as err:
@@ -83,7 +83,9 @@ def taking_arguments_of(public: Callable[P, Any]) -> Callable[[Callable[[Call], 
             return body(call)
 
         functools.update_wrapper(taking, body)
-        taking.__signature__ = declared.replace(return_annotation=inspect.signature(body).return_annotation)
+        # A function's __signature__ is what inspect.signature reports (a run-time attribute typeshed lacks).
+        taking.__signature__ = declared.replace(  # type: ignore[attr-defined]
+            return_annotation=inspect.signature(body).return_annotation)
         return taking
 
     return make
@@ -135,7 +137,8 @@ def _returning(results: tuple):
     """The return annotation of ``results`` (the inverse of ``_results``)."""
     if not results:
         return None
-    return results[0] if len(results) == 1 else tuple[results]
+    # A tuple type built at run time, for torch.library's schema inference (not a static annotation).
+    return results[0] if len(results) == 1 else tuple[results]  # type: ignore[valid-type]
 
 
 def _custom_op(namespace: str, name: str, parameters: list[inspect.Parameter], returns, mutated: tuple[str, ...],
@@ -157,7 +160,8 @@ def _custom_op(namespace: str, name: str, parameters: list[inspect.Parameter], r
         return fake(by_name(args, kwargs))
 
     implementation.__name__ = implementation.__qualname__ = name
-    implementation.__signature__ = inspect.Signature(parameters, return_annotation=returns)
+    implementation.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        parameters, return_annotation=returns)
     torch.library.custom_op(f"{namespace}::{name}", implementation, mutates_args=mutated).register_fake(
         fake_implementation)
     return getattr(getattr(torch.ops, namespace), name)
@@ -208,7 +212,7 @@ def register(declaration: OpDeclaration, namespace: str, module: str) -> Callabl
 
     wrapper.__name__ = wrapper.__qualname__ = public.__name__
     wrapper.__module__ = module
-    wrapper.__signature__ = declared
+    wrapper.__signature__ = declared  # type: ignore[attr-defined]
     variants = f"``torch.ops.{namespace}.{name}``" + (f" (``{name}_out`` when ``out`` is given)" if takes_out else "")
     wrapper.__doc__ = (f"``qsa_aiter.{public.__name__}`` through the custom op {variants}: the same arguments, "
                        f"results, shapes and dtypes.\n\n{inspect.getdoc(public) or ''}")

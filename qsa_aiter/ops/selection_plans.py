@@ -97,7 +97,7 @@ class SelectionPlan:
     score: Callable  # the recorded launches, taking their pointer arguments' addresses (DirectLaunch.taking)
     maxima: Callable | None
     topk: Callable
-    offsets: tuple[int, int, int, int, int]
+    offsets: tuple[int, ...]  # five byte offsets (_scratch_parts)
     scratch_elements: int
 
     @classmethod

@@ -98,7 +98,9 @@ def reference_paged_mqa_logits(
         return logits, vis
     # Quantised caches are gathered as raw bytes (torch has no indexing kernels for fp4/e8m0 on every device).
     keys = compressed_k_cache.view(torch.uint8) if quantised else compressed_k_cache.reshape(num_pages, page_size, -1)
-    scales = k_scale.view(torch.uint8) if quantised and k_scale.dtype.itemsize == 1 else k_scale
+    # k_scale is not None where quantised (checked above), which a type checker cannot follow.
+    scales = (k_scale.view(torch.uint8)  # type: ignore[union-attr]
+              if quantised and k_scale.dtype.itemsize == 1 else k_scale)  # type: ignore[union-attr]
     req_of_row = token_to_request.long()
     vis_host = vis.long().cpu()
     for r in torch.unique(req_of_row).tolist():
@@ -116,7 +118,8 @@ def reference_paged_mqa_logits(
             slot = (pages.clamp(0, num_pages - 1), cols % page_size)
             # [C, D]; quantised caches are dequantised here, gathered keys only, so memory stays bounded.
             if quantised:
-                gathered = keys[slot].view(compressed_k_cache.dtype), scales[slot].view(k_scale.dtype)
+                gathered = (keys[slot].view(compressed_k_cache.dtype),
+                            scales[slot].view(k_scale.dtype))  # type: ignore[index, union-attr]
                 k = dequantize_cache(*gathered).reshape(cols.numel(), head_dim).to(accum_dtype)
             else:
                 k = keys[slot].to(accum_dtype)
