@@ -124,6 +124,9 @@ def test_dispatch_reads_no_device_memory():
         assert "tensors are on meta" in " ".join(decision.rejected[name]), "Triton kernels do not serve meta tensors"
     assert decision.chosen == "torch"
     assert "meta" in qsa_aiter.explain(*args, max_query_len=4)
+    # The hints' checks read shapes only.
+    with pytest.raises(ValueError, match="phase"):
+        describe_call(*args, phase="decode", max_query_len=4)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,22 @@ import torch
 from .problem import TOKEN_INDEX_LIMIT
 
 
+def _check_int(op: str, name: str, value, minimum: int) -> None:
+    """The oracles' integer arguments: an int (not a bool) of at least ``minimum``, else the error naming ``op``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: `{name}` must be an int; got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{op}: `{name}` must be >= {minimum}; got {value}")
+
+
+def _check_2d(op: str, name: str, t) -> None:
+    """An oracle's 2-D tensor argument, else the error naming ``op``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a 2-D tensor; got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{op}: `{name}` must be a 2-D tensor; got shape {tuple(t.shape)}")
+
+
 def reference_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int) -> torch.Tensor:
     """The oracle of block top-k: int32 ``[tokens, block_topk]``, row by row.
 
@@ -18,6 +34,8 @@ def reference_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk
     block_topk``, without looking at the scores), and lists the kept groups in ascending order, ``-1`` after them.
     Columns at or past ``visible`` are never read; ``visible`` is clamped to ``[0, columns]``.
     """
+    _check_int("reference_block_topk", "block_topk", block_topk, 1)
+    _check_2d("reference_block_topk", "logits", logits)
     tokens = logits.shape[0]
     out = torch.full((tokens, block_topk), -1, dtype=torch.int32)
     scores, vis = logits.detach().float().cpu(), visible.cpu().long()
@@ -43,6 +61,10 @@ def reference_expand_block_indices(block_indices: torch.Tensor, query_positions:
     ``TOKEN_INDEX_LIMIT``: the indices are int32), and ``-1``
     in every remaining slot. Padded rows (request outside ``[0, requests)``) are all ``-1``.
     """
+    op = "reference_expand_block_indices"
+    _check_int(op, "compress_ratio", compress_ratio, 1)
+    _check_int(op, "token_topk", token_topk, 1)
+    _check_2d(op, "block_indices", block_indices)
     tokens, width = block_indices.shape[0], token_topk + compress_ratio - 1
     out = torch.full((tokens, width), -1, dtype=torch.int32)
     groups, pos = block_indices.cpu().long(), query_positions.cpu().long()
