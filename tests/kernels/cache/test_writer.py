@@ -115,7 +115,7 @@ def test_writer_validation_names_the_argument():
     slots = torch.arange(4, dtype=torch.int32)
     before = _bytes(cache)
     cases = [
-        (dict(keys=keys[:, :64]), ValueError, "`cache`"),
+        (dict(keys=keys[:, :64]), ValueError, "`keys`"),  # the cache fixes head_dim: the keys are at fault
         (dict(keys=keys.float()[:, None, None]), ValueError, "`keys`"),
         (dict(keys=keys.to(torch.int32)), TypeError, "`keys`"),
         (dict(slot_mapping=slots.float()), TypeError, "`slot_mapping`"),
@@ -129,7 +129,7 @@ def test_writer_validation_names_the_argument():
         with pytest.raises(kind, match=name):
             qsa_write_index_cache(**call)
     assert torch.equal(_bytes(cache), before)
-    with pytest.raises(ValueError, match="head_dim divisible by 32"):
+    with pytest.raises(ValueError, match="`head_dim` must be divisible by 32"):
         allocate_index_cache("fp4", 1, 16, 100)
 
 
