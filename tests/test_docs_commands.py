@@ -25,7 +25,7 @@ DOCS = (ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if 
 
 #: ``python -m qsa_aiter <command>`` commands that take their own arguments, and the module whose ``build_parser``
 #: parses them (``cli.main`` hands them the rest of the line unparsed).
-OWN_PARSERS = {"demo": "demo", "bench": "bench", "tune": "tuner", "fuzz": "fuzz", "isa": "isa",
+OWN_PARSERS = {"demo": "demo", "bench": "bench", "tune": "tuner", "fuzz": "fuzz", "quality": "quality", "isa": "isa",
                "model-configs": "static_model"}
 
 _ENV = r"(?:[A-Z_][A-Z0-9_]*=\S*\s+)*"
@@ -178,10 +178,10 @@ def test_the_reader_finds_and_checks_what_a_reader_copies():
         == ["QSA_AITER_BACKEND=torch python -m qsa_aiter demo"]
     assert not _pieces("x:1", "python -m qsa_aiter_other") and not _pieces("x:1", "benchmarks/x.pyc")
     assert not _pieces("x:1", "benchmarks/selection.py") and _pieces("x:1", "benchmarks/selection.py --replays 3")
-    good = Command("x:1", "python -m qsa_aiter bench --pages 64 --caches bf16,fp8 --quick")
+    good = Command("x:1", "python -m qsa_aiter bench --page-sizes 64 --caches bf16,fp8 --quick")
     assert parse_failure(good) is None
     assert "is now --caches" in parse_failure(Command("x:1", "python -m qsa_aiter bench --kv bf16"))
-    assert "not an option" in parse_failure(Command("x:1", "python -m qsa_aiter bench --page 64"))
+    assert "not an option" in parse_failure(Command("x:1", "python -m qsa_aiter bench --page-size 6"))
     assert "invalid choice" in parse_failure(Command("x:1", "python -m qsa_aiter explain --phase nope"))
     assert "not in the repository" in parse_failure(Command("x:1", "python benchmarks/no_such_script.py"))
     assert parse_failure(Command("x:1", "python benchmarks/selection.py --replays 30")) is None
