@@ -49,10 +49,12 @@ def qsa_paged_mqa_logits(
 
     Args:
         q: ``[tokens, heads, head_dim]`` bf16/fp16, contiguous.
-        compressed_k_cache: the paged index cache, contiguous (docs/cache_formats.md): ``[pages, page_size, 1,
+        compressed_k_cache: the paged index cache (docs/cache_formats.md): ``[pages, page_size, 1,
             head_dim]`` bf16/fp16 (same dtype as ``q``) or ``float8_e4m3fn``/``float8_e4m3fnuz``; or MXFP4
             ``[pages, page_size, 1, head_dim // 2]`` ``float4_e2m1fn_x2``. A page holds ``page_size`` compressed key
-            groups, ``page_size * compress_ratio`` tokens (an engine's ``block_size`` counts tokens).
+            groups, ``page_size * compress_ratio`` tokens (an engine's ``block_size`` counts tokens). Its last dim
+            dense (stride 1), its page and slot strides any that keep keys apart: a view of a wider buffer
+            (``buffer[..., :head_dim]``) is read in place.
         page_table: ``[requests, width]`` int32/int64; logical page ``c // page_size`` of request ``r`` is
             physical page ``page_table[r, c // page_size]``.
         token_to_request, query_positions: ``[tokens]`` int32/int64; ``-1`` marks a padded row.
