@@ -198,3 +198,27 @@ def test_strided_view_on_gpu(monkeypatch, fmt, backend):
     assert torch.equal(target.view(torch.uint8), args[1].view(torch.uint8))
     width = view.shape[3] * view.element_size()
     assert torch.equal(before.view(torch.uint8)[..., width:], before_bytes[..., width:])
+
+
+def test_the_custom_ops_take_a_strided_view(rng):
+    """The ``torch.library`` ops (what ``torch.compile`` and the engines' graphs call): the writer's op writes into
+    a view in place, and the scoring op reads it, as the eager ops do."""
+    dense, scale = allocate_index_cache("fp8", 4, 16, 64)
+    view, buffer = strided_copy(dense, "wide_slots", rng)
+    before = buffer.view(torch.uint8).clone()
+    view_scale = scale.clone()
+    keys = torch.randn(5, 64, generator=rng).bfloat16()
+    slots = torch.tensor([0, 3, 17, 40, 63])
+    torch.ops.qsa_aiter.write_index_cache(keys, slots, dense, scale)
+    torch.ops.qsa_aiter.write_index_cache(keys, slots, view, view_scale)
+    assert torch.equal(view.view(torch.uint8), dense.view(torch.uint8))
+    assert torch.equal(view_scale, scale)
+    assert torch.equal(buffer.view(torch.uint8)[..., 64:], before[..., 64:])
+    batch, hints = scoring_batch("bf16", 16, rng)
+    args = batch.args()
+    wide_view, _ = strided_copy(args[1], "wide_slots", rng)
+    want, want_vis = torch.ops.qsa_aiter.paged_mqa_logits(*args, None, None, None, None, "verify", 3)
+    got, vis = torch.ops.qsa_aiter.paged_mqa_logits(args[0], wide_view, *args[2:], None, None, None, None, "verify",
+                                                    3)
+    assert torch.equal(vis, want_vis)
+    assert torch.equal(visible_logits(got, vis), visible_logits(want, want_vis))
