@@ -1,6 +1,6 @@
 """The native top-k's candidate changes and plans side by side, on a GPU: which to make the default.
 
-    python benchmarks/native_variants.py [--points 9x4@64K-128K,...] [--page 64] [--cache bf16] [--replays 30]
+    python benchmarks/native_variants.py [--points 9x4@64K-128K,...] [--page-size 64] [--cache bf16] [--replays 30]
                                          [--switches no_gather,...] [--also LABEL:NAME=VALUE+NAME=VALUE;...]
                                          [--no-other-plans]
 

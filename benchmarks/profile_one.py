@@ -1,7 +1,7 @@
 """Run one forced kernel at one work point a few times (for a profiler such as ncu to capture).
 
     ncu --clock-control none -k regex:tiled --launch-skip 2 --launch-count 1 python benchmarks/profile_one.py \
-        --kernel tiled --point 4096 --page 64
+        --kernel tiled --point 4096 --page-size 64
 """
 
 import argparse
@@ -10,7 +10,7 @@ import os
 import torch
 
 import qsa_aiter
-from qsa_aiter.tools.cli_args import RenamedOption, cache_format
+from qsa_aiter.tools.cli_args import RenamedOption, add_page_size, cache_format
 from qsa_aiter.tools.work_points import work_points
 from qsa_aiter.tools.workloads import make_batch
 
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", required=True)
     ap.add_argument("--point", required=True, help="substring of a work-point name")
-    ap.add_argument("--page", type=int, default=64)
+    add_page_size(ap)
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
     ap.add_argument("--kv", dest="cache", type=cache_format, action=RenamedOption, renamed_to="--cache")

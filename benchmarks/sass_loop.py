@@ -8,7 +8,7 @@ per tile x warps x 128 / BLOCK_N), the figure to compare tile shapes and cache f
 
     python benchmarks/sass_loop.py --cache fp4                                # the default config
     python benchmarks/sass_loop.py --cache fp4 --no-e4m3                      # QSA_AITER_E4M3_MMA=0
-    python benchmarks/sass_loop.py --cache fp4 --set block_n=64 num_stages=5  # another tile
+    python benchmarks/sass_loop.py --cache fp4 --set block_n=64,num_stages=5  # another tile
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton
 
 from qsa_aiter.kernels.quant.formats import CACHE_FORMATS
 from qsa_aiter.tools.aot import compile_kernel, kernel_config
-from qsa_aiter.tools.cli_args import RenamedOption, cache_format
+from qsa_aiter.tools.cli_args import RenamedOption, add_page_size, cache_format
 from qsa_aiter.kernels.scoring.base import example_problem
 
 def compile_variant(kernel: str, cache: str, page: int, rows: int, e4m3: bool, overrides: dict):
@@ -70,10 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kernel", default="stacked", choices=("stacked", "keys_major", "tiled"))
     ap.add_argument("--cache", type=cache_format, default="fp4", help="index-cache format (docs/cache_formats.md)")
     ap.add_argument("--kv", dest="cache", type=cache_format, action=RenamedOption, renamed_to="--cache")
-    ap.add_argument("--page", type=int, default=64)
+    add_page_size(ap)
     ap.add_argument("--rows", type=int, default=4, help="verify rows per request (stacked)")
     ap.add_argument("--no-e4m3", action="store_true", help="build the decoding path (QSA_AITER_E4M3_MMA=0)")
-    ap.add_argument("--set", nargs="*", default=[], help="config fields to replace: name=value ...")
+    ap.add_argument("--set", default="", help="config fields to replace, comma-separated: name=value,name=value")
     return ap
 
 
@@ -81,7 +81,7 @@ def main() -> None:
     a = build_parser().parse_args()
     if os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
-    overrides = {k: int(v) for k, v in (item.split("=") for item in a.set)}
+    overrides = {k: int(v) for k, v in (item.split("=") for item in a.set.split(",") if item)}
     compiled, cfg = compile_variant(a.kernel, a.cache or "bf16", a.page, a.rows, not a.no_e4m3, overrides)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:

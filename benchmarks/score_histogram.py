@@ -1,6 +1,6 @@
 """The scorers' per-row histogram and the native top-k that starts from it, on a GPU.
 
-    python benchmarks/score_histogram.py [--points 9x4@64K-128K,...] [--page 64] [--cache bf16] [--replays 30]
+    python benchmarks/score_histogram.py [--points 9x4@64K-128K,...] [--page-size 64] [--cache bf16] [--replays 30]
 
 Per work point (the selection targets' points by default), CUDA-graph medians (``tools.timing.time_graph``) of:
 

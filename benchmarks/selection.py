@@ -1,6 +1,6 @@
 """Selection beside scoring alone, and every top-k candidate alone beside ``torch.topk`` plus a sort, on a GPU.
 
-    python benchmarks/selection.py [--points 9x4@64K-128K,4x4@262K,...] [--page 64] [--cache bf16] [--replays 30]
+    python benchmarks/selection.py [--points 9x4@64K-128K,4x4@262K,...] [--page-size 64] [--cache bf16] [--replays 30]
 
 The default points are those of the selection targets (docs/selection.md).
 

@@ -14,7 +14,7 @@ op reads them:
 Each stage's time is cumulative (a kernel that stops there): the difference between neighbouring columns is what a
 stage adds. The last column is the room that "selection <= 1.3x scoring" leaves after scoring (0.3 x scoring).
 
-    python benchmarks/topk_stages.py [--points 9x4@64K-128K,64x4@98K,128x1@98K] [--page 64] [--replays 30]
+    python benchmarks/topk_stages.py [--points 9x4@64K-128K,64x4@98K,128x1@98K] [--page-size 64] [--replays 30]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from qsa_aiter.kernels.selection import topk
+from qsa_aiter.tools.cli_args import add_page_size
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
 from qsa_aiter.tools.work_points import TOKEN_TOPK, points_named
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The options of ``python benchmarks/topk_stages.py``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", default="9x4@64K-128K,64x4@98K,128x1@98K")
-    ap.add_argument("--page", type=int, default=64)
+    add_page_size(ap)
     ap.add_argument("--replays", type=int, default=30)
     return ap
 

@@ -1,6 +1,6 @@
 """Where the native top-k's time goes inside one launch, stage by stage, on a GPU.
 
-    python benchmarks/topk_trace.py [--points 9x4@64K-128K,...] [--page 64] [--cache bf16] [--plan cluster4|...]
+    python benchmarks/topk_trace.py [--points 9x4@64K-128K,...] [--page-size 64] [--cache bf16] [--plan cluster4|...]
                                     [--defines TOPK_GATHER=1,...] [--expand]
 
 Each point's logits are scored once (``tools.inputs.selection_inputs``); the kernel the op would launch

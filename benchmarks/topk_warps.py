@@ -1,6 +1,6 @@
 """The one-program-per-row block top-k with 8, 4 and 2 warps per program, by row count, on a GPU.
 
-    python benchmarks/topk_warps.py [--page 64] [--cache bf16] [--replays 30]
+    python benchmarks/topk_warps.py [--page-size 64] [--cache bf16] [--replays 30]
 
 Times ``topk.launch`` (no expansion) on the logits scoring has just written: the verify and decode work points, and
 the first 256 to 16384 rows of the 16K-row prefill point (96K tokens, 24K columns), each result checked equal to
@@ -15,7 +15,7 @@ import torch
 
 from qsa_aiter.kernels.selection import topk
 from qsa_aiter.kernels.selection.reference import torch_block_topk
-from qsa_aiter.tools.cli_args import RenamedOption, cache_format
+from qsa_aiter.tools.cli_args import RenamedOption, add_page_size, cache_format
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
 from qsa_aiter.tools.work_points import points_named
@@ -27,7 +27,7 @@ PREFILL_ROWS = (256, 512, 1024, 2048, 4096, 16384)
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python benchmarks/topk_warps.py``."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--page", type=int, default=64)
+    add_page_size(ap)
     ap.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
     ap.add_argument("--kv", dest="cache", type=cache_format, action=RenamedOption, renamed_to="--cache")
     ap.add_argument("--replays", type=int, default=30)

@@ -11,7 +11,7 @@ the scorer's time over it says how much of the remaining gap to the copy figure 
 access pattern's.
 
     python benchmarks/traffic_floor.py                 # 64x4 @ 98K and 128x1 @ 98K, pages 64 and 16, all formats
-    python benchmarks/traffic_floor.py --pages 64 --caches fp8,fp4
+    python benchmarks/traffic_floor.py --page-sizes 64 --caches fp8,fp4
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ from qsa_aiter.runtime import dispatch
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.scoring import stacked
 from qsa_aiter.kernels.scoring.tiles import block_request, key_tile_slots, row_visibility
-from qsa_aiter.tools.cli_args import RenamedOption, cache_formats
+from qsa_aiter.tools.cli_args import RenamedOption, add_page_sizes, cache_formats, positive_ints, work_point_list
 from qsa_aiter.tools.inputs import point_inputs
 from qsa_aiter.tools.timing import copy_bandwidth, time_launcher
-from qsa_aiter.tools.work_points import points_named
 
 
 @triton.jit
@@ -102,32 +101,31 @@ def launch_traffic(problem, args, tile: Tile) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python benchmarks/traffic_floor.py``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--points", default="64x4@98K,128x1@98K", help="work-point names, comma-separated")
-    ap.add_argument("--pages", default="64,16")
+    ap.add_argument("--points", type=work_point_list, default="64x4@98K,128x1@98K",
+                    help="work-point names, comma-separated")
+    add_page_sizes(ap)
     ap.add_argument("--caches", type=cache_formats, default=("bf16", "fp8", "fp4"),
                     help="index-cache formats, comma-separated (docs/cache_formats.md)")
     ap.add_argument("--kv", dest="caches", type=cache_formats, action=RenamedOption, renamed_to="--caches")
     ap.add_argument("--replays", type=int, default=30)
-    ap.add_argument("--block-n", default="64,128", help="tile widths to try, comma-separated")
-    ap.add_argument("--stages", default="3,5", help="pipeline depths to try")
-    ap.add_argument("--per-sm", default="4,8", help="programs per multiprocessor to try")
-    ap.add_argument("--warps", default="4", help="warps per program to try")
+    ap.add_argument("--block-n", type=positive_ints, default=(64, 128), help="tile widths to try, comma-separated")
+    ap.add_argument("--stages", type=positive_ints, default=(3, 5), help="pipeline depths to try, comma-separated")
+    ap.add_argument("--per-sm", type=positive_ints, default=(4, 8),
+                    help="programs per multiprocessor to try, comma-separated")
+    ap.add_argument("--warps", type=positive_ints, default=(4,), help="warps per program to try, comma-separated")
     return ap
 
 
 def main() -> None:
     a = build_parser().parse_args()
-    grid_axes = [[int(v) for v in getattr(a, f).split(",")] for f in ("block_n", "stages", "per_sm", "warps")]
-    try:
-        points = points_named(a.points)
-    except ValueError as err:
-        ap.error(f"--points: {err}")
+    grid_axes = [getattr(a, f) for f in ("block_n", "stages", "per_sm", "warps")]
+    points = a.points
     device = torch.device("cuda")
     copy_bps = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}: device-to-device copy {copy_bps / 1e9:.0f} GB/s")
     print(f"{'point':12s} {'cache':8s} {'page':>4s} {'floor us':>9s} {'%copy':>6s} {'stacked us':>10s} {'%copy':>6s} "
           f"{'stacked/floor':>13s}  floor tile")
-    for point, page, cache in itertools.product(points, [int(p) for p in a.pages.split(",")], a.caches):
+    for point, page, cache in itertools.product(points, a.page_sizes, a.caches):
         inputs = point_inputs(point, page, device, cache)
         best = None
         for block_n, stages, per_sm, warps in itertools.product(*grid_axes):

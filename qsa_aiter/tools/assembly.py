@@ -50,8 +50,9 @@ _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame")
 #: SIMDs per CU on CDNA3/CDNA4: a workgroup's waves spread over them.
 SIMDS_PER_CU = 4
-#: The cache format a scorer variant reads, from its ``KV_KIND`` constexpr (16-bit: q's dtype decides bf16/fp16).
-_CACHE_OF_KIND = {KV_16BIT: "16bit", KV_FP8_E4M3FN: "fp8", KV_FP8_E4M3FNUZ: "fp8_fnuz", KV_FP4: "fp4"}
+#: The cache format a scorer variant reads, from its ``KV_KIND`` constexpr (16-bit: its tensors' dtype decides
+#: bf16 or fp16, ``_sixteen_bit``).
+_CACHE_OF_KIND = {KV_FP8_E4M3FN: "fp8", KV_FP8_E4M3FNUZ: "fp8_fnuz", KV_FP4: "fp4"}
 #: Constexprs that say which code path a variant took (shown in ``variant``), besides its format and page size.
 PATH_CONSTEXPRS = ("E4M3_MMA", "FP8_MMA", "SCALED_MMA", "KEYS_MAJOR", "PER_HEAD", "TILES", "FUSED", "WITH_MAXIMA")
 
@@ -138,12 +139,20 @@ def ptxas_resources(ptx: Path, arch: str, ptxas: str | None = None) -> dict[str,
     }
 
 
+def _sixteen_bit(entry: Entry) -> str:
+    """The 16-bit format (``bf16`` or ``fp16``) of a variant of a 16-bit cache: its pointers' element type."""
+    return "fp16" if any(t.startswith("*fp16") for t in entry.arguments.values()) else "bf16"
+
+
 def _cache_of(entry: Entry) -> str:
+    """The index-cache format a variant was built for, by the library's name (``CACHE_FORMATS``), '-' for none."""
     kind = entry.constexprs.get("KV_KIND")
     if kind is None:
         kind = entry.constexprs.get("KIND")  # the cache writer's
-        return {0: "16bit", 1: "fp8", 2: "fp8_fnuz", 3: "fp4"}.get(kind, "-") if kind is not None else "-"
-    return _CACHE_OF_KIND.get(kind, str(kind))
+        if kind == 0:
+            return _sixteen_bit(entry)
+        return {1: "fp8", 2: "fp8_fnuz", 3: "fp4"}.get(kind, "-") if kind is not None else "-"
+    return _sixteen_bit(entry) if kind == KV_16BIT else _CACHE_OF_KIND.get(kind, str(kind))
 
 
 def _variant(entry: Entry) -> str:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from ..runtime import dispatch, registries
-from .cli_args import PAGE_SIZE_MEANING, RenamedOption, cache_formats, positive_int
+from .cli_args import RenamedOption, add_page_sizes, cache_formats, comma_subset, positive_int
 from ..kernels.platform import Platform
 from ..kernels.quant.formats import CACHE_FORMATS
 from ..kernels.scoring import SPECS
@@ -173,8 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The options of ``python -m qsa_aiter bench``."""
     parser = argparse.ArgumentParser(prog="python -m qsa_aiter bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out", help="output folder (CSV, PNG)")
-    parser.add_argument("--pages", default="64,16",
-                        help=f"page sizes, comma-separated (default 64,16); {PAGE_SIZE_MEANING}")
+    add_page_sizes(parser)
     parser.add_argument("--points", default="", help="substring filter on work-point names")
     parser.add_argument("--replays", type=positive_int, default=50,
                         help="CUDA-graph replays per timing, the median kept (default 50); with --eager, the replays "
@@ -183,8 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--caches", type=cache_formats, default=("bf16",),
                         help=f"index-cache formats, comma-separated: {', '.join(CACHE_FORMATS)} (default bf16)")
     parser.add_argument("--kv", dest="caches", type=cache_formats, action=RenamedOption, renamed_to="--caches")
-    parser.add_argument("--kernels", default="",
-                        help="kernels to time, comma-separated (default: every scoring kernel that serves the point)")
+    names = tuple(spec.name for spec in SPECS)
+    parser.add_argument("--kernels", type=comma_subset(names), default=None,
+                        help=f"kernels to time, comma-separated among {','.join(names)} (default: every scoring "
+                             "kernel that serves the point)")
     parser.add_argument("--eager", action="store_true",
                         help="host time of eager calls of each public op, with and without out=, beside its GPU "
                              "time (page 64, bf16; --points filters, default: the verify and prefill points)")
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eager:
         return eager_report(args.points, args.replays)
     if not torch.cuda.is_available():
-        print("the benchmark needs a CUDA GPU")
+        print("error: the benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     os.makedirs(args.out, exist_ok=True)
@@ -205,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     print(f"{'point':<18}{'cache':>9}{'page':>5} {'kernel':<8}{'us':>9}{'GB/s':>8}{'%copy':>7}{'TF/s':>7}"
           f"{'rowwise':>9}{'x bf16':>8}  target")
-    kernels = tuple(args.kernels.split(",")) if args.kernels else None
-    for ps in [int(p) for p in args.pages.split(",")]:
+    kernels = args.kernels
+    for ps in args.page_sizes:
         for point in work_points(args.quick):
             if args.points and args.points not in point.name:
                 continue
@@ -228,5 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # the same command as ``python -m qsa_aiter bench`` (environment check, closed pipes)
+    from .cli import main as _cli
+
+    raise SystemExit(_cli(["bench", *sys.argv[1:]]))

@@ -1,9 +1,14 @@
-"""Command line: ``python -m qsa_aiter {demo,bench,tune,fuzz,explain,warmup,jit,isa,model-configs}`` (also installed as
-``qsa-aiter``)."""
+"""Command line: ``python -m qsa_aiter {demo,bench,tune,fuzz,quality,explain,warmup,jit,isa,model-configs}`` (also
+installed as ``qsa-aiter``).
+
+Exit status, every command: 0 done; 1 the command ran and found a problem, or did nothing (a warm-up that built
+nothing, a ``jit clear`` with nothing to remove); 2 bad arguments or configuration (an environment variable, named).
+Multi-value options are comma lists (``cli_args``)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -45,6 +50,13 @@ def _cache_dir(text: str):
     return path
 
 
+def _arch_name(text: str) -> str:
+    """``jit clear --arch``: an arch as the cache's directories name them (``sm_90``, ``sm_90a``, ``gfx942``)."""
+    if not re.fullmatch(r"sm_\d+a?|gfx[0-9a-f]+", text):
+        raise argparse.ArgumentTypeError(f"expected an arch such as sm_90 or gfx942; got {text!r}")
+    return text
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
@@ -54,7 +66,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"qsa_aiter {__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{demo,bench,tune,fuzz,explain,warmup,jit,isa,model-configs}")
+                                metavar="{demo,bench,tune,fuzz,quality,explain,warmup,jit,isa,"
+                                        "model-configs}")
 
     sub.add_parser("demo", add_help=False,
                    help="score an MTP-verify batch and a prefill chunk on this machine, check and time them")
@@ -64,6 +77,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="measure tile configs at the work points and write tuned rows (`tune --help` lists options)")
     sub.add_parser("fuzz", add_help=False,
                    help="fuzz the ops against the torch oracles over random metadata (`fuzz --help` lists options)")
+    sub.add_parser("quality", add_help=False,
+                   help="measure on the CPU how much of the bf16 selection each quantised cache keeps "
+                        "(`quality --help` lists options)")
     sub.add_parser("isa", add_help=False,
                    help="compile for a target without its GPU and print each kernel's matrix instructions, registers, "
                         "LDS, scratch and waves per SIMD (`isa --help` lists options)")
@@ -104,8 +120,9 @@ def _build_parser() -> argparse.ArgumentParser:
                                     "docs/jit_and_configs.md.")
     wu.add_argument("--arch", choices=tuple(TARGETS), default=None,
                     help="compile for this arch without a GPU (default: the present GPU's)")
-    wu.add_argument("--kernels", type=comma_subset(KERNELS + NATIVE_KERNELS), default=KERNELS + NATIVE_KERNELS,
-                    help=f"comma-separated subset of {','.join(KERNELS + NATIVE_KERNELS)} (default: all)")
+    wu.add_argument("--kernels", type=comma_subset(KERNELS + NATIVE_KERNELS), default=None,
+                    help=f"comma-separated subset of {','.join(KERNELS + NATIVE_KERNELS)} (default: all those that "
+                         "can be built for the arch; a kernel named here that cannot is an error, exit 1)")
     wu.add_argument("--caches", type=cache_formats, default=CACHES,
                     help=f"index-cache formats, comma-separated subset of {','.join(CACHES)} (default: all)")
     wu.add_argument("--page-sizes", type=positive_ints, default=None,
@@ -126,7 +143,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--no-verify", action="store_true", help="do not check the files' hashes")
     cl = jit_sub.add_parser("clear", help="remove the cached kernels (all, or one arch's)")
     cl.add_argument("--jit-dir", type=_cache_dir, default=None, help="cache directory (default as for warmup)")
-    cl.add_argument("--arch", default=None, help="only this arch's directory (e.g. sm_90)")
+    cl.add_argument("--arch", type=_arch_name, default=None,
+                    help="only this arch's directory (e.g. sm_90, gfx942); nothing to remove is an error, exit 1")
     return parser
 
 
@@ -155,8 +173,8 @@ def _warmup(opts: argparse.Namespace) -> int:
     from .warmup import Matrix, warmup
     from ..runtime.registries import BLOCK_SIZES
 
-    matrix = Matrix(kernels=opts.kernels, caches=opts.caches, page_sizes=opts.page_sizes or BLOCK_SIZES,
-                    index_dtypes=opts.index_dtypes)
+    matrix = Matrix(kernels=opts.kernels or Matrix().kernels, caches=opts.caches,
+                    page_sizes=opts.page_sizes or BLOCK_SIZES, index_dtypes=opts.index_dtypes)
     root = _jit_root(opts)
     unwritable = _unwritable_root(opts, root)
     if unwritable:
@@ -168,11 +186,22 @@ def _warmup(opts: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(report.summary())
+    # A warm-up that built nothing, or skipped a kernel the user named (the native tier without NVRTC, or for an
+    # AMD target), did not do what was asked: say so and fail.
+    named_skipped = report.skipped if opts.kernels else []
+    if not (report.compiled or report.found or report.failed):
+        print(f"error: nothing was built for {report.arch}" + (f": {'; '.join(report.notes)}" if report.notes else ""),
+              file=sys.stderr)
+        return 1
+    if named_skipped:
+        print(f"error: --kernels {','.join(named_skipped)}: not built for {report.arch} (see the notes above)",
+              file=sys.stderr)
+        return 1
     return 1 if report.failed else 0
 
 
 def _jit(opts: argparse.Namespace) -> int:
-    from .inventory import clear, describe, removal_report
+    from .inventory import cached_archs, clear, describe, removal_report
 
     try:
         root = _jit_root(opts)
@@ -186,6 +215,11 @@ def _jit(opts: argparse.Namespace) -> int:
         removed = clear(root, opts.arch)
     except OSError as err:
         print(f"error: could not clear the JIT cache under {root}: {err}", file=sys.stderr)
+        return 1
+    if not removed:  # nothing cleared: an arch the cache has no directory for, or an empty cache
+        held = cached_archs(root)
+        print(f"error: {removal_report(root, opts.arch, removed)}"
+              + (f" (the cache holds {', '.join(held)})" if held else " (the cache is empty)"), file=sys.stderr)
         return 1
     print(removal_report(root, opts.arch, removed))
     return 0
@@ -222,50 +256,82 @@ def _explain(opts: argparse.Namespace) -> int:
     return 0
 
 
+def check_environment() -> str:
+    """Why this process's configuration is bad ('' where it is fine): every environment variable the library reads
+    (``get_settings``), the tuned-config files, and the name each family's forcing variable gives
+    (``QSA_AITER_BACKEND``, ``QSA_AITER_TOPK_BACKEND``). Checked before any command's work, so a bad value is one
+    line naming the variable and exit status 2, whichever command meets it (one that never dispatches included)."""
+    from ..runtime import registries
+    from ..runtime.dispatch import Registry
+    from ..runtime.settings import ConfigurationError, get_settings
+    from ..runtime.tuned import load_tables
+
+    try:
+        settings = get_settings()
+        load_tables(tuple(settings.tuned_config))
+        for registry in vars(registries).values():
+            if isinstance(registry, Registry):
+                registry.forced(settings)
+    except ConfigurationError as err:
+        return str(err)
+    return ""
+
+
+def _wants_help(rest: list[str]) -> bool:
+    """Whether a delegated command's arguments ask for its help (printed whatever the environment holds)."""
+    return any(arg in ("-h", "--help") for arg in rest)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one command; its exit status: 0 done, 1 it ran and found a problem (or did nothing), 2 bad arguments or
+    configuration. Output cut short by a closed pipe (``jit list | head``) ends the command quietly."""
+    try:
+        status = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a closed pipe is met here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # The reader is gone: point stdout at /dev/null so the interpreter's last flush does not complain, and end
+        # as a command killed by SIGPIPE does (128 + 13).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+
+
+def _run(argv: list[str]) -> int:
     parser = _build_parser()
-    # demo, bench, tune, fuzz, isa and model-configs take their own arguments: the rest goes to them unparsed here.
-    if argv and argv[0] in ("demo", "bench", "tune", "fuzz", "isa", "model-configs"):
+    # demo, bench, tune, fuzz, quality, isa and model-configs take their own arguments: the rest goes to them unparsed.
+    if argv and argv[0] in DELEGATED:
         command, rest = argv[0], argv[1:]
     else:
         opts = parser.parse_args(argv)
         command, rest = opts.command, []
-    from ..runtime.settings import ConfigurationError, get_settings
-    from ..runtime.tuned import load_tables
+    from ..runtime.settings import ConfigurationError
 
-    try:  # a bad environment switch or tuned-config file is reported once, plainly, before any work
-        load_tables(tuple(get_settings().tuned_config))
-    except ConfigurationError as err:
+    if not _wants_help(rest):
+        bad = check_environment()
+        if bad:
+            print(f"error: {bad}", file=sys.stderr)
+            return 2
+    try:
+        if command in DELEGATED:
+            return _delegate(command, rest)
+        if command == "warmup":
+            return _warmup(opts)
+        if command == "jit":
+            return _jit(opts)
+        return _explain(opts)
+    except ConfigurationError as err:  # read later than the check above (a variable changed by the command itself)
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if command == "demo":
-        from .demo import main as demo_main
 
-        return demo_main(rest)
-    if command == "bench":
-        from .bench import main as bench_main
 
-        return bench_main(rest)
-    if command == "tune":
-        from .tuner import main as tune_main
+#: The subcommands whose own parsers take the rest of the command line, and the module that runs each.
+DELEGATED = {"demo": "demo", "bench": "bench", "tune": "tuner", "fuzz": "fuzz", "quality": "quality", "isa": "isa",
+             "model-configs": "static_model"}
 
-        return tune_main(rest)
-    if command == "fuzz":
-        from .fuzz import main as fuzz_main
 
-        return fuzz_main(rest)
-    if command == "isa":
-        from .isa import main as isa_main
+def _delegate(command: str, rest: list[str]) -> int:
+    from importlib import import_module
 
-        return isa_main(rest)
-    if command == "model-configs":
-        from .static_model import main as model_main
-
-        return model_main(rest)
-    if command == "warmup":
-        return _warmup(opts)
-    if command == "jit":
-        return _jit(opts)
-    return _explain(opts)
-
+    return import_module(f".{DELEGATED[command]}", __package__).main(rest)

@@ -1,5 +1,9 @@
-"""argparse argument types and actions shared by the command-line entry points (``__main__``, demo, bench, tune,
-fuzz, warmup, explain) and the scripts in ``benchmarks/``."""
+"""argparse argument types, actions and options shared by the command-line entry points (``__main__``, demo, bench,
+tune, fuzz, quality, warmup, explain, isa, model-configs) and the scripts in ``benchmarks/``.
+
+One vocabulary: a concept has one spelling in every command (``--page-size`` for one page size, ``--page-sizes``
+for several, ``--cache`` / ``--caches`` with the library's format names), and every multi-value option is a comma
+list (``--caches bf16,fp8``); a former spelling still parses as a ``RenamedOption``, with a note on stderr."""
 
 from __future__ import annotations
 
@@ -104,12 +108,29 @@ def work_point_list(text: str) -> list[WorkPoint]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def add_page_size(parser: argparse.ArgumentParser, default: int = 64) -> None:
+    """``--page-size N`` (stored as ``page``; the former ``--page`` still parses, with a note)."""
+    parser.add_argument("--page-size", dest="page", type=positive_int, default=default,
+                        help=f"{PAGE_SIZE_MEANING} (default {default})")
+    parser.add_argument("--page", dest="page", type=positive_int, action=RenamedOption, renamed_to="--page-size")
+
+
+def add_page_sizes(parser: argparse.ArgumentParser, default: tuple[int, ...] = (64, 16)) -> None:
+    """``--page-sizes A,B`` (stored as ``page_sizes``, a tuple; the former ``--pages`` still parses, with a note)."""
+    parser.add_argument("--page-sizes", type=positive_ints, default=default,
+                        help=f"page sizes, comma-separated (default {','.join(map(str, default))}); "
+                             f"{PAGE_SIZE_MEANING}")
+    parser.add_argument("--pages", dest="page_sizes", type=positive_ints, action=RenamedOption,
+                        renamed_to="--page-sizes")
+
+
 def add_selection_point_options(parser: argparse.ArgumentParser, replays: bool = True) -> None:
     """The options of the selection benchmarks (``benchmarks/selection.py`` and its kin): ``--points`` (default the
-    selection targets' points), ``--page`` (default 64), ``--cache`` (default bf16) and ``--replays`` (default 30)."""
+    selection targets' points), ``--page-size`` (default 64), ``--cache`` (default bf16) and ``--replays`` (default
+    30)."""
     parser.add_argument("--points", type=work_point_list, default=",".join(SELECTION_POINTS),
                         help="comma-separated work points (default the selection targets')")
-    parser.add_argument("--page", type=positive_int, default=64, help=PAGE_SIZE_MEANING)
+    add_page_size(parser)
     parser.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
     if replays:
         parser.add_argument("--replays", type=positive_int, default=30, help="CUDA-graph replays per median")

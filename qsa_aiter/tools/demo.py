@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -234,5 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # the same command as ``python -m qsa_aiter demo`` (environment check, closed pipes)
+    from .cli import main as _cli
+
+    raise SystemExit(_cli(["demo", *sys.argv[1:]]))

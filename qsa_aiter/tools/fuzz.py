@@ -46,7 +46,7 @@ from ..runtime import registries
 from ..runtime.jit import emulated, native, nvrtc
 from ..runtime.settings import get_settings
 from ..kernels.cache.reference import write_reference
-from .cli_args import positive_int
+from .cli_args import comma_subset, positive_int
 from ..runtime.jit.triton_compat import install_uniform_interpreter_dots
 from ..kernels.platform import Platform, interpreting
 from ..kernels.selection import native_topk
@@ -433,8 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "set). Exits 1 on a mismatch, or when every case of a path was refused (nothing checked there).")
     parser.add_argument("--cases", type=positive_int, default=200, help="cases per path (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first case (default 0)")
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=None, metavar="PATH",
-                        help="paths to fuzz (default all, topk_native where it can run): " + ", ".join(PATHS))
+    parser.add_argument("--paths", type=comma_subset(PATHS), default=None, metavar="PATH,...",
+                        help="paths to fuzz, comma-separated (default all, topk_native where it can run): "
+                             + ",".join(PATHS))
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the tensors live (default: cuda if available and not interpreting, else cpu)")
     parser.add_argument("--show", type=positive_int, default=5, help="mismatches printed per path (default 5)")
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         mode += ", the native top-k in the CUDA emulator"
     print(f"fuzzing {', '.join(opts.paths)} on {mode}: {opts.cases} cases from seed {opts.seed}")
     start = time.perf_counter()
-    results = run(tuple(opts.paths), opts.cases, opts.seed, device,
+    results = run(tuple(dict.fromkeys(opts.paths)), opts.cases, opts.seed, device,
                   progress=lambda text: print(text, end="\r", file=sys.stderr, flush=True))
     print(f"done in {time.perf_counter() - start:.1f} s" + " " * 20)
     for result in results:
@@ -489,3 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: every case of {', '.join(idle)} was refused by the kernel's reasons: nothing was checked "
               "there (more --cases, or other --seed)", file=sys.stderr)
     return 1 if idle or any(r.mismatches for r in results) else 0
+
+
+if __name__ == "__main__":  # the same command as ``python -m qsa_aiter fuzz`` (environment check, closed pipes)
+    from .cli import main as _cli
+
+    raise SystemExit(_cli(["fuzz", *sys.argv[1:]]))

@@ -34,6 +34,11 @@ def native_stores_in(root: Path) -> list[native.NativeStore]:
     return [native.NativeStore(Path(root), arch_dir.name) for arch_dir in sorted(base.iterdir()) if arch_dir.is_dir()]
 
 
+def cached_archs(root: Path) -> list[str]:
+    """The archs with a directory under ``root`` (Triton's of any version, or native), sorted."""
+    return sorted({store.arch for store in [*stores_in(root), *native_stores_in(root)]})
+
+
 def native_status(store: native.NativeStore, eid: str, record: native.NativeRecord, verify: bool,
                   nvrtc_version: str | None) -> str:
     """``ok``, or why a launch here would not use the entry: corrupt (its cubin checked where ``verify``), built

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..kernels.platform import Platform
 from .aot import TARGETS
 from .assembly import VariantIsa, analyse, table
-from .cli_args import PAGE_SIZE_MEANING, cache_formats, positive_ints
+from .cli_args import PAGE_SIZE_MEANING, cache_formats, comma_subset, positive_ints
 from .warmup import CACHES, INDEX_DTYPES, KERNELS, Matrix
 
 #: The scoring kernels (the default of ``isa --kernels``: the ones whose registers matter most).
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"index-cache formats, comma-separated subset of {','.join(CACHES)} (default: all)")
     parser.add_argument("--page-sizes", type=positive_ints, default=(16, 64),
                         help=f"comma-separated page sizes ({PAGE_SIZE_MEANING}; default: 16,64)")
-    parser.add_argument("--index-dtypes", default="int32",
+    parser.add_argument("--index-dtypes", type=comma_subset(tuple(INDEX_DTYPES)), default=("int32",),
                         help=f"comma-separated subset of {','.join(INDEX_DTYPES)} (default: int32)")
     parser.add_argument("--jit-dir", default=None, help="JIT cache directory (default: as for warmup)")
     parser.add_argument("--csv", action="store_true", help="print CSV rows instead of a Markdown table")
@@ -58,14 +58,12 @@ def _csv(rows: list[VariantIsa]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
-    index_dtypes = tuple(d.strip() for d in args.index_dtypes.split(",") if d.strip())
+    index_dtypes = tuple(args.index_dtypes)
     try:
         matrix = Matrix(kernels=kernels, caches=tuple(args.caches), page_sizes=args.page_sizes,
                         index_dtypes=index_dtypes)
         if any(k not in KERNELS for k in kernels):
             raise ValueError(f"--kernels: the native kernels are not Triton builds; choose among {', '.join(KERNELS)}")
-        if any(d not in INDEX_DTYPES for d in index_dtypes):
-            raise ValueError(f"--index-dtypes must be a subset of {', '.join(INDEX_DTYPES)}")
         rows = analyse(args.arch, root=Path(args.jit_dir) if args.jit_dir else None, matrix=matrix,
                        progress=not args.no_progress)
     except (ValueError, RuntimeError) as err:
@@ -86,3 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.fail_on_spills:
             return 1
     return 0
+
+
+if __name__ == "__main__":  # the same command as ``python -m qsa_aiter isa`` (environment check, closed pipes)
+    from .cli import main as _cli
+
+    raise SystemExit(_cli(["isa", *sys.argv[1:]]))

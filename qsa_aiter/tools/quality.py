@@ -14,6 +14,8 @@ sums is not modelled here).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..kernels.cache.reference import write_reference
@@ -94,3 +96,51 @@ def _scores(cache_format, rows, groups, heads, head_dim, page_size, seed, numeri
         return logits
 
     return (scores(base_format, "decoded") if base_format else None), scores(cache_format, numerics)
+
+
+def build_parser():
+    """The options of ``python -m qsa_aiter quality`` (also ``python -m qsa_aiter.tools.quality``)."""
+    import argparse
+
+    from .cli_args import cache_formats, comma_subset, positive_int
+
+    parser = argparse.ArgumentParser(
+        prog="python -m qsa_aiter quality",
+        description="Measure on the CPU how much of the bf16 cache's top-k selection each quantised cache keeps "
+                    "(selection_overlap over --seeds seeds) and its largest score error against the fp32 reference "
+                    "(score_error), and print them as a Markdown table (docs/cache_formats.md, 'Selection quality').")
+    parser.add_argument("--caches", type=cache_formats, default=("fp8", "fp8_fnuz", "fp4"),
+                        help="index-cache formats, comma-separated (default fp8,fp8_fnuz,fp4)")
+    parser.add_argument("--numerics", type=comma_subset(NUMERICS), default=NUMERICS,
+                        help=f"comma-separated subset of {','.join(NUMERICS)} (default: both)")
+    parser.add_argument("--seeds", type=positive_int, default=10, help="seeds 0..N-1 per cache (default 10)")
+    parser.add_argument("--rows", type=positive_int, default=16, help="query rows per seed (default 16)")
+    parser.add_argument("--groups", type=positive_int, default=8192, help="compressed keys of the request (default "
+                                                                           "8192)")
+    parser.add_argument("--topk", type=positive_int, default=512, help="selection size (default 512)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the quality table; exit 2 on bad options (a ``--topk`` above ``--groups`` included)."""
+    opts = build_parser().parse_args(argv)
+    if opts.topk > opts.groups:
+        print(f"error: --topk {opts.topk} is more than --groups {opts.groups}", file=sys.stderr)
+        return 2
+    print("| cache | numerics | mean overlap | worst row | 10th percentile | max score error / row's largest score |")
+    print("|---|---|---|---|---|---|")
+    shape = dict(rows=opts.rows, groups=opts.groups)
+    for name in opts.caches:
+        for numerics in opts.numerics:
+            overlap = torch.cat([selection_overlap(name, topk=opts.topk, seed=seed, numerics=numerics, **shape)
+                                 for seed in range(opts.seeds)])
+            error = max(score_error(name, seed=seed, numerics=numerics, **shape) for seed in range(opts.seeds))
+            print(f"| {name} | {numerics} | {overlap.mean():.2%} | {overlap.min():.2%} | "
+                  f"{overlap.quantile(0.1):.2%} | {error:.2g} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # the same command as ``python -m qsa_aiter quality`` (environment check, closed pipes)
+    from .cli import main as _cli
+
+    raise SystemExit(_cli(["quality", *sys.argv[1:]]))

@@ -28,18 +28,20 @@ import argparse
 import csv
 import dataclasses
 import itertools
+import sys
 from pathlib import Path
 
 import torch
 
 from ..kernels import catalog
 from ..kernels.platform import Platform
+from ..kernels.quant.formats import CACHE_FORMATS
 from ..kernels.scoring.base import example_problem, work_problem
 from ..runtime import tuned
 from ..runtime.settings import get_settings
 from .aot import compile_plan
 from .assembly import amd_resources, amd_waves, mma_mix
-from .cli_args import PAGE_SIZE_MEANING, comma_subset
+from .cli_args import PAGE_SIZE_MEANING, cache_formats, comma_subset
 from .tuned_rows import merge_rows, row_key
 from .warmup import Matrix, WarmContext
 from .work_points import point_named
@@ -50,6 +52,7 @@ TARGETS = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
 KERNELS = ("stacked", "keys_major", "tiled")
 #: How a model row's ``source`` starts (``explain`` prints it with the row).
 MODEL_SOURCE = "model, not measured:"
+#: One row per cache kind (``CacheFormat.kind``: bf16 serves fp16 too, fp8 serves fp8_fnuz): q dtype and kv name.
 FORMATS = {"bf16": (torch.bfloat16, "bf16"), "fp8": (None, "fp8"), "fp4": (torch.float4_e2m1fn_x2, "fp4")}
 PAGE_SIZES = (16, 64)
 MIN_WAVES = {"prefill": 1, "verify": 2, "draft": 2, "decode": 2}
@@ -209,35 +212,29 @@ def build_parser() -> argparse.ArgumentParser:
         description="Choose tile configs for AMD targets by the static model of qsa_aiter/tools/static_model.py "
                     "(compiled for the target, read from the assembly; no GPU) and write them as model rows "
                     "(measured=0) into a tuned table.")
-    parser.add_argument("--arch", default=",".join(TARGETS),
-                        help=f"comma-separated subset of {', '.join(TARGETS)} (default: both)")
-    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"subset of {', '.join(KERNELS)}")
-    parser.add_argument("--caches", default=",".join(FORMATS), help=f"subset of {', '.join(FORMATS)}")
-    parser.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)),
-                        help=f"comma-separated page sizes ({PAGE_SIZE_MEANING}; default: "
-                             f"{','.join(map(str, PAGE_SIZES))})")
+    parser.add_argument("--arch", type=comma_subset(tuple(TARGETS)), default=tuple(TARGETS),
+                        help=f"comma-separated subset of {','.join(TARGETS)} (default: both)")
+    parser.add_argument("--kernels", type=comma_subset(KERNELS), default=KERNELS,
+                        help=f"comma-separated subset of {','.join(KERNELS)} (default: all)")
+    parser.add_argument("--caches", type=cache_formats, default=tuple(FORMATS),
+                        help=f"index-cache formats, comma-separated, among {','.join(CACHE_FORMATS)} (default: "
+                             f"{','.join(FORMATS)}); one row serves each kind (bf16 and fp16 alike, fp8 and fp8_fnuz "
+                             "alike: the target's e4m3 flavour is modelled)")
+    parser.add_argument("--page-sizes", type=comma_subset(tuple(map(str, PAGE_SIZES))),
+                        default=tuple(map(str, PAGE_SIZES)),
+                        help=f"comma-separated page sizes among {','.join(map(str, PAGE_SIZES))} "
+                             f"({PAGE_SIZE_MEANING}; default: all)")
     parser.add_argument("--csv", type=Path, required=True, help="tuned table to write the rows into (merged)")
     return parser
-
-
-def _subset(text: str, allowed, what: str) -> list:
-    """``cli_args.comma_subset`` of ``allowed``, its refusal an exit naming the option ``--what``."""
-    try:
-        return list(comma_subset(tuple(map(str, allowed)))(text))
-    except argparse.ArgumentTypeError:
-        raise SystemExit(f"error: --{what} must be a comma-separated subset of {', '.join(map(str, allowed))}; "
-                         f"got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     args = build_parser().parse_args(argv)
-    archs = _subset(args.arch, tuple(TARGETS), "arch")
-    kernels = _subset(args.kernels, KERNELS, "kernels")
-    caches = _subset(args.caches, tuple(FORMATS), "caches")
-    pages = [int(p) for p in _subset(args.page_sizes, tuple(map(str, PAGE_SIZES)), "page-sizes")]
-    work = list(itertools.product(archs, kernels, caches, pages))
+    caches = list(dict.fromkeys(CACHE_FORMATS[name].kind for name in args.caches))  # a row per kind (FORMATS)
+    pages = [int(p) for p in dict.fromkeys(args.page_sizes)]
+    work = list(itertools.product(dict.fromkeys(args.arch), dict.fromkeys(args.kernels), caches, pages))
     kept = other_rows(args.csv)
     rows = []
     for arch, kernel, fmt, page in tqdm(work, desc="model-configs", unit="row"):
@@ -257,3 +254,9 @@ def other_rows(path: Path) -> set[tuple]:
         return set()
     with open(path, newline="") as handle:
         return {row_key(r) for r in csv.DictReader(handle) if not str(r.get("source", "")).startswith(MODEL_SOURCE)}
+
+
+if __name__ == "__main__":  # the same command as ``python -m qsa_aiter model-configs`` (environment check, closed pipes)
+    from .cli import main as _cli
+
+    raise SystemExit(_cli(["model-configs", *sys.argv[1:]]))

@@ -26,13 +26,14 @@ import dataclasses
 import itertools
 import multiprocessing
 import os
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 from ..kernels.catalog import spec_named, tunable_specs
 from ..kernels.quant.formats import CACHE_FORMATS
-from .cli_args import PAGE_SIZE_MEANING, RenamedOption, cache_formats, positive_int
+from .cli_args import RenamedOption, add_page_sizes, cache_formats, comma_subset, positive_int
 from .inputs import point_inputs
 from .testing import e4m3_mma_atol
 from .timing import time_launcher
@@ -275,16 +276,17 @@ def _parse_grid(items: list[str]) -> dict[str, tuple[int, ...]]:
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python -m qsa_aiter tune``."""
     parser = argparse.ArgumentParser(prog="python -m qsa_aiter tune", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernels", default=",".join(KERNELS), help="kernels to tune, comma-separated")
+    parser.add_argument("--kernels", type=comma_subset(KERNELS), default=KERNELS,
+                        help=f"kernels to tune, comma-separated among {','.join(KERNELS)} (default: all)")
     parser.add_argument("--caches", type=cache_formats, default=CACHES,
                         help=f"index-cache formats, comma-separated, among {', '.join(CACHE_FORMATS)} "
                              f"(default {','.join(CACHES)})")
     parser.add_argument("--kv", dest="caches", type=cache_formats, action=RenamedOption, renamed_to="--caches")
-    parser.add_argument("--pages", default="64,16",
-                        help=f"page sizes, comma-separated (default 64,16); {PAGE_SIZE_MEANING}")
+    add_page_sizes(parser)
     parser.add_argument("--points", default="", help="substrings of work-point names (default: the kernel's plan)")
-    parser.add_argument("--grid", nargs="*", default=None, metavar="FIELD=V1,V2",
-                        help="candidate axes instead of the kernel's grid (one kernel at a time)")
+    parser.add_argument("--grid", action="append", default=None, metavar="FIELD=V1,V2",
+                        help="a candidate axis instead of the kernel's grid (one kernel at a time); repeat the option "
+                             "for each axis: --grid block_n=64,128 --grid num_stages=2,3")
     parser.add_argument("--replays", type=positive_int, default=20,
                         help="CUDA-graph replays per timing of a config, the median kept (default 20)")
     parser.add_argument("--jobs", type=positive_int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
@@ -299,10 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    kernels = args.kernels.split(",")
-    for name in kernels:
-        if name not in KERNELS:
-            parser.error(f"--kernels: {name!r} is not one of {', '.join(KERNELS)}")
+    kernels = list(args.kernels)
     if args.grid is not None and len(kernels) != 1:
         parser.error("--grid applies to one kernel: give --kernels with one name")
 
@@ -316,14 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("the tuner needs a GPU")
+        print("error: the tuner needs a GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     from ..kernels.platform import Platform
 
     platform = Platform.of(device)
     arch = platform.arch
-    sweeps = plan(kernels, args.caches, [int(p) for p in args.pages.split(",")], args.points)
+    sweeps = plan(kernels, args.caches, list(args.page_sizes), args.points)
     print(f"{torch.cuda.get_device_name()} ({arch}): {len(sweeps)} sweeps")
     results = []
     log = open(args.results, "w", newline="") if args.results else None
@@ -363,3 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         if log:
             log.close()
     return 0 if all(r.best for r in results) else 1
+
+
+if __name__ == "__main__":  # the same command as ``python -m qsa_aiter tune`` (environment check, closed pipes)
+    from .cli import main as _cli
+
+    raise SystemExit(_cli(["tune", *sys.argv[1:]]))

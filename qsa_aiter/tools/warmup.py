@@ -113,7 +113,8 @@ class Launch:
 @dataclass
 class WarmupReport:
     """What a warm-up did: variants (by entry id) compiled here, found already built, or failed (with the error);
-    ``notes``: what was not built and why (native kernels on AMD targets, or without NVRTC)."""
+    ``notes``: what was not built and why (native kernels on AMD targets, or without NVRTC); ``skipped``: the
+    kernels of the matrix that were not built at all for that reason."""
 
     arch: str
     directory: str
@@ -122,6 +123,7 @@ class WarmupReport:
     failed: dict[str, str] = field(default_factory=dict)  # label -> error
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         total = len(self.compiled) + len(self.found) + len(self.failed)
@@ -284,10 +286,12 @@ def _native_variants(matrix: Matrix, arch: str, device: torch.device,
     if platform.backend != "cuda":
         report.notes.append(f"native_topk: not built for {arch}: the native kernels are CUDA only (AMD: hipRTC "
                             "builds are future work)")
+        report.skipped.append("native_topk")
         return []
     reason = nvrtc.unavailable_reason()
     if reason:
         report.notes.append(f"native_topk: not built: {reason}")
+        report.skipped.append("native_topk")
         return []
     return list(native_topk.variants_for(platform))
 

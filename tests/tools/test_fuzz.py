@@ -56,7 +56,7 @@ def test_the_draws_reach_the_edges():
 
 
 def test_the_command_line_reports_each_path(capsys):
-    assert fuzz.main(["--cases", "2", "--paths", "torch", "expand", "--device", "cpu"]) == 0
+    assert fuzz.main(["--cases", "2", "--paths", "torch,expand", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "torch: 2 cases" in out and "expand: 2 cases" in out and "0 mismatches" in out
 
@@ -85,7 +85,7 @@ def test_without_a_gpu_the_command_runs_the_kernels_in_the_interpreter():
     """``python -m qsa_aiter fuzz`` in a process without TRITON_INTERPRET runs itself again under the interpreter:
     the row-wise kernel (it serves every case) is checked, not refused."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    argv = [sys.executable, "-m", "qsa_aiter", "fuzz", "--cases", "1", "--paths", "rowwise", "expand"]
+    argv = [sys.executable, "-m", "qsa_aiter", "fuzz", "--cases", "1", "--paths", "rowwise,expand"]
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "running the fuzzer again with TRITON_INTERPRET=1" in result.stderr

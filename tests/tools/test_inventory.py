@@ -60,5 +60,5 @@ def test_jit_clear_says_what_it_removed(tmp_path, capsys):
                       f"({directory})")
     assert out[1] == f"removed 2 entries, {size / 1024:.1f} KiB in 1 directory under {tmp_path}"
     assert not directory.exists()
-    assert main(["jit", "clear", "--jit-dir", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.strip() == f"nothing to remove under {tmp_path}"
+    assert main(["jit", "clear", "--jit-dir", str(tmp_path)]) == 1  # nothing cleared: said on stderr, exit 1
+    assert capsys.readouterr().err.strip() == f"error: nothing to remove under {tmp_path} (the cache is empty)"

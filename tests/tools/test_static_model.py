@@ -59,9 +59,22 @@ def test_rows_that_are_not_the_models_are_kept(tmp_path):
     assert kept == {("gfx950", "stacked", "bf16", "64", "4", "128", "36", "131072")}
 
 
-def test_bad_command_line_values_are_named():
-    with pytest.raises(SystemExit, match="--arch must be a comma-separated subset of gfx942, gfx950"):
+def test_bad_command_line_values_are_named(capsys):
+    with pytest.raises(SystemExit) as info:
         static_model.main(["--arch", "sm_90", "--csv", "x.csv"])
+    assert info.value.code == 2
+    assert "argument --arch: expected a comma-separated subset of gfx942,gfx950; got 'sm_90'" in capsys.readouterr().err
+
+
+def test_every_cache_format_name_is_taken_one_row_per_kind(monkeypatch, tmp_path):
+    """``--caches`` takes the library's format names (fp8_fnuz and fp16 included): one model row per kind."""
+    made = []
+    monkeypatch.setattr(static_model, "model_row", lambda kernel, arch, fmt, page: made.append(fmt) or
+                        {"arch": arch, "kernel": kernel, "kv_dtype": fmt, "page_size": page})
+    monkeypatch.setattr(static_model, "merge_rows", lambda path, rows: None)
+    argv = ["--arch", "gfx942", "--kernels", "stacked", "--page-sizes", "64", "--csv", str(tmp_path / "t.csv")]
+    assert static_model.main([*argv, "--caches", "fp8_fnuz,fp8,fp16,bf16"]) == 0
+    assert made == ["fp8", "bf16"]
 
 
 _CHILD = r"""

@@ -104,7 +104,7 @@ def test_a_row_written_for_another_kernel_keeps_its_own_fields(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--kernels", "foo"], "--kernels: 'foo' is not one of"),
+    (["--kernels", "foo"], "argument --kernels: expected a comma-separated subset of"),
     (["--caches", "fp6"], "index-cache format must be one of bf16, fp16, fp8, fp8_fnuz, fp4"),
     (["--grid", "block_n=64"], "--grid applies to one kernel"),
     (["--kernels", "stacked", "--grid", "block_n"], "--grid: expected field=v1,v2"),
@@ -121,7 +121,7 @@ def test_bad_arguments_are_named(args, message):
 def test_a_small_sweep_times_the_default_and_writes_a_row(tmp_path):
     out, results = tmp_path / "tuned.csv", tmp_path / "all.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "qsa_aiter", "tune", "--kernels", "rowwise", "--caches", "bf16", "--pages", "64",
+        [sys.executable, "-m", "qsa_aiter", "tune", "--kernels", "rowwise", "--caches", "bf16", "--page-sizes", "64",
          "--points", "1x1@262K", "--grid", "programs_per_sm=4,8", "--replays", "5", "--jobs", "2", "--no-progress",
          "--csv", str(out), "--results", str(results)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
