@@ -177,3 +177,17 @@ def test_no_variant_of_the_warmup_matrix_spills(arch):
     if arch.startswith("gfx"):
         thin = [r for r in rows if r["kernel"] in ("stacked", "keys_major") and r["waves"] < 2]
         assert not thin, thin
+
+
+@pytest.mark.parametrize("constexprs, pointer, name", [
+    ({"KV_KIND": 0}, "*bf16", "bf16"), ({"KV_KIND": 0}, "*fp16%16", "fp16"), ({"KIND": 0}, "*fp16", "fp16"),
+    ({"KIND": 0}, "*bf16", "bf16"), ({"KIND": 2}, "*bf16", "fp8_fnuz"), ({}, "*fp32", "-")])
+def test_a_variant_names_its_cache_as_the_library_does(constexprs, pointer, name):
+    """The table's cache column uses the format names (``CACHE_FORMATS``): a 16-bit variant is ``bf16`` or ``fp16``
+    by its pointers' element type, never the former ``16bit``."""
+    from qsa_aiter.kernels.quant.dequant import KV_16BIT
+    from qsa_aiter.runtime.jit.manifest import Entry
+
+    assert KV_16BIT == 0
+    entry = Entry.model_construct(constexprs=constexprs, arguments={"q_ptr": pointer, "pt": "*i32"})
+    assert isa._cache_of(entry) == name
