@@ -39,6 +39,10 @@ MATRIX_VARIANTS = {
     "fp8-page16": ({"cache_dtype": "float8_e4m3fn", "kv_dtype": "fp8", "block_size": 16}, "i32", list(TARGETS)),
     "fp4-page16": ({"cache_dtype": "float4_e2m1fn_x2", "kv_dtype": "fp4", "block_size": 16}, "i32", list(TARGETS)),
     "fp8-fnuz-bf16": ({"cache_dtype": "float8_e4m3fnuz", "kv_dtype": "fp8"}, "i32", ["gfx942"]),
+    # Strided cache views (KEY_PAGE_STRIDE / KEY_SLOT_STRIDE): slots twice a key apart (bf16), pages padded (MXFP4).
+    "bf16-strided-slots": ({"key_strides": [64 * 256, 256]}, "i32", ["sm_90"]),
+    "fp4-strided-pages": ({"cache_dtype": "float4_e2m1fn_x2", "kv_dtype": "fp4", "block_size": 16,
+                           "key_strides": [19 * 64, 64]}, "i32", ["sm_90", "gfx950"]),
 }
 # A constant only each PTX decoder's text holds: its 16-bit multiplier (fp8) or its e2m1 high-byte table (fp4).
 # The tensor-core kernels decode to q's dtype; the row-wise one to bf16, then fp32.
@@ -83,6 +87,8 @@ for variant, (overrides, index_dtype, targets) in json.loads(sys.argv[4]).items(
     for key in ("q_dtype", "cache_dtype"):
         if key in overrides:
             overrides[key] = getattr(torch, overrides[key])
+    if "key_strides" in overrides:  # a JSON list; the problem is hashed
+        overrides["key_strides"] = tuple(overrides["key_strides"])
     problem = example_problem(**overrides)
     for kernel in SCORERS:
         for target in (t for t in targets if t == only):
