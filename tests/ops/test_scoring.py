@@ -38,8 +38,8 @@ def _noncontig_q(kw):
 
 
 def _noncontig_cache(kw):
-    """The cache with its last dim strided (every other byte of a buffer twice as wide): a strided view is taken only
-    with a dense last dim (tests/ops/test_strided_cache.py)."""
+    """The cache with its last dim strided (every other element of a buffer twice as wide): a strided view is taken
+    only with a dense last dim (tests/ops/test_strided_cache.py)."""
     c = kw["compressed_k_cache"]
     # Allocated as bytes: torch cannot create every cache dtype directly.
     wide = torch.zeros(c.shape[:3] + (2 * c.shape[3] * c.element_size(),), dtype=torch.uint8).view(c.dtype)
