@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from qsa_aiter.kernels.selection import topk
-from qsa_aiter.tools.cli_args import add_page_size
+from qsa_aiter.tools.cli_args import add_page_size, work_point_list
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
-from qsa_aiter.tools.work_points import TOKEN_TOPK, points_named
+from qsa_aiter.tools.work_points import TOKEN_TOPK
 
 #: Stages a staged kernel can stop after (its ``STAGE``), in order.
 STAGES = ("launch", "lane maxima", "floor", "candidates")
@@ -79,7 +79,8 @@ def launch_stage(stage: int, logits: torch.Tensor, visible: torch.Tensor, out: t
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python benchmarks/topk_stages.py``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--points", default="9x4@64K-128K,64x4@98K,128x1@98K")
+    ap.add_argument("--points", type=work_point_list, default="9x4@64K-128K,64x4@98K,128x1@98K",
+                    help="work-point names, comma-separated")
     add_page_size(ap)
     ap.add_argument("--replays", type=int, default=30)
     return ap
@@ -87,10 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     a = build_parser().parse_args()
-    try:
-        points = points_named(a.points)
-    except ValueError as err:
-        ap.error(f"--points: {err}")
+    points = a.points
     print("point,scoring_us,selection_us," + ",".join(f"{s.replace(' ', '_')}_us" for s in STAGES)
           + ",topk_us,topk_expansion_us,after_scoring_us,budget_1.3x_us")
     for point in points:

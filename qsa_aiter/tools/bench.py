@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime import dispatch, registries
-from .cli_args import RenamedOption, add_page_sizes, cache_formats, comma_subset, positive_int
+from .cli_args import RenamedOption, add_page_sizes, cache_formats, comma_subset, positive_int, run_command
 from ..kernels.platform import Platform
 from ..kernels.quant.formats import CACHE_FORMATS
 from ..kernels.scoring import SPECS
@@ -230,7 +230,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the same command as ``python -m qsa_aiter bench`` (environment check, closed pipes)
-    from .cli import main as _cli
-
-    raise SystemExit(_cli(["bench", *sys.argv[1:]]))
+if __name__ == "__main__":  # as ``python -m qsa_aiter bench`` runs it (environment check, closed pipes)
+    raise SystemExit(run_command(main, sys.argv[1:]))

@@ -8,11 +8,11 @@ Multi-value options are comma lists (``cli_args``)."""
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 
-from .cli_args import PAGE_SIZE_MEANING, cache_format, cache_formats, comma_subset, positive_int, positive_ints
+from .cli_args import (PAGE_SIZE_MEANING, cache_format, cache_formats, comma_subset, positive_int, positive_ints,
+                       run_command)
 from ..kernels.quant.formats import CACHE_FORMATS
 from ..kernels.scoring.problem import PHASES
 
@@ -256,74 +256,23 @@ def _explain(opts: argparse.Namespace) -> int:
     return 0
 
 
-def check_environment() -> str:
-    """Why this process's configuration is bad ('' where it is fine): every environment variable the library reads
-    (``get_settings``), the tuned-config files, and the name each family's forcing variable gives
-    (``QSA_AITER_BACKEND``, ``QSA_AITER_TOPK_BACKEND``). Checked before any command's work, so a bad value is one
-    line naming the variable and exit status 2, whichever command meets it (one that never dispatches included)."""
-    from ..runtime import registries
-    from ..runtime.dispatch import Registry
-    from ..runtime.settings import ConfigurationError, get_settings
-    from ..runtime.tuned import load_tables
-
-    try:
-        settings = get_settings()
-        load_tables(tuple(settings.tuned_config))
-        for registry in vars(registries).values():
-            if isinstance(registry, Registry):
-                registry.forced(settings)
-    except ConfigurationError as err:
-        return str(err)
-    return ""
-
-
-def _wants_help(rest: list[str]) -> bool:
-    """Whether a delegated command's arguments ask for its help (printed whatever the environment holds)."""
-    return any(arg in ("-h", "--help") for arg in rest)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit status: 0 done, 1 it ran and found a problem (or did nothing), 2 bad arguments or
-    configuration. Output cut short by a closed pipe (``jit list | head``) ends the command quietly."""
-    try:
-        status = _run(list(sys.argv[1:] if argv is None else argv))
-        sys.stdout.flush()  # a closed pipe is met here, not at the interpreter's exit
-        return status
-    except BrokenPipeError:
-        # The reader is gone: point stdout at /dev/null so the interpreter's last flush does not complain, and end
-        # as a command killed by SIGPIPE does (128 + 13).
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        return 141
+    """Run one command (``cli_args.run_command``: the environment checked first, a closed pipe ended quietly); its
+    exit status: 0 done, 1 it ran and found a problem (or did nothing), 2 bad arguments or configuration."""
+    return run_command(_run, list(sys.argv[1:] if argv is None else argv))
 
 
 def _run(argv: list[str]) -> int:
     parser = _build_parser()
     # demo, bench, tune, fuzz, quality, isa and model-configs take their own arguments: the rest goes to them unparsed.
     if argv and argv[0] in DELEGATED:
-        command, rest = argv[0], argv[1:]
-    else:
-        opts = parser.parse_args(argv)
-        command, rest = opts.command, []
-    from ..runtime.settings import ConfigurationError
-
-    if not _wants_help(rest):
-        bad = check_environment()
-        if bad:
-            print(f"error: {bad}", file=sys.stderr)
-            return 2
-    try:
-        if command in DELEGATED:
-            return _delegate(command, rest)
-        if command == "warmup":
-            return _warmup(opts)
-        if command == "jit":
-            return _jit(opts)
-        return _explain(opts)
-    except ConfigurationError as err:  # read later than the check above (a variable changed by the command itself)
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _delegate(argv[0], argv[1:])
+    opts = parser.parse_args(argv)
+    if opts.command == "warmup":
+        return _warmup(opts)
+    if opts.command == "jit":
+        return _jit(opts)
+    return _explain(opts)
 
 
 #: The subcommands whose own parsers take the rest of the command line, and the module that runs each.
@@ -332,6 +281,19 @@ DELEGATED = {"demo": "demo", "bench": "bench", "tune": "tuner", "fuzz": "fuzz", 
 
 
 def _delegate(command: str, rest: list[str]) -> int:
-    from importlib import import_module
-
-    return import_module(f".{DELEGATED[command]}", __package__).main(rest)
+    """Run a subcommand with its own parser; each module is imported only when its command runs."""
+    if command == "demo":
+        from .demo import main as run
+    elif command == "bench":
+        from .bench import main as run
+    elif command == "tune":
+        from .tuner import main as run
+    elif command == "fuzz":
+        from .fuzz import main as run
+    elif command == "quality":
+        from .quality import main as run
+    elif command == "isa":
+        from .isa import main as run
+    else:
+        from .static_model import main as run
+    return run(rest)

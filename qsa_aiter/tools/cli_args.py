@@ -8,8 +8,10 @@ list (``--caches bf16,fp8``); a former spelling still parses as a ``RenamedOptio
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
+from typing import Callable
 
 from ..kernels.quant.formats import CACHE_FORMATS, canonical_format
 from .work_points import SELECTION_POINTS, WorkPoint, points_named
@@ -134,3 +136,52 @@ def add_selection_point_options(parser: argparse.ArgumentParser, replays: bool =
     parser.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
     if replays:
         parser.add_argument("--replays", type=positive_int, default=30, help="CUDA-graph replays per median")
+
+
+def check_environment() -> str:
+    """Why this process's configuration is bad ('' where it is fine): every environment variable the library reads
+    (``get_settings``), the tuned-config files, and the name each family's forcing variable gives
+    (``QSA_AITER_BACKEND``, ``QSA_AITER_TOPK_BACKEND``)."""
+    from ..runtime import registries
+    from ..runtime.dispatch import Registry
+    from ..runtime.settings import ConfigurationError, get_settings
+    from ..runtime.tuned import load_tables
+
+    try:
+        settings = get_settings()
+        load_tables(tuple(settings.tuned_config))
+        for registry in vars(registries).values():
+            if isinstance(registry, Registry):
+                registry.forced(settings)
+    except ConfigurationError as err:
+        return str(err)
+    return ""
+
+
+def run_command(run: Callable[[list[str]], int], argv: list[str]) -> int:
+    """``run(argv)``'s exit status, as every command line of the package runs (``python -m qsa_aiter ...`` and
+    ``python -m qsa_aiter.tools.<command>``): the environment is checked before any work (``check_environment``; not
+    for ``--help``, which works whatever it holds), so a bad value is one line naming the variable and status 2, and
+    a ``ConfigurationError`` met later is reported the same way; output cut short by a closed pipe (``jit list |
+    head``) ends the command quietly with status 141, as a command killed by SIGPIPE."""
+    from ..runtime.settings import ConfigurationError
+
+    try:
+        if not any(arg in ("-h", "--help") for arg in argv):
+            bad = check_environment()
+            if bad:
+                print(f"error: {bad}", file=sys.stderr)
+                return 2
+        try:
+            status = run(argv)
+        except ConfigurationError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        sys.stdout.flush()  # a closed pipe is met here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # The reader is gone: stdout goes to /dev/null so that the interpreter's last flush does not complain.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import explain, qsa_paged_mqa_logits, qsa_select_paged_tokens, reference_paged_mqa_logits, selected_kernel
-from .cli_args import cache_format, positive_int
+from .cli_args import cache_format, positive_int, run_command
 from ..kernels.platform import interpreting
 from ..kernels.quant.formats import CACHE_FORMATS
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
@@ -235,7 +235,5 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-if __name__ == "__main__":  # the same command as ``python -m qsa_aiter demo`` (environment check, closed pipes)
-    from .cli import main as _cli
-
-    raise SystemExit(_cli(["demo", *sys.argv[1:]]))
+if __name__ == "__main__":  # as ``python -m qsa_aiter demo`` runs it (environment check, closed pipes)
+    raise SystemExit(run_command(main, sys.argv[1:]))

@@ -46,7 +46,7 @@ from ..runtime import registries
 from ..runtime.jit import emulated, native, nvrtc
 from ..runtime.settings import get_settings
 from ..kernels.cache.reference import write_reference
-from .cli_args import comma_subset, positive_int
+from .cli_args import comma_subset, positive_int, run_command
 from ..runtime.jit.triton_compat import install_uniform_interpreter_dots
 from ..kernels.platform import Platform, interpreting
 from ..kernels.selection import native_topk
@@ -492,7 +492,5 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if idle or any(r.mismatches for r in results) else 0
 
 
-if __name__ == "__main__":  # the same command as ``python -m qsa_aiter fuzz`` (environment check, closed pipes)
-    from .cli import main as _cli
-
-    raise SystemExit(_cli(["fuzz", *sys.argv[1:]]))
+if __name__ == "__main__":  # as ``python -m qsa_aiter fuzz`` runs it (environment check, closed pipes)
+    raise SystemExit(run_command(main, sys.argv[1:]))

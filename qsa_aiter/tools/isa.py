@@ -13,7 +13,7 @@ from pathlib import Path
 from ..kernels.platform import Platform
 from .aot import TARGETS
 from .assembly import VariantIsa, analyse, table
-from .cli_args import PAGE_SIZE_MEANING, cache_formats, comma_subset, positive_ints
+from .cli_args import PAGE_SIZE_MEANING, cache_formats, comma_subset, positive_ints, run_command
 from .warmup import CACHES, INDEX_DTYPES, KERNELS, Matrix
 
 #: The scoring kernels (the default of ``isa --kernels``: the ones whose registers matter most).
@@ -86,7 +86,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the same command as ``python -m qsa_aiter isa`` (environment check, closed pipes)
-    from .cli import main as _cli
-
-    raise SystemExit(_cli(["isa", *sys.argv[1:]]))
+if __name__ == "__main__":  # as ``python -m qsa_aiter isa`` runs it (environment check, closed pipes)
+    raise SystemExit(run_command(main, sys.argv[1:]))

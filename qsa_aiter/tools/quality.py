@@ -14,6 +14,7 @@ sums is not modelled here).
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from ..kernels.cache.reference import write_reference
 from ..kernels.scoring.reference import reference_paged_mqa_logits
 from ..kernels.quant.formats import allocate_index_cache, dequantize_cache
+from .cli_args import cache_formats, comma_subset, positive_int, run_command
 
 
 def realistic_keys(n: int, head_dim: int, generator: torch.Generator, outlier_channels: int = 4) -> torch.Tensor:
@@ -98,12 +100,8 @@ def _scores(cache_format, rows, groups, heads, head_dim, page_size, seed, numeri
     return (scores(base_format, "decoded") if base_format else None), scores(cache_format, numerics)
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     """The options of ``python -m qsa_aiter quality`` (also ``python -m qsa_aiter.tools.quality``)."""
-    import argparse
-
-    from .cli_args import cache_formats, comma_subset, positive_int
-
     parser = argparse.ArgumentParser(
         prog="python -m qsa_aiter quality",
         description="Measure on the CPU how much of the bf16 cache's top-k selection each quantised cache keeps "
@@ -140,7 +138,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the same command as ``python -m qsa_aiter quality`` (environment check, closed pipes)
-    from .cli import main as _cli
-
-    raise SystemExit(_cli(["quality", *sys.argv[1:]]))
+if __name__ == "__main__":  # as ``python -m qsa_aiter quality`` runs it (environment check, closed pipes)
+    raise SystemExit(run_command(main, sys.argv[1:]))

@@ -41,7 +41,7 @@ from ..runtime import tuned
 from ..runtime.settings import get_settings
 from .aot import compile_plan
 from .assembly import amd_resources, amd_waves, mma_mix
-from .cli_args import PAGE_SIZE_MEANING, cache_formats, comma_subset
+from .cli_args import PAGE_SIZE_MEANING, cache_formats, comma_subset, run_command
 from .tuned_rows import merge_rows, row_key
 from .warmup import Matrix, WarmContext
 from .work_points import point_named
@@ -256,7 +256,5 @@ def other_rows(path: Path) -> set[tuple]:
         return {row_key(r) for r in csv.DictReader(handle) if not str(r.get("source", "")).startswith(MODEL_SOURCE)}
 
 
-if __name__ == "__main__":  # the same command as ``python -m qsa_aiter model-configs`` (environment check, closed pipes)
-    from .cli import main as _cli
-
-    raise SystemExit(_cli(["model-configs", *sys.argv[1:]]))
+if __name__ == "__main__":  # as ``python -m qsa_aiter model-configs`` runs it (environment check, closed pipes)
+    raise SystemExit(run_command(main, sys.argv[1:]))

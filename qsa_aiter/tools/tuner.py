@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from ..kernels.catalog import spec_named, tunable_specs
 from ..kernels.quant.formats import CACHE_FORMATS
-from .cli_args import RenamedOption, add_page_sizes, cache_formats, comma_subset, positive_int
+from .cli_args import RenamedOption, add_page_sizes, cache_formats, comma_subset, positive_int, run_command
 from .inputs import point_inputs
 from .testing import e4m3_mma_atol
 from .timing import time_launcher
@@ -364,7 +364,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.best for r in results) else 1
 
 
-if __name__ == "__main__":  # the same command as ``python -m qsa_aiter tune`` (environment check, closed pipes)
-    from .cli import main as _cli
-
-    raise SystemExit(_cli(["tune", *sys.argv[1:]]))
+if __name__ == "__main__":  # as ``python -m qsa_aiter tune`` runs it (environment check, closed pipes)
+    raise SystemExit(run_command(main, sys.argv[1:]))

@@ -290,6 +290,10 @@ def test_the_package_and_a_tool_module_print_their_help():
                             capture_output=True, text=True, timeout=300, check=False)
     assert module.returncode == 0 and module.stdout.startswith("usage: python -m qsa_aiter quality")
     assert "--caches" in module.stdout and "--seeds" in module.stdout
+    # A tool module run on its own checks the environment as the package's command line does.
+    bad = subprocess.run([sys.executable, "-m", "qsa_aiter.tools.quality"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "QSA_AITER_TOPK_BACKEND": "foo"}, timeout=300, check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: environment variable QSA_AITER_TOPK_BACKEND='foo'")
 
 
 def test_the_quality_command_prints_its_table(capsys):

@@ -1,5 +1,5 @@
 """How the offline tools import one another: only the dispatcher (``tools/cli.py``) imports a command-line module
-(``bench``, ``tune``, ``demo``, ``fuzz``, ``isa``, ``model-configs``); what they share lives in library modules (``work_points``, ``inputs``,
+(``bench``, ``tune``, ``demo``, ``fuzz``, ``quality``, ``isa``, ``model-configs``); what they share lives in library modules (``work_points``, ``inputs``,
 ``timing``, ``workloads`` ...), which the tools import at module level, without a circle (lazy imports included).
 The scripts in ``benchmarks/`` import no command-line module either."""
 
@@ -37,7 +37,8 @@ def _script_imports(path: Path) -> set[str]:
 
 def test_the_command_modules_are_known():
     assert COMMANDS == {"qsa_aiter.tools.bench", "qsa_aiter.tools.tuner", "qsa_aiter.tools.demo",
-                        "qsa_aiter.tools.fuzz", "qsa_aiter.tools.isa", "qsa_aiter.tools.static_model"}
+                        "qsa_aiter.tools.fuzz", "qsa_aiter.tools.isa", "qsa_aiter.tools.static_model",
+                        "qsa_aiter.tools.quality"}
 
 
 def test_only_the_dispatcher_imports_a_command_module():
