@@ -195,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.points and not any(args.points in p.name for p in work_points(args.quick and not args.eager)):
+        # a filter that keeps nothing would time nothing and write an empty table
+        print(f"error: --points {args.points!r} is in no work point's name"
+              + (" (--quick leaves out the 16K-row prefill)" if args.quick else ""), file=sys.stderr)
+        return 2
     if args.eager:
         return eager_report(args.points, args.replays)
     if not torch.cuda.is_available():

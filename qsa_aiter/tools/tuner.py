@@ -312,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
             candidates(kernels[0], spec_named(kernels[0]).Config(), grid)  # names a field it lacks
         except ValueError as err:
             parser.error(str(err))
+    sweeps = plan(kernels, args.caches, list(args.page_sizes), args.points)
+    if not sweeps:  # nothing to tune: say so rather than exit 0 having done nothing
+        print(f"error: --points {args.points!r} matches none of the work points {', '.join(kernels)} is tuned at",
+              file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -322,7 +327,6 @@ def main(argv: list[str] | None = None) -> int:
 
     platform = Platform.of(device)
     arch = platform.arch
-    sweeps = plan(kernels, args.caches, list(args.page_sizes), args.points)
     print(f"{torch.cuda.get_device_name()} ({arch}): {len(sweeps)} sweeps")
     results = []
     log = open(args.results, "w", newline="") if args.results else None

@@ -406,3 +406,13 @@ def test_the_benchmark_scripts_take_page_size_with_the_former_page_noted(capsys)
     assert "note: --page is now --page-size" in capsys.readouterr().err
     floor = benchmark_scripts.load("traffic_floor").build_parser()
     assert floor.parse_args(["--page-sizes", "64", "--block-n", "64,128"]).page_sizes == (64,)
+
+
+@pytest.mark.parametrize("command, argv", [(bench_main, ["--points", "no-such-point"]),
+                                           (bench_main, ["--eager", "--points", "no-such-point"]),
+                                           (tune_main, ["--kernels", "stacked", "--points", "no-such-point"])])
+def test_a_point_filter_that_keeps_nothing_is_an_error(command, argv, capsys):
+    """A benchmark or a tuning run over no work point would time nothing (and write an empty table): refused,
+    naming the filter, before any GPU work."""
+    assert command(argv) == 2
+    assert "error: --points 'no-such-point'" in capsys.readouterr().err
