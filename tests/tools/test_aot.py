@@ -140,6 +140,7 @@ print("AOT-RESULTS " + json.dumps(results))
 """
 
 
+# Compiling every build takes minutes on a CPU: the tests that read these builds are marked slow (.ci/run runs them).
 @pytest.fixture(scope="module")
 def compiled():
     """Every build of this module (``VARIANTS`` for every target, ``MATRIX_VARIANTS`` for theirs, the decoding
@@ -174,6 +175,7 @@ def build(compiled: dict, kernel: str, target: str, variant: str) -> dict:
 
 
 @EVERY_BUILD
+@pytest.mark.slow
 def test_kernel_compiles_for_target(compiled, kernel, target, variant):
     result = build(compiled, kernel, target, variant)
     if target.startswith("sm_"):
@@ -184,6 +186,7 @@ def test_kernel_compiles_for_target(compiled, kernel, target, variant):
 
 
 @EVERY_BUILD
+@pytest.mark.slow
 def test_tensor_core_use(compiled, kernel, target, variant):
     result = build(compiled, kernel, target, variant)
     if kernel in TENSOR_CORE_KERNELS:
@@ -199,6 +202,7 @@ def test_tensor_core_use(compiled, kernel, target, variant):
 
 
 @EVERY_BUILD
+@pytest.mark.slow
 def test_quantised_decoders_per_target(compiled, kernel, target, variant):
     """NVIDIA builds decode quantised keys with the PTX decoders, except the stacked and keys-major scorers with bf16 q
     on e4m3fn keys, which feed the stored keys to e4m3 tensor cores, and on MXFP4 keys, which they unpack to e4m3 bytes (the unpack's
@@ -214,6 +218,7 @@ def test_quantised_decoders_per_target(compiled, kernel, target, variant):
 
 
 @pytest.mark.parametrize("kernel,target,variant", DECODED_BUILDS)
+@pytest.mark.slow
 def test_decoding_builds_with_the_mma_switch_off(compiled, kernel, target, variant):
     """With QSA_AITER_E4M3_MMA=0 the e4m3 MMA builds decode with the PTX decoders and hold no e4m3 MMA."""
     result = compiled[f"{variant}-decoded/{kernel}/{target}"]
@@ -223,6 +228,7 @@ def test_decoding_builds_with_the_mma_switch_off(compiled, kernel, target, varia
 
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("kernel", ["topk", "topk+maxima", "block_maxima", "expand"])
+@pytest.mark.slow
 def test_selection_kernels_compile_for_target(compiled, kernel, target):
     result = compiled[f"selection/{kernel}/{target}"]
     assert "error" not in result, result.get("error")
@@ -242,6 +248,7 @@ def test_targets_and_kernels():
 
 
 @pytest.mark.parametrize("name,target", [(name, t) for name, _, _, targets in STACKED_N_BUILDS for t in targets])
+@pytest.mark.slow
 def test_tiled_stacked_heads_as_n_builds(compiled, name, target):
     """Keys-major tiles with every head's rows stacked as one N operand build for their targets on the tensor cores;
     on sm_90 the 64-row bf16 tile is one m64n256k16 wgmma chain (4 heads x 64 rows), the 32-row ones m64n128k16."""
@@ -255,6 +262,7 @@ def test_tiled_stacked_heads_as_n_builds(compiled, name, target):
         assert result["wgmma_shapes"] == ["m64n128k16"]
 
 
+@pytest.mark.slow
 def test_register_cap_reaches_the_ptx(compiled):
     assert compiled["register-cap-0/stacked/sm_90"]["maxnreg"] == []
     assert compiled["register-cap-80/stacked/sm_90"]["maxnreg"] == [".maxnreg 80"]
@@ -273,6 +281,7 @@ def test_compile_in_an_interpreted_process_says_why_not():
 
 @pytest.mark.parametrize("kernel,target,variant", [(k, t, v) for v, (_, _, targets) in MATRIX_VARIANTS.items()
                                                    for k in SCORERS for t in targets])
+@pytest.mark.slow
 def test_matrix_variant_compiles_and_uses_matrix_cores(compiled, kernel, target, variant):
     result = build(compiled, kernel, target, variant)
     assert result["binary_bytes"] > 0

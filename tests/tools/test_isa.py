@@ -164,6 +164,7 @@ def kept_spill(row: dict) -> bool:
 
 
 @pytest.mark.parametrize("arch", ("gfx950", "gfx942", "sm_90"))
+@pytest.mark.slow
 def test_no_variant_of_the_warmup_matrix_spills(arch):
     """Every Triton kernel x cache format x page size x tile config the warm-up builds for ``arch`` (int32 indices)
     keeps its registers: no scratch on AMD, no spill stores on sm_90 (but for ``MEASURED_SPILLS``); the

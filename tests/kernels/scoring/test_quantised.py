@@ -66,10 +66,15 @@ def fill_random_codes(batch, cache: str, gen) -> None:
         batch.k_scale.copy_(torch.rand(batch.k_scale.shape, generator=gen) * 0.01 + 1e-4)
 
 
+#: (cache, page size) pairs of the default set: each format once, both page sizes; the rest is marked slow.
+DEFAULT_CACHE_PAGES = {("fp8", 64), ("fp8_fnuz", 16), ("fp4", 16)}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("page_size", PAGES)
-@pytest.mark.parametrize("cache", QUANTISED)
+@pytest.mark.parametrize("cache,page_size", [
+    pytest.param(c, p, id=f"{c}-{p}", marks=() if (c, p) in DEFAULT_CACHE_PAGES else pytest.mark.slow)
+    for c in QUANTISED for p in PAGES])
 def test_quantised_kernel_matrix(monkeypatch, rng, cache, page_size, phase, backend):
     batch, hints = quantised_batch(phase, cache, page_size, rng)
     check_forced(monkeypatch, backend, batch, hints, label=f"{backend}/{phase}/{cache}/page{page_size}", tol=TOL)

@@ -66,6 +66,7 @@ print("JIT-RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_launch_compiles_go_into_the_cache_once_and_corrupt_placeholders_rebuild(tmp_path):
     root = tmp_path / "jit"
     first, _ = run_child(_LAUNCH_PATH, str(root), "sm_90", "compile")
@@ -118,6 +119,7 @@ print("JIT-RESULT " + json.dumps({"compiled": sorted(report.compiled), "found": 
 """
 
 
+@pytest.mark.slow
 def test_eight_processes_warming_one_directory_compile_each_variant_once(tmp_path):
     root, barrier = tmp_path / "jit", tmp_path / "barrier"
     barrier.mkdir()
