@@ -231,13 +231,13 @@ def check_max_query_len(max_query_len, tokens: int, op: str) -> int | None:
     return value
 
 
-#: The phases of one row per request (SPEC section 4), and those of at most ``MAX_DECODE_ROWS`` rows.
+#: The phases of one row per request (draft, decode), and those of at most ``MAX_DECODE_ROWS`` rows (verify, draft).
 _ONE_ROW_PHASES = ("draft", "decode")
 _FEW_ROWS_PHASES = ("verify", "draft")
 
 
 def check_phase(phase, tokens: int, max_query_len: int | None, op: str) -> str:
-    """The ``phase`` hint, checked against the host-side facts its shape rule can be held to (SPEC section 4):
+    """The ``phase`` hint, checked against the host-side facts its shape rule can be held to:
     ``verify`` and ``draft`` take at most ``MAX_DECODE_ROWS`` rows, ``draft`` and ``decode`` one row per request
     (checked where ``max_query_len`` says how many; padded rows make the row count alone no proof)."""
     if not isinstance(phase, str) or phase not in PHASES:

@@ -141,3 +141,37 @@ def test_histogram_keys_put_every_nan_above_inf():
     x = torch.tensor([float("inf"), NAN, -NAN, float("-inf"), -0.0, 0.0, -1.0, 1.0])
     k = score_keys(x).tolist()
     assert k[1] == k[2] > k[0] > k[7] > k[5] == k[4] > k[6] > k[3]
+
+
+def _to_cuda(value):
+    return value.cuda() if isinstance(value, torch.Tensor) else value
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("phase", ("prefill", "verify", "decode"))
+@pytest.mark.parametrize("cache", CACHES, ids=lambda c: c or "bf16")
+def test_scores_propagate_nan_on_the_gpu(monkeypatch, rng, cache, phase, backend):
+    """The GPU's ReLU (a max that keeps NaN) and MMAs give the NaN pattern of the reference, column for column."""
+    args, hints = _nan_batch(rng, cache, phase)
+    args = tuple(_to_cuda(a) for a in args)
+    hints = {k: _to_cuda(v) for k, v in hints.items()}
+    force_backend(monkeypatch, backend)
+    skip_unless_serves(backend, args, **hints)
+    logits, visible = run_poisoned(args, **hints)
+    ref, _ = reference_of(args, **hints)
+    seen = torch.arange(logits.shape[1], device="cuda")[None, :] < visible[:, None].long()
+    assert int((ref.isnan() & seen).sum()) > 0
+    assert torch.equal(logits.isnan() & seen, ref.isnan() & seen), backend
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ("native", "triton", "torch"))
+@pytest.mark.parametrize("columns,budget", [(1400, 16), (40000, 512)])
+def test_selection_ranks_nan_above_inf_on_the_gpu(monkeypatch, rng, backend, columns, budget):
+    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", backend)
+    logits = _nan_logits(rng, columns=columns)
+    visible = torch.tensor([columns, columns, columns - 1, 1001, 64], dtype=torch.int32)
+    want = reference_block_topk(logits, visible, budget)
+    got = qsa_aiter.qsa_block_topk(logits.cuda(), visible.cuda(), budget)
+    assert torch.equal(got.cpu(), want), backend
