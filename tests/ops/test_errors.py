@@ -154,3 +154,24 @@ def test_the_largest_budgets_run_and_a_larger_one_marks_no_kernel_broken(rng):
         assert torch.equal(tokens, qsa_aiter.reference_expand_block_indices(groups, positions, contexts, requests,
                                                                             ratio, budget))
     assert dispatch._broken == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ("auto", "triton", "native"))
+def test_the_largest_budgets_compile_and_run_on_the_gpu(monkeypatch, rng, backend):
+    """The bounds hold on the GPU's kernels too: the top-k at ``MAX_BLOCK_TOPK`` groups and the expansion at
+    ``MAX_TOKEN_SLOTS`` slots compile, run (``QSA_AITER_STRICT=1``: no fallback hides a failure) and agree with the
+    oracle."""
+    monkeypatch.setenv("QSA_AITER_STRICT", "1")
+    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", backend)
+    logits = torch.randn(3, 2 * MAX_BLOCK_TOPK + 5, generator=rng)
+    visible = torch.tensor([logits.shape[1], MAX_BLOCK_TOPK + 3, 700], dtype=torch.int32)
+    got = qsa_aiter.qsa_block_topk(logits.cuda(), visible.cuda(), MAX_BLOCK_TOPK)
+    assert torch.equal(got.cpu(), qsa_aiter.reference_block_topk(logits, visible, MAX_BLOCK_TOPK))
+    groups = got[:, :16].contiguous()
+    positions, contexts, requests = torch.tensor([9000, 70000, 20]), torch.tensor([9001, 70001, 21]), torch.arange(3)
+    for ratio, budget in ((4, 4 * MAX_BLOCK_TOPK), (16, (MAX_TOKEN_SLOTS - 15) // 16 * 16)):
+        tokens = qsa_aiter.qsa_expand_block_indices(groups, positions.cuda(), contexts.cuda(), requests.cuda(), ratio,
+                                                    budget)
+        assert torch.equal(tokens.cpu(), qsa_aiter.reference_expand_block_indices(
+            groups.cpu(), positions, contexts, requests, ratio, budget))
