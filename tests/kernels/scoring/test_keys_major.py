@@ -37,7 +37,7 @@ def _run(batch, phase: str, rows: int, cfg: keys_major.KeysMajorConfig):
 @pytest.mark.parametrize("cache", ("bf16", "fp8", "fp8_fnuz", "fp4"))
 @pytest.mark.parametrize("page_size", (16, 64))
 @pytest.mark.parametrize("phase, rows", (("verify", 4), ("draft", 1)))
-@pytest.mark.parametrize("tiles", (2, 3))
+@pytest.mark.parametrize("tiles", (2, pytest.param(3, marks=pytest.mark.slow)))
 def test_spans_of_several_tiles(monkeypatch, rng, cache, page_size, phase, rows, tiles):
     """Uneven requests (one shorter than a span, one ending inside a tile), a padded row and a bad page id: the
     span's tiles past a request's end are not visited and ``[0, visible)`` equals the reference."""

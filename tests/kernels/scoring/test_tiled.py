@@ -24,7 +24,7 @@ TOL = 1e-4 if DEVICE == "cuda" else 1e-5
 
 
 @pytest.mark.parametrize("cache", ("bf16", "fp8", "fp8_fnuz", "fp4"))
-@pytest.mark.parametrize("page_size", (16, 64))
+@pytest.mark.parametrize("page_size", (16, pytest.param(64, marks=pytest.mark.slow)))
 @pytest.mark.parametrize("heads,stack_heads", ((4, 0), (4, 1), (2, 1)), ids=("per-head", "stacked", "2-heads"))
 def test_keys_major_tiles(monkeypatch, rng, cache, page_size, heads, stack_heads):
     rows = 20  # row tiles of 32 (16) rows hold two or three requests

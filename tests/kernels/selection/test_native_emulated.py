@@ -184,7 +184,7 @@ SWITCHES = {name: defines for name, defines in nt.CANDIDATE_SWITCHES.items()
 
 
 @pytest.mark.parametrize("defines", SWITCHES.values(), ids=SWITCHES.keys())
-@pytest.mark.parametrize("kind", ["random", "relu", "neg_inf"])
+@pytest.mark.parametrize("kind", ["random", pytest.param("relu", marks=pytest.mark.slow), pytest.param("neg_inf", marks=pytest.mark.slow)])
 def test_the_candidate_switches_equal_the_oracle(defines, kind):
     """Every plan built with each candidate switch, every other one from the scorer's histogram, in three thread
     orders."""
