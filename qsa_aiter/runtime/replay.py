@@ -25,6 +25,8 @@ the least recently used key dropped first.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import operator
 import threading
@@ -278,14 +280,24 @@ def _leading_tensors(args: tuple) -> int | None:
 
 def _constexpr_tail(plan, positional: int) -> tuple | None:
     """The values of ``plan.fn``'s parameters after its first ``positional`` ones, which must all be constexprs the
-    plan gives (the launcher takes every parameter in signature order); None otherwise."""
+    plan gives or the kernel defaults (the launcher takes every parameter in signature order); None otherwise."""
     names = plan.fn.arg_names
     if any(name in plan.constexprs for name in names[:positional]):
         return None
+    defaults = _constexpr_defaults(plan.fn)
     try:
-        return tuple(plan.constexprs[name] for name in names[positional:])
+        return tuple(plan.constexprs[name] if name in plan.constexprs else defaults[name]
+                     for name in names[positional:])
     except KeyError:
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _constexpr_defaults(fn) -> dict:
+    """A ``@triton.jit`` kernel's parameters with a default (a constexpr a launch may leave out, such as a dense
+    cache's key strides), by name."""
+    parameters = inspect.signature(fn.fn).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
 def cached_call(op: str, settings, tensors: tuple, hosts: tuple, first_call):

@@ -12,8 +12,10 @@ The GPU test at the end runs the real compiled kernels.
 from __future__ import annotations
 
 import ctypes
+import inspect
 
 import pytest
+
 import torch
 
 import qsa_aiter
@@ -300,8 +302,14 @@ def test_the_interpreter_caches_nothing(rng):
 
 
 class _Fn:
-    def __init__(self, *names):
+    """A ``@triton.jit`` kernel's stand-in: its parameter names and, as ``fn``'s signature, their defaults."""
+
+    def __init__(self, *names, **defaults):
         self.arg_names = list(names)
+        self.fn = lambda: None
+        self.fn.__signature__ = inspect.Signature([
+            inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=defaults.get(n, inspect.Parameter.empty))
+            for n in names])
 
 
 def _plan(kernel, fn, constexprs):
@@ -334,6 +342,9 @@ def test_direct_launches_take_only_the_expected_kernels_with_leading_pointers_an
     assert replay.direct_launches([(_plan("a", interleaved, {"BLOCK": 4}), object(), ("x", 1, 3))],
                                       ("a",)) is None  # BLOCK given positionally and as a constexpr
     assert replay.direct_launches([(_plan("a", fn, {}), object(), ("x", 3))], ("a",)) is None  # BLOCK unknown
+    # A constexpr the launch leaves out takes the kernel's default (a dense cache's key strides).
+    strided = _Fn("x", "N", "BLOCK", "STRIDE", STRIDE=0)
+    assert replay.direct_launches([(_plan("a", strided, {"BLOCK": 4}), object(), (x, 3))], ("a",))[0].tail == (3, 4, 0)
 
 
 def test_a_launch_taking_its_pointers_by_name_passes_them_in_the_kernel_order(monkeypatch):
