@@ -171,9 +171,9 @@ def test_strided_view_on_gpu(monkeypatch, fmt, backend):
     """The model's shape (4 heads, head_dim 128, page 64) over long contexts, the cache a view
     ``padded[..., :width]`` of a buffer twice as wide: every scorer gives the dense cache's bits, and the writer
     fills the view in place."""
-    gen = torch.Generator(device="cuda").manual_seed(7)
+    gen = torch.Generator(device="cuda").manual_seed(7)  # the new keys' (drawn on the GPU)
     batch = make_batch([20000, 9000, 31000], 4, heads=4, head_dim=128, page_size=64, cache=fmt, device="cuda",
-                       generator=gen)
+                       generator=torch.Generator().manual_seed(7))  # make_batch draws on the CPU
     hints = dict(phase="verify", max_query_len=4, **batch.kwargs())
     args = batch.args()
     force_backend(monkeypatch, backend)

@@ -159,7 +159,21 @@ def split_query_e4m3(q):
     """
     inverse, row_scale = e4m3_row_scale(tl.max(tl.abs(q), axis=1))
     hi, lo = split_e4m3(q * inverse[:, None])
-    return hi, lo, row_scale
+    return hi, lo, nan_rows_scale(row_scale, row_has_nan(q))
+
+
+@triton.jit
+def row_has_nan(x):
+    """Whether each row of ``x`` (fp32 ``[M, K]``) holds a NaN: ``[M]`` bool."""
+    return tl.max((x != x).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def nan_rows_scale(row_scale, has_nan):
+    """``row_scale`` NaN where the row held a NaN: the e4m3 terms cannot carry one (the rounding to e4m3's grid and a
+    GPU's conversion saturate it), so the row's dots take it from their scale, as IEEE propagation would give
+    (docs/kernels.md, "NaN")."""
+    return tl.where(has_nan, float("nan"), row_scale)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ..quant.dequant import (
     KIND_FP4, e4m3_row_scale, fp4_block_order, fp4_e4m3_block, key_rows, key_slots, load_fp4_key_tile, load_key_tile,
-    split_e4m3, split_query_e4m3, tile_slots,
+    nan_rows_scale, row_has_nan, split_e4m3, split_query_e4m3, tile_slots,
 )
 from .histogram import count_scores
 
@@ -134,11 +134,14 @@ def load_q_fp4_blocks(q_ptr, q_rows, q_ok, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl
     order = fp4_block_order()
     blocks = ()
     amax = tl.zeros(q_rows.shape, tl.float32)
+    has_nan = tl.zeros(q_rows.shape, tl.int1)
     for b in tl.static_range(HEAD_DIM // 32):
         x = tl.load(row + b * 32 + order[None, :], mask=q_ok[:, None], other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        has_nan = has_nan | row_has_nan(x)
         blocks = blocks + (x,)
     inverse, row_scale = e4m3_row_scale(amax)
+    row_scale = nan_rows_scale(row_scale, has_nan)
     his = ()
     los = ()
     for b in tl.static_range(HEAD_DIM // 32):

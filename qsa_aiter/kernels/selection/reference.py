@@ -84,13 +84,16 @@ def reference_expand_block_indices(block_indices: torch.Tensor, query_positions:
 def torch_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: int, out: torch.Tensor) -> None:
     """The torch path of ``qsa_block_topk`` (any device, graph-safe): a stable descending sort of the visible scores
     (ties keep the lower index first; masked columns sort after every visible one, ``-inf`` included, because they
-    have higher indices; a NaN of either sign sorts first, as ``torch.sort`` ranks it above ``+inf``), the first ``block_topk`` columns, then an ascending sort with ``-1`` last."""
+    have higher indices; a NaN of either sign sorts first: NaNs are made positive, which ``torch.sort`` ranks above
+    ``+inf`` on every device, where a CUDA sort ranks a negative NaN below ``-inf``), the first ``block_topk``
+    columns, then an ascending sort with ``-1`` last."""
     tokens, columns = logits.shape
     if tokens == 0:
         return
     cols = torch.arange(columns, device=logits.device)
     vis = visible.long()[:, None]
-    masked = torch.where(cols[None, :] < vis, logits, torch.full_like(logits, float("-inf")))
+    scores = torch.where(logits.isnan(), float("nan"), logits)  # one NaN, positive (a literal NaN is)
+    masked = torch.where(cols[None, :] < vis, scores, torch.full_like(logits, float("-inf")))
     take = min(block_topk, columns)
     order = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :take]
     rank = torch.arange(take, device=logits.device)[None, :]
