@@ -75,19 +75,13 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(kind):
         assert torch.equal(_emulated(poisoned, visible, k, plan, histogram=histogram), want), plan.describe()
 
 
-@pytest.mark.parametrize("wide, defines", [(False, ()), (True, ()), (False, nt.CANDIDATE_SWITCHES["fused_tokens_rows"]),
-                                           (False, nt.CANDIDATE_SWITCHES["unfused_tokens_clusters"]),
-                                           (True, nt.CANDIDATE_SWITCHES["expand_from_global"]),
-                                           (False, nt.CANDIDATE_SWITCHES["scalar_tokens"]),
-                                           (True, nt.CANDIDATE_SWITCHES["all_plain_atomics"])])
-def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_fused_expansion_equals_the_torch_expansion(wide):
     """Groups past their request's context, bad request ids, int32 and int64 indices; every plan, with and without
-    the scorer's histogram; the expansion after the top-k and written with the groups (``TOPK_FUSED_TOKENS_ROWS`` and
-    ``_CLUSTERS``: the row kernels' default is after, the clusters' with the groups; each built the other way too),
-    and the row kernels' expansion from the groups copied into shared memory (``TOPK_EXPAND_SMEM``, the default) and
-    read back from global memory; 16-byte token stores (``TOPK_EXPAND_VEC``: the row kernels' aligned blocks of
-    every row, the clusters' groups in rows whose tokens are 16-byte aligned, every fourth row here) and word stores
-    only; a context that ends inside a selected group; rows with fewer groups than ``k`` in requests with tokens."""
+    the scorer's histogram; the row kernels' expansion after the top-k from the groups copied into shared memory, the
+    clusters' tokens written with the groups; 16-byte token stores (the row kernels' aligned blocks of every row, the
+    clusters' groups in rows whose tokens are 16-byte aligned, every fourth row here); a context that ends inside a
+    selected group; rows with fewer groups than ``k`` in requests with tokens."""
     rows, columns, k, ratio, token_topk = 8, 9000, 128, 4, 512
     gen, logits, visible, want = _case("expansion", rows, columns, k, "relu")
     index = torch.int64 if wide else torch.int32
@@ -103,15 +97,14 @@ def test_the_fused_expansion_equals_the_torch_expansion(wide, defines):
     for plan in native_plans(rows, columns, k, H200):
         for hist in (None, histogram):
             tokens = torch.full_like(want_tokens, -7)
-            groups = _emulated(logits, visible, k, plan, histogram=hist, defines=defines,
+            groups = _emulated(logits, visible, k, plan, histogram=hist,
                                expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
             assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
 
-@pytest.mark.parametrize("defines", [(), nt.CANDIDATE_SWITCHES["expand_from_global"]])
-def test_the_expansion_of_more_groups_than_shared_memory_holds(defines):
-    """``block_topk`` above 2048: the row kernels' expansion reads the groups back from global memory (with
-    ``TOPK_EXPAND_SMEM`` their copies in shared memory are for at most 2048), and equals the torch expansion."""
+def test_the_expansion_of_more_groups_than_shared_memory_holds():
+    """``block_topk`` above 2048: the row kernels' expansion reads the groups back from global memory (their copies in
+    shared memory are for at most 2048), and equals the torch expansion."""
     rows, columns, k, ratio, token_topk = 3, 9000, 2304, 4, 9216
     gen, logits, visible, want = _case("many groups", rows, columns, k, "relu")
     requests = torch.arange(rows, dtype=torch.int32)
@@ -121,17 +114,15 @@ def test_the_expansion_of_more_groups_than_shared_memory_holds(defines):
     torch_expand_block_indices(want, positions, contexts, requests, ratio, token_topk, want_tokens)
     for plan in (nt.rows_plan(256, columns, H200), nt.rows_plan(512, columns, H200)):
         tokens = torch.full_like(want_tokens, -7)
-        groups = _emulated(logits, visible, k, plan, defines=defines,
+        groups = _emulated(logits, visible, k, plan,
                            expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
         assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
 
-@pytest.mark.parametrize("defines", [(), nt.CANDIDATE_SWITCHES["unfused_tokens_clusters"],
-                                     nt.CANDIDATE_SWITCHES["all"]])
-def test_contexts_that_end_at_a_chunk_boundary(defines):
-    """Contexts ending exactly at, just before and just after the start of a cluster CTA's chunk (with
-    ``TOPK_FUSED_TOKENS_CLUSTERS``, the default, the CTA that writes the token tail is the highest one whose chunk
-    starts at or below the context's end), and a row of at most ``block_topk`` columns."""
+def test_contexts_that_end_at_a_chunk_boundary():
+    """Contexts ending exactly at, just before and just after the start of a cluster CTA's chunk (the CTA that
+    writes the token tail is the highest one whose chunk starts at or below the context's end), and a row of at most
+    ``block_topk`` columns."""
     rows, columns, k, ratio, token_topk = 5, 9000, 128, 4, 512
     gen, logits, _, _ = _case("boundaries", rows, columns, k, "random")
     visible = torch.tensor([columns] * 4 + [100], dtype=torch.int32)
@@ -145,7 +136,7 @@ def test_contexts_that_end_at_a_chunk_boundary(defines):
     torch_expand_block_indices(want, positions, contexts, requests, ratio, token_topk, want_tokens)
     for plan in native_plans(rows, columns, k, H200):
         tokens = torch.full_like(want_tokens, -7)
-        groups = _emulated(logits, visible, k, plan, defines=defines,
+        groups = _emulated(logits, visible, k, plan,
                            expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
         assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
@@ -174,28 +165,6 @@ def test_the_output_does_not_depend_on_the_threads_order(kind):
                  dataclasses.replace(nt.cluster_plan(2, columns, H200), candidates=8)):
         for seed in (0, 1, 2):
             assert torch.equal(_emulated(logits, visible, k, plan, order_seed=seed), want), (plan.describe(), seed)
-
-
-#: The source's candidate switches that change the top-k (the token switches change the expansion only: the expansion
-#: tests run them), each alone and together.
-SWITCHES = {name: defines for name, defines in nt.CANDIDATE_SWITCHES.items()
-            if name not in ("fused_tokens_rows", "unfused_tokens_clusters", "expand_from_global", "scalar_tokens",
-                            "all")}
-
-
-@pytest.mark.parametrize("defines", SWITCHES.values(), ids=SWITCHES.keys())
-@pytest.mark.parametrize("kind", ["random", pytest.param("relu", marks=pytest.mark.slow), pytest.param("neg_inf", marks=pytest.mark.slow)])
-def test_the_candidate_switches_equal_the_oracle(defines, kind):
-    """Every plan built with each candidate switch, every other one from the scorer's histogram, in three thread
-    orders."""
-    rows, columns, k = 6, 9000, 512
-    _, logits, visible, want = _case("switches", rows, columns, k, kind)
-    poisoned = nan_past_visible(logits, visible)
-    histogram = torch_score_histogram(logits, visible)
-    for i, plan in enumerate(native_plans(rows, columns, k, H200)):
-        got = _emulated(poisoned, visible, k, plan, histogram=histogram if i % 2 else None, order_seed=i % 3,
-                        defines=defines)
-        assert torch.equal(got, want), plan.describe()
 
 
 def test_fuzz_random_shapes_and_plans():
