@@ -67,49 +67,19 @@
 //       Cluster-16 is a non-portable size: the launcher sets
 //       CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED before launching it.
 //
-// Portability: the warp size is a compile-time macro (TOPK_WARP_SIZE, default 32); HIP paths use
-// 64-bit ballots.  Clusters / DSMEM / mapa and the bulk copies are CUDA sm_90-only and sit behind
-// TOPK_CLUSTERS and TOPK_BULK.  Build selection: by default every kernel is built; with
-// -DTOPK_SINGLE -DTOPK_KERNEL_<name> only <name> is (one NVRTC program, one cache entry, per kernel).
-// No #include: builds with NVRTC (and, modulo the warp intrinsics, hipRTC) without headers.
+// Portability: every fact of the vendor and target (the warp width, checked against -DTOPK_WARP_SIZE; shuffles and
+// votes; launch bounds; whether clusters and bulk copies exist: CUDA sm_90+ only, TOPK_CLUSTERS / TOPK_BULK) is in
+// native_compat.h, spliced in by native_topk.source(): the same text builds with NVRTC (sm_80+) and as HIP (hipRTC or
+// clang, gfx942 / gfx950: the row kernels; the cluster kernels are compiled out there).  Build selection: by default
+// every kernel is built; with -DTOPK_SINGLE -DTOPK_KERNEL_<name> only <name> is (one program, one cache entry, per
+// kernel).
 
-#ifndef TOPK_WARP_SIZE
-#define TOPK_WARP_SIZE 32
-#endif
-#define WS TOPK_WARP_SIZE
-
-// TOPK_EMULATE: the CPU build of runtime/jit/cuda_emulator.h (tests without a GPU), which defines the inline-assembly
-// primitives below and the dynamic shared memory.
-#ifndef TOPK_EMULATE
-#define TOPK_EMULATE 0
-#define TOPK_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned name[]
-#endif
-
-#if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
-#define TOPK_HIP 1
-#else
-#define TOPK_HIP 0
-#endif
-
-#ifndef TOPK_CLUSTERS
-#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-#define TOPK_CLUSTERS 1
-#else
-#define TOPK_CLUSTERS 0
-#endif
-#endif
+#include "native_compat.h"
 
 #define TOPK_ALL 0xFFFFFFFFu
 // TOPK_BULK: on sm_90 the cached row (chunk) is streamed into shared memory with 1-D bulk
 // copies (cp.async.bulk, TMA engine) in up to 16 pieces, each with its own mbarrier; pass 1
 // converts/histograms piece p while later pieces are still in flight.  0 = plain vector loads.
-#ifndef TOPK_BULK
-#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-#define TOPK_BULK 1
-#else
-#define TOPK_BULK 0
-#endif
-#endif
 #define TOPK_MAX_PIECES 16
 // TOPK_TRACE (diagnostic builds only, benchmarks/topk_trace.py): thread 0 of each of the first TOPK_TRACE CTAs
 // stores the SM clock at the numbered stage boundaries (and the global timer at entry and exit) into topk_trace.
@@ -145,23 +115,6 @@ __device__ __forceinline__ long long global_ns() {
 #define CL_GATHER_PAIRS 1520
 #define CL_GATHER_OFFSETS_WORD 7152
 #define ROW_MBAR_WORD 2184     // the row kernels' mbarriers: words [ROW_MBAR_WORD, ROW_FIXED_WORDS)
-
-// ---------------------------------------------------------------------------------------
-// warp primitives
-#if TOPK_HIP
-typedef unsigned long long lanemask_t;
-__device__ __forceinline__ int warp_all(bool p) { return __all(p); }
-__device__ __forceinline__ int warp_any(bool p) { return __any(p); }
-__device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shfl(v, src); }
-__device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up(v, d); }
-#else
-typedef unsigned lanemask_t;
-#define FULLMASK 0xFFFFFFFFu
-__device__ __forceinline__ int warp_all(bool p) { return __all_sync(FULLMASK, p); }
-__device__ __forceinline__ int warp_any(bool p) { return __any_sync(FULLMASK, p); }
-__device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shfl_sync(FULLMASK, v, src); }
-__device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up_sync(FULLMASK, v, d); }
-#endif
 
 __device__ __forceinline__ unsigned f2key(float x) {
     const unsigned b = __float_as_uint(x + 0.0f);  // -0 + 0 = +0 (round to nearest); x otherwise (NaN never comes)
@@ -489,13 +442,7 @@ __device__ __forceinline__ long long load_index(const void* p, long long i, bool
 }
 
 // A group written by this row's CTAs (read past L1: in a cluster other CTAs wrote it).
-__device__ __forceinline__ int load_group(const int* p) {
-#if TOPK_HIP
-    return *reinterpret_cast<const volatile int*>(p);
-#else
-    return __ldcg(p);
-#endif
-}
+__device__ __forceinline__ int load_group(const int* p) { return load_cg(p); }
 
 // A request's context length as read (negative, or past what int32 token indices hold) as the expansion uses it.
 __device__ __forceinline__ long long context_limit(long long read) {
@@ -1052,15 +999,6 @@ __device__ __forceinline__ void expand_copied(const Sink& t, int K, int width, u
 #define TOPK_ROW_ARGS logits, visible, out, rows, columns, ld, K, buf_cap, cached, vec_ok, cand_cap, histogram, ts
 #define TOPK_EXPAND_ARGS positions, contexts, requests, tokens, num_requests, ratio, width, tok_ld, idx_wide
 
-// A programmatic dependent launch (native.programmatic_config) may start while the kernel before it on the stream
-// (the scorer) still runs: every kernel waits for that one and its writes before its first global read.  A no-op in
-// any other launch.
-__device__ __forceinline__ void wait_for_prior_grid() {
-#if !TOPK_EMULATE && !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // One CTA per row: the top-k, then (with tokens) the row's expansion by the same CTA.
 template <int BLOCK>
 __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
@@ -1088,18 +1026,23 @@ __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
                       buf_cap, cached, vec_ok, cand_cap, num_requests, ratio, width, tok_ld, idx_wide)
 
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_256)
-extern "C" __global__ void __launch_bounds__(256, 4) topk_rows_256(TOPK_ROW_PARAMS) {
+extern "C" __global__ void TOPK_LAUNCH_BOUNDS(256, 4) topk_rows_256(TOPK_ROW_PARAMS) {
     TOPK_ROW_CALL(256);
 }
 #endif
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_512)
-extern "C" __global__ void __launch_bounds__(512, 2) topk_rows_512(TOPK_ROW_PARAMS) {
+extern "C" __global__ void TOPK_LAUNCH_BOUNDS(512, 2) topk_rows_512(TOPK_ROW_PARAMS) {
     TOPK_ROW_CALL(512);
 }
 #endif
 
 // ---------------------------------------------------------------------------------------
 // One thread-block cluster of CL CTAs per row (sm_90+).
+#if defined(TOPK_SINGLE) && !TOPK_CLUSTERS &&                                                        \
+    (defined(TOPK_KERNEL_topk_cluster2_512) || defined(TOPK_KERNEL_topk_cluster4_512) ||              \
+     defined(TOPK_KERNEL_topk_cluster8_512) || defined(TOPK_KERNEL_topk_cluster16_512))
+#error "the cluster kernels are compiled out on this target: thread-block clusters exist on CUDA from sm_90 only"
+#endif
 #if TOPK_CLUSTERS
 #if !TOPK_EMULATE
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -1538,22 +1481,22 @@ __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
                        vec_ok, cap, cand_cap, num_requests, ratio, width, tok_ld, idx_wide)
 
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster2_512)
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(512, 2) topk_cluster2_512(TOPK_CL_PARAMS) {
+extern "C" __global__ void __cluster_dims__(2, 1, 1) TOPK_LAUNCH_BOUNDS(512, 2) topk_cluster2_512(TOPK_CL_PARAMS) {
     TOPK_CL_CALL(2);
 }
 #endif
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster4_512)
-extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(512, 2) topk_cluster4_512(TOPK_CL_PARAMS) {
+extern "C" __global__ void __cluster_dims__(4, 1, 1) TOPK_LAUNCH_BOUNDS(512, 2) topk_cluster4_512(TOPK_CL_PARAMS) {
     TOPK_CL_CALL(4);
 }
 #endif
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster8_512)
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512, 2) topk_cluster8_512(TOPK_CL_PARAMS) {
+extern "C" __global__ void __cluster_dims__(8, 1, 1) TOPK_LAUNCH_BOUNDS(512, 2) topk_cluster8_512(TOPK_CL_PARAMS) {
     TOPK_CL_CALL(8);
 }
 #endif
 #if !defined(TOPK_NO_CLUSTER16) && (!defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster16_512))
-extern "C" __global__ void __cluster_dims__(16, 1, 1) __launch_bounds__(512, 2) topk_cluster16_512(TOPK_CL_PARAMS) {
+extern "C" __global__ void __cluster_dims__(16, 1, 1) TOPK_LAUNCH_BOUNDS(512, 2) topk_cluster16_512(TOPK_CL_PARAMS) {
     TOPK_CL_CALL(16);
 }
 #endif

@@ -27,6 +27,8 @@ from ..platform import Platform
 
 #: The CUDA source of the kernels.
 SOURCE_PATH = Path(__file__).with_name("native_topk.cu")
+#: The vendor facts it includes (``#include "native_compat.h"``), spliced into ``source()``'s text.
+COMPAT_PATH = Path(__file__).with_name("native_compat.h")
 
 #: Fixed part of a row kernel's shared memory: H[2048] | scan[128] | res[8] | mbarriers[16 x u64] (``ROW_FIXED_WORDS``
 #: in the source).
@@ -74,8 +76,13 @@ CLUSTER_SCALARS = ("rows", "columns", "ld", "K", "vec_ok", "cap", "cand_cap") + 
 
 @lru_cache(maxsize=1)
 def source() -> str:
-    """The kernels' CUDA source (read once per process)."""
-    return SOURCE_PATH.read_text()
+    """The kernels' source with ``native_compat.h`` spliced in where it is included (read once per process): NVRTC
+    and hipRTC compile one text with no include path, and its hash (the JIT key's) covers both files."""
+    text, include = SOURCE_PATH.read_text(), '#include "native_compat.h"\n'
+    at = text.index(include)
+    line = text.count("\n", 0, at) + 2  # the source's line after the include
+    return (f'{text[:at]}#line 1 "native_compat.h"\n{COMPAT_PATH.read_text()}#line {line} "native_topk.cu"\n'
+            f"{text[at + len(include):]}")
 
 
 @dataclass(frozen=True)

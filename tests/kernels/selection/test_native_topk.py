@@ -63,7 +63,7 @@ def test_kernel_parameters_match_the_source(macro, scalars):
 @pytest.mark.parametrize("variant", nt.VARIANTS, ids=lambda v: v.name)
 def test_every_variant_is_a_kernel_of_the_source(variant):
     cluster = rf"__cluster_dims__\({variant.cluster}, 1, 1\) " if variant.cluster > 1 else ""
-    pattern = (rf'extern "C" __global__ void {cluster}__launch_bounds__\({variant.threads}, '
+    pattern = (rf'extern "C" __global__ void {cluster}TOPK_LAUNCH_BOUNDS\({variant.threads}, '
                rf"{variant.blocks_per_multiprocessor}\) {variant.name}\(")
     assert re.search(pattern, SOURCE), pattern
     assert f"defined(TOPK_KERNEL_{variant.name})" in SOURCE
@@ -72,8 +72,14 @@ def test_every_variant_is_a_kernel_of_the_source(variant):
 
 
 def test_the_source_is_portable_and_self_contained():
+    """``source()`` is one text (no include path for NVRTC or hipRTC): the file includes only ``native_compat.h``, which
+    is spliced in; the vendor is tested there only, and the warp width is checked against the target's."""
+    text = nt.SOURCE_PATH.read_text()
+    assert re.findall(r"^[ \t]*#[ \t]*include.*$", text, re.M) == ['#include "native_compat.h"']
     assert not re.search(r"^\s*#\s*include", SOURCE, re.M)
-    assert "#ifndef TOPK_WARP_SIZE" in SOURCE and "#define WS TOPK_WARP_SIZE" in SOURCE
+    assert nt.COMPAT_PATH.read_text() in SOURCE
+    assert "TOPK_HIP" not in re.sub(r"//.*", "", text), "the .cu tests the vendor: native_compat.h's job"
+    assert "static_assert(TOPK_WARP_SIZE == TOPK_TARGET_WARP_SIZE" in SOURCE and "#define WS TOPK_WARP_SIZE" in SOURCE
     # the CUDA-only features sit behind their switches, decided by the target
     for switch in ("TOPK_CLUSTERS", "TOPK_BULK"):
         assert f"#ifndef {switch}\n#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)" in SOURCE
@@ -104,6 +110,20 @@ def test_no_measured_switch_is_left_in_the_source():
     assert set(rows) | {"TOPK_FAST"} == set(REMOVED_SWITCHES)
     doc = (Path(__file__).resolve().parents[3] / "docs" / "selection.md").read_text()
     assert "design-log/2026-12-06-native-topk-switches.md" in doc
+
+
+@pytest.mark.nvrtc
+def test_a_warp_width_that_is_not_the_targets_does_not_compile():
+    """``-DTOPK_WARP_SIZE`` is checked against the target's width (32 on every NVIDIA target); a cluster kernel asked
+    for where clusters do not exist (below sm_90) stops the build naming why."""
+    rows = ("-DTOPK_SINGLE", "-DTOPK_KERNEL_topk_rows_256")
+    built = nvrtc.compile_cubin(SOURCE, "sm_90", (*rows, "-DTOPK_WARP_SIZE=32"), name="native_topk.cu")
+    assert "topk_rows_256" in nvrtc.ptxas_report(built.log)
+    with pytest.raises(nvrtc.NvrtcError, match="not the target's warp width"):
+        nvrtc.compile_cubin(SOURCE, "sm_90", (*rows, "-DTOPK_WARP_SIZE=64"), name="native_topk.cu")
+    with pytest.raises(nvrtc.NvrtcError, match="the cluster kernels are compiled out on this target"):
+        nvrtc.compile_cubin(SOURCE, "sm_80", ("-DTOPK_SINGLE", "-DTOPK_KERNEL_topk_cluster4_512"),
+                            name="native_topk.cu")
 
 
 def test_variants_per_platform():
