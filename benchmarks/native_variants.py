@@ -1,25 +1,22 @@
-"""The native top-k's candidate changes and plans side by side, on a GPU: which to make the default.
+"""The native top-k's plans side by side, on a GPU: the plan the op chooses against the others that serve a shape.
 
     python benchmarks/native_variants.py [--points 9x4@64K-128K,...] [--page-size 64] [--cache bf16] [--replays 30]
-                                         [--switches no_gather,...] [--also LABEL:NAME=VALUE+NAME=VALUE;...]
-                                         [--no-other-plans]
 
 For each work point (the selection targets' by default) the logits are scored once (``tools.inputs``), then the
 native top-k is timed alone and with the expansion fused into it (the launch ``qsa_select_paged_tokens`` makes after
 scoring), each with ``time_graph`` (CUDA-graph medians, as ``benchmarks/selection.py`` times it), for:
 
-- the plan the op chooses, built as shipped and with each of the source's candidate switches (``SWITCHES``; the
-  variants are builds that differ from the source's defaults, ``native_topk.SWITCH_DEFAULTS``; ``TOPK_GATHER`` and
-  ``TOPK_FUSED_TOKENS_CLUSTERS`` change the cluster kernels only), one at a time and all together (``--switches``
-  picks some), and any other builds of the source named with ``--also`` (for example ``plain_loads:TOPK_BULK=0``);
+- the plan the op chooses;
 - the other plans that serve the shape (``other_plans``: the cluster sizes for few long rows, the 256- and
   512-thread row kernels, the uncached row kernel, and the 256-thread one with ``MIN_CANDIDATES`` candidate slots,
-  whose smaller shared memory fits five CTAs on a multiprocessor where the row has at most 8192 columns), as
-  shipped (not with ``--no-other-plans``).
+  whose smaller shared memory fits five CTAs on a multiprocessor where the row has at most 8192 columns).
+
+The source's measured alternatives (compile-time switches, each timed here against the shipped build) are decided
+and gone from the source: docs/design-log/2026-12-06-native-topk-switches.md.
 
 Every timed launch's output is checked equal to ``torch_block_topk`` (and its tokens to
-``torch_expand_block_indices``) on the timed inputs. Printed per point and variant: µs alone and with the expansion,
-and their ratios to the shipped kernel of the op's plan, measured in the same run.
+``torch_expand_block_indices``) on the timed inputs. Printed per point and plan: µs alone and with the expansion,
+and their ratios to the op's plan, measured in the same run.
 """
 
 from __future__ import annotations
@@ -37,9 +34,6 @@ from qsa_aiter.tools.cli_args import add_selection_point_options
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph
 
-#: The source's candidate switches (declared with the kernels), each alone and all together.
-SWITCHES = nt.CANDIDATE_SWITCHES
-
 
 def other_plans(rows: int, columns: int, k: int, chosen: nt.Plan, platform: Platform) -> dict[str, nt.Plan]:
     """The plans other than ``chosen`` that serve ``rows x columns`` keeping ``k`` on ``platform`` (``plans_for``),
@@ -50,42 +44,16 @@ def other_plans(rows: int, columns: int, k: int, chosen: nt.Plan, platform: Plat
     return {name: plan for name, plan in plans.items() if plan != chosen}
 
 
-def extra_builds(text: str) -> dict[str, tuple[str, ...]]:
-    """``--also``'s builds: ``LABEL:NAME=VALUE+NAME=VALUE;...`` as {label: ("NAME=VALUE", ...)}."""
-    builds = {}
-    for item in filter(None, text.split(";")):
-        label, sep, defines = item.partition(":")
-        names = tuple(filter(None, defines.split("+")))
-        if not sep or not label or not names or not all("=" in d for d in names):
-            raise argparse.ArgumentTypeError(f"--also: {item!r} is not LABEL:NAME=VALUE+NAME=VALUE")
-        builds[label] = names
-    return builds
-
-
-def switch_names(text: str) -> tuple[str, ...]:
-    names = tuple(filter(None, text.split(",")))
-    unknown = [n for n in names if n not in SWITCHES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"--switches: unknown {unknown}; known: {', '.join(SWITCHES)}")
-    return names
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python benchmarks/native_variants.py``."""
     ap = argparse.ArgumentParser()
     add_selection_point_options(ap)
-    ap.add_argument("--switches", type=switch_names, default=tuple(SWITCHES),
-                    help="comma-separated candidate switches to time (default all)")
-    ap.add_argument("--also", type=extra_builds, default={},
-                    help="other builds of the chosen plan, LABEL:NAME=VALUE+NAME=VALUE;...")
-    ap.add_argument("--no-other-plans", action="store_true", help="time the chosen plan's builds only")
     return ap
 
 
 def main() -> None:
     a = build_parser().parse_args()
-    builds = {**{name: SWITCHES[name] for name in a.switches}, **a.also}
-    print("point,rows,columns,plan,variant,topk_us,over_shipped,topk_expand_us,expand_over_shipped")
+    print("point,rows,columns,plan,kernel,topk_us,over_chosen,topk_expand_us,expand_over_chosen")
     for point in a.points:
         inputs = selection_inputs(point, a.page, a.cache)
         logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
@@ -100,20 +68,16 @@ def main() -> None:
         expansion = (batch.query_positions, batch.context_lens, batch.token_to_request, tokens, ratio, token_topk)
         expected_tokens = torch.empty_like(tokens)
         torch_expand_block_indices(expected, *expansion[:3], ratio, token_topk, expected_tokens)
-        runs = [("chosen", chosen, "shipped", ())] + [("chosen", chosen, name, defines)
-                                                      for name, defines in builds.items()]
-        if not a.no_other_plans:
-            runs += [(label, plan, "shipped", ()) for label, plan in other_plans(rows, columns, k, chosen,
-                                                                                       platform).items()]
+        runs = {"chosen": chosen, **other_plans(rows, columns, k, chosen, platform)}
         baseline = None
-        for label, plan, variant, defines in runs:
-            def launch(plan=plan, defines=defines):
-                native_block_topk(logits, visible, groups, k, plan=plan, defines=defines)
+        for label, plan in runs.items():
+            def launch(plan=plan):
+                native_block_topk(logits, visible, groups, k, plan=plan)
 
-            def launch_expanding(plan=plan, defines=defines):
-                native_block_topk(logits, visible, groups, k, plan=plan, defines=defines, expand_into=expansion)
+            def launch_expanding(plan=plan):
+                native_block_topk(logits, visible, groups, k, plan=plan, expand_into=expansion)
 
-            name = f"{label}:{plan.variant.name}/{plan.candidates} {variant}"
+            name = f"{label} {plan.variant.name}/{plan.candidates}"
             groups.fill_(-7)
             tokens.fill_(-7)
             launch_expanding()

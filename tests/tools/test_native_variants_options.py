@@ -1,31 +1,31 @@
-"""``benchmarks/native_variants.py``'s options: ``--also`` builds (``LABEL:NAME=VALUE+NAME=VALUE;...``) and
-``--switches`` (names of ``native_topk.CANDIDATE_SWITCHES``), malformed or unknown ones refused naming the option."""
-
-import argparse
+"""``benchmarks/native_variants.py``: the plans it times beside the op's (``other_plans``), and its options (the work
+points' only: the source's measured switches it used to build are decided and gone)."""
 
 import pytest
 
+from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import native_topk as nt
 
 import benchmark_scripts
 
 native_variants = benchmark_scripts.load("native_variants")
+H200 = Platform.named("sm_90")
 
 
-def test_also_builds_are_labelled_define_lists():
-    builds = native_variants.extra_builds("plain_loads:TOPK_BULK=0;both:TOPK_BULK=0+TOPK_HIST=3;")
-    assert builds == {"plain_loads": ("TOPK_BULK=0",), "both": ("TOPK_BULK=0", "TOPK_HIST=3")}
-    assert native_variants.extra_builds("") == {}
+@pytest.mark.parametrize("rows, columns", [(36, 32768), (256, 8192)])
+def test_other_plans_are_every_plan_but_the_chosen_one(rows, columns):
+    chosen = nt.choose_plan(rows, columns, 512, H200)
+    others = native_variants.other_plans(rows, columns, 512, chosen, H200)
+    assert chosen not in others.values()
+    served = nt.plans_for(rows, columns, 512, H200)
+    assert {name: plan for name, plan in others.items() if name in served} == {
+        name: plan for name, plan in served.items() if plan != chosen}
+    few = others["rows_256_few_candidates"]
+    assert few.variant.name == "topk_rows_256" and few.candidates == nt.MIN_CANDIDATES
 
 
-@pytest.mark.parametrize("text", ["TOPK_BULK=0", "label:", ":TOPK_BULK=0", "label:TOPK_BULK"])
-def test_a_malformed_also_build_is_refused(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="--also"):
-        native_variants.extra_builds(text)
-
-
-def test_switches_are_candidate_switch_names():
-    names = list(nt.CANDIDATE_SWITCHES)[:2]
-    assert native_variants.switch_names(",".join(names)) == tuple(names)
-    with pytest.raises(argparse.ArgumentTypeError, match="--switches: unknown"):
-        native_variants.switch_names(f"{names[0]},no_such_switch")
+@pytest.mark.parametrize("option", ["--switches", "--also", "--no-other-plans"])
+def test_the_switch_options_are_gone(option, capsys):
+    with pytest.raises(SystemExit):
+        native_variants.build_parser().parse_args([option, "x"])
+    assert "unrecognized arguments" in capsys.readouterr().err

@@ -26,9 +26,8 @@
 //            streamed into shared memory with 1-D bulk copies (cp.async.bulk + one mbarrier per
 //            piece, up to 16 pieces) and converted to keys in place while later pieces are in
 //            flight; otherwise 4 float4 loads per thread are issued before use.  Histogram of
-//            the top 11 bits with plain shared atomics, except that a warp whose 128 keys all
-//            share one digit (runs of exact 0.0, constant rows) adds once (TOPK_HIST=3).
-//   fast path (TOPK_FAST, default): when the threshold bin b0 holds <= cand_cap keys,
+//            the top 11 bits with plain shared atomics.
+//   fast path: when the threshold bin b0 holds <= cand_cap keys,
 //     pass 2 reads every cached key once: digit > b0 -> set its bit in the column bitmap SB;
 //            digit == b0 -> append its column (u16) to the candidate list (a quad at a time: one OR
 //            into SB and one candidate-counter update per quad);
@@ -68,60 +67,20 @@
 //       Cluster-16 is a non-portable size: the launcher sets
 //       CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED before launching it.
 //
-// Portability: the warp size is a compile-time macro (TOPK_WARP_SIZE, default 32); HIP paths use
-// 64-bit ballots.  Clusters / DSMEM / mapa and the bulk copies are CUDA sm_90-only and sit behind
-// TOPK_CLUSTERS and TOPK_BULK.  Build selection: by default every kernel is built; with
-// -DTOPK_SINGLE -DTOPK_KERNEL_<name> only <name> is (one NVRTC program, one cache entry, per kernel).
-// No #include: builds with NVRTC (and, modulo the warp intrinsics, hipRTC) without headers.
+// Portability: every fact of the vendor and target (the warp width, checked against -DTOPK_WARP_SIZE; shuffles and
+// votes; launch bounds; whether clusters and bulk copies exist: CUDA sm_90+ only, TOPK_CLUSTERS / TOPK_BULK) is in
+// native_compat.h, spliced in by native_topk.source(): the same text builds with NVRTC (sm_80+) and as HIP (hipRTC or
+// clang, gfx942 / gfx950: the row kernels; the cluster kernels are compiled out there).  Build selection: by default
+// every kernel is built; with -DTOPK_SINGLE -DTOPK_KERNEL_<name> only <name> is (one program, one cache entry, per
+// kernel).
 
-#ifndef TOPK_WARP_SIZE
-#define TOPK_WARP_SIZE 32
-#endif
-#define WS TOPK_WARP_SIZE
-
-// TOPK_EMULATE: the CPU build of runtime/jit/cuda_emulator.h (tests without a GPU), which defines the inline-assembly
-// primitives below and the dynamic shared memory.
-#ifndef TOPK_EMULATE
-#define TOPK_EMULATE 0
-#define TOPK_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned name[]
-#endif
-
-#if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
-#define TOPK_HIP 1
-#else
-#define TOPK_HIP 0
-#endif
-
-#ifndef TOPK_CLUSTERS
-#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-#define TOPK_CLUSTERS 1
-#else
-#define TOPK_CLUSTERS 0
-#endif
-#endif
+#include "native_compat.h"
 
 #define TOPK_ALL 0xFFFFFFFFu
-// TOPK_HIST: histogram of a quad of keys.  1 (default; timed faster on the H200, docs/selection.md) = plain
-// shared atomics; 3 = plus one add per warp when all its keys share a digit (the former default).
-#ifndef TOPK_HIST
-#define TOPK_HIST 1
-#endif
 // TOPK_BULK: on sm_90 the cached row (chunk) is streamed into shared memory with 1-D bulk
 // copies (cp.async.bulk, TMA engine) in up to 16 pieces, each with its own mbarrier; pass 1
 // converts/histograms piece p while later pieces are still in flight.  0 = plain vector loads.
-#ifndef TOPK_BULK
-#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-#define TOPK_BULK 1
-#else
-#define TOPK_BULK 0
-#endif
-#endif
 #define TOPK_MAX_PIECES 16
-// TOPK_FAST: 1 = candidate-list / bitmap fast path when the threshold bin fits (default);
-// 0 = always the full-scan path (three radix passes over the cached keys + ordered scan pass).
-#ifndef TOPK_FAST
-#define TOPK_FAST 1
-#endif
 // TOPK_TRACE (diagnostic builds only, benchmarks/topk_trace.py): thread 0 of each of the first TOPK_TRACE CTAs
 // stores the SM clock at the numbered stage boundaries (and the global timer at entry and exit) into topk_trace.
 #ifdef TOPK_TRACE
@@ -143,118 +102,23 @@ __device__ __forceinline__ long long global_ns() {
 #define TRACE(i) do {} while (0)
 #define TRACE_NS(i) do {} while (0)
 #endif
-// Candidate changes (benchmarks/native_variants.py sweeps them).  Each was timed against the build then shipped;
-// their defaults below are native_topk.SWITCH_DEFAULTS, tabulated in docs/selection.md with where each was timed:
-//   TOPK_KEY_FADD=1    key(x) from bits(x + 0.0f): the add turns -0.0 into +0.0 and leaves every other value, so
-//                      the key is one shift and one logic op (no compare and select for -0.0).
-//   TOPK_OWNER_ZERO=1  a histogram's bins are zeroed by the thread that reads them for the bin search (or pushes
-//                      them to the cluster), before the barrier that ends it: the zeroing loops before the next
-//                      digit and before the tie bitmap, and their barriers, go.
-//   TOPK_EARLY_COPY=1  the row's bulk copies are issued before the shared memory is zeroed, so the zeroing runs
-//                      under the copies' latency and one barrier goes.
-//   TOPK_GATHER=1      clusters: after the first digit every CTA writes its threshold-bin keys (with their
-//                      columns) into every CTA's shared memory and its count of surely kept columns into the
-//                      higher ranks'; after one cluster barrier each CTA finishes the select and its output offsets
-//                      alone (two cluster barriers and the second histogram exchange fewer).
-//   TOPK_VECTOR_SMEM=1 16-byte shared-memory accesses where words were: the first zeroing (a quarter of the stores
-//                      and loop trips), and each thread's bins for a bin search (two 16-byte loads instead of 8).
-//   TOPK_FUSED_TOKENS_ROWS=1 / TOPK_FUSED_TOKENS_CLUSTERS=1  the row / cluster kernels' expansion writes each kept
-//                      group's tokens where it writes the group (TokenSink): no re-read of the row's groups, and in
-//                      a cluster no barrier before the expansion; one CTA adds up the tokens and writes the tail.
-//   TOPK_PIECE_QUADS=2048  the bulk copies' smallest piece in quads (16 bytes): 32 KB; smaller pieces (512: 8 KB)
-//                      let the first one arrive and pass 1 start sooner, with more copies and mbarriers to wait on.
-//   TOPK_EXPAND_SMEM=1 the row kernels' output passes copy each group into shared memory too, and the expansion
-//                      after the top-k reads them there (no second read of the groups from global memory, no scan
-//                      to place them, a warp's token stores consecutive); the row's token facts are read at the
-//                      start.
-//   TOPK_EXPAND_VEC=1  where a group has 4 tokens (R = 4, the model's): the row kernels' expansion stores 16-byte
-//                      aligned blocks of 4 token slots (no division by R per token), and in a row of 16-byte
-//                      aligned tokens a kept group's tokens written with it are one 16-byte store.
-//   TOPK_CLASSIFY_UNITS=1  the row kernels' classify pass gives each thread 16 columns at a time, whose half bitmap
-//                      word it stores alone (no shared atomic per quad) and whose candidates take one counter
-//                      update; 0: a quad at a time, as the clusters' (whose chunks split into fewer, unevenly
-//                      shared units) and as the next two switches change it.
-//   TOPK_CLASSIFY_FULL_QUADS=1  the classify pass a quad at a time (the clusters', and the row kernels' with
-//                      TOPK_CLASSIFY_UNITS=0) walks the full quads without a mask of valid columns, and the last,
-//                      partial quad after them.
-//   TOPK_CLASSIFY_SKIP=1  the classify pass a quad at a time skips a quad whose largest key is below the threshold
-//                      bin (most quads of a long row) after one comparison, without building its masks.
-#ifndef TOPK_KEY_FADD
-#define TOPK_KEY_FADD 1
-#endif
-#ifndef TOPK_OWNER_ZERO
-#define TOPK_OWNER_ZERO 1
-#endif
-#ifndef TOPK_EARLY_COPY
-#define TOPK_EARLY_COPY 0
-#endif
-#ifndef TOPK_GATHER
-#define TOPK_GATHER 1
-#endif
-#ifndef TOPK_FUSED_TOKENS_ROWS
-#define TOPK_FUSED_TOKENS_ROWS 0
-#endif
-#ifndef TOPK_FUSED_TOKENS_CLUSTERS
-#define TOPK_FUSED_TOKENS_CLUSTERS 1
-#endif
-#ifndef TOPK_VECTOR_SMEM
-#define TOPK_VECTOR_SMEM 0
-#endif
-#ifndef TOPK_CLASSIFY_SKIP
-#define TOPK_CLASSIFY_SKIP 0
-#endif
-#ifndef TOPK_PIECE_QUADS
-#define TOPK_PIECE_QUADS 2048
-#endif
-#ifndef TOPK_EXPAND_SMEM
-#define TOPK_EXPAND_SMEM 1
-#endif
-#ifndef TOPK_EXPAND_VEC
-#define TOPK_EXPAND_VEC 1
-#endif
-#ifndef TOPK_CLASSIFY_UNITS
-#define TOPK_CLASSIFY_UNITS 1
-#endif
-#ifndef TOPK_CLASSIFY_FULL_QUADS
-#define TOPK_CLASSIFY_FULL_QUADS 0
-#endif
+// The measured alternatives of this source (the builds each side of a compile-time switch) were timed on the H100
+// and H200 and only the faster side is kept: docs/design-log/2026-12-06-native-topk-switches.md lists each change
+// tried, which side ships and the measurements.
 // shared-memory layout (32-bit words)
 #define ROW_FIXED_WORDS 2216   // H[2048] | scan[128] | res[8] | mbarriers[16 x u64] | buf...
 #define CL_FIXED_WORDS 7344    // H[2048] | S0[2048] | S1[2048] | S2[1024] | scan[128] | res[8] | base[8] | mbarriers[16 x u64] | cache...
 #define CL_MBAR_WORD 7312      // the cluster kernels' mbarriers: words [CL_MBAR_WORD, CL_FIXED_WORDS)
-// TOPK_GATHER: the gathered (key, column) pairs take S1 and S2, less their last 16 words (each source CTA's slot
+// The clusters' gather: the gathered (key, column) pairs take S1 and S2, less their last 16 words (each source CTA's slot
 // offset in every target).
 #define CL_GATHER_WORD 4096
 #define CL_GATHER_PAIRS 1520
 #define CL_GATHER_OFFSETS_WORD 7152
 #define ROW_MBAR_WORD 2184     // the row kernels' mbarriers: words [ROW_MBAR_WORD, ROW_FIXED_WORDS)
 
-// ---------------------------------------------------------------------------------------
-// warp primitives
-#if TOPK_HIP
-typedef unsigned long long lanemask_t;
-__device__ __forceinline__ int warp_all(bool p) { return __all(p); }
-__device__ __forceinline__ int warp_any(bool p) { return __any(p); }
-__device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shfl(v, src); }
-__device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up(v, d); }
-#else
-typedef unsigned lanemask_t;
-#define FULLMASK 0xFFFFFFFFu
-__device__ __forceinline__ int warp_all(bool p) { return __all_sync(FULLMASK, p); }
-__device__ __forceinline__ int warp_any(bool p) { return __any_sync(FULLMASK, p); }
-__device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shfl_sync(FULLMASK, v, src); }
-__device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up_sync(FULLMASK, v, d); }
-#endif
-
 __device__ __forceinline__ unsigned f2key(float x) {
-#if TOPK_KEY_FADD
     const unsigned b = __float_as_uint(x + 0.0f);  // -0 + 0 = +0 (round to nearest); x otherwise (NaN never comes)
     return b ^ ((unsigned)((int)b >> 31) | 0x80000000u);
-#else
-    unsigned b = __float_as_uint(x);
-    if (b == 0x80000000u) b = 0u;  // -0 == +0
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-#endif
 }
 
 __device__ __forceinline__ unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
@@ -326,42 +190,17 @@ __device__ __forceinline__ void select_bin(const unsigned (&loc)[NB / BLOCK], un
     __syncthreads();
 }
 
-// Zero `words` words of shared memory from p (16-byte aligned, `words` a multiple of 4) with 16-byte stores.
-template <int BLOCK>
-__device__ __forceinline__ void zero_words(unsigned* p, int words) {
-    uint4* q = reinterpret_cast<uint4*>(p);
-    for (int i = threadIdx.x; i < (words >> 2); i += BLOCK) q[i] = make_uint4(0u, 0u, 0u, 0u);
-}
-
-// The bins of H[0, NB) this thread owns in select_bin (NB-1-(t*PER+i)); with TOPK_OWNER_ZERO it also zeroes them,
-// which select_bin's closing barrier orders before any later pass adds into H.
+// The bins of H[0, NB) this thread owns in select_bin (NB-1-(t*PER+i)), which it also zeroes: select_bin's closing
+// barrier orders that before any later pass adds into H, so H is zero again after every bin search (the next
+// digit's histogram and the tie bitmap need no zeroing pass).
 template <int BLOCK, int NB>
 __device__ __forceinline__ void take_loc(unsigned* H, unsigned (&loc)[NB / BLOCK]) {
     constexpr int PER = NB / BLOCK;
-#if TOPK_VECTOR_SMEM
-    if constexpr (PER % 4 == 0) {  // the thread's bins are the words [NB - PER (t + 1), NB - PER t), highest first
-        uint4* run = reinterpret_cast<uint4*>(H + NB - PER * (threadIdx.x + 1));
-#pragma unroll
-        for (int v = 0; v < PER / 4; ++v) {
-            const uint4 w = run[v];
-            loc[PER - 1 - 4 * v] = w.x;
-            loc[PER - 2 - 4 * v] = w.y;
-            loc[PER - 3 - 4 * v] = w.z;
-            loc[PER - 4 - 4 * v] = w.w;
-#if TOPK_OWNER_ZERO
-            run[v] = make_uint4(0u, 0u, 0u, 0u);
-#endif
-        }
-        return;
-    }
-#endif
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
         const int b = NB - 1 - (threadIdx.x * PER + i);
         loc[i] = H[b];
-#if TOPK_OWNER_ZERO
         H[b] = 0u;
-#endif
     }
 }
 
@@ -373,48 +212,13 @@ __device__ __forceinline__ void select_in(unsigned* H, unsigned krem, unsigned* 
     select_bin<BLOCK, NB>(loc, krem, s_scan, s_res);
 }
 
-// H[0, words) zeroed for the next pass (or the tie bitmap), then a barrier; with TOPK_OWNER_ZERO the bin search or
-// the cluster push before it has zeroed every bin already.
-template <int BLOCK>
-__device__ __forceinline__ void clear_unless_owned(unsigned* H, int words) {
-#if !TOPK_OWNER_ZERO
-    for (int i = threadIdx.x; i < words; i += BLOCK) H[i] = 0u;
-    __syncthreads();
-#endif
-}
-
-// Histogram one quad of keys (nvalid of them valid).  Must be called by all lanes of the warp.
-// Tie-heavy inputs (runs of 0.0, constant rows) would serialize shared atomics on one bin:
-// when the whole warp holds 4 participating keys of one digit, lane 0 adds 4*WS at once.
+// Histogram one quad of keys (nvalid of them valid): one shared atomic per participating key.
 __device__ __forceinline__ void hist_quad(unsigned* H, const unsigned (&k)[4], int nvalid,
                                           const PassCfg& c) {
-#if TOPK_HIST == 1
-    // plain: one shared atomic per participating key
 #pragma unroll
     for (int i = 0; i < 4; ++i)
         if (i < nvalid && (k[i] & c.mask_hi) == c.want_hi) atomicAdd(&H[(k[i] >> c.shift) & c.dmask], 1u);
     return;
-#else
-    {
-        bool m3[4];
-        unsigned d3[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            m3[i] = (i < nvalid) && ((k[i] & c.mask_hi) == c.want_hi);
-            d3[i] = (k[i] >> c.shift) & c.dmask;
-        }
-        const bool uni3 = m3[0] && m3[1] && m3[2] && m3[3] && d3[0] == d3[1] && d3[1] == d3[2] && d3[2] == d3[3];
-        const unsigned d03 = shfl_idx(d3[0], 0);
-        if (warp_all(uni3 && d3[0] == d03)) {  // e.g. runs of exact 0.0: one atomic per warp
-            if ((threadIdx.x % WS) == 0) atomicAdd(&H[d03], 4u * WS);
-            return;
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            if (m3[i]) atomicAdd(&H[d3[i]], 1u);
-        return;
-    }
-#endif
 }
 
 // Load one quad of a global row segment.  Columns >= nvalid are not read.
@@ -502,8 +306,9 @@ __device__ __forceinline__ void mbar_fence_init() {
 // bulk_issue (thread 0) sets up one mbarrier per piece and starts the copies; a __syncthreads() must
 // separate it from pass_first_bulk, and the zeroing of H from pass_first_bulk's histogram.
 __device__ __forceinline__ int bulk_piece_quads(int len) {
+    constexpr int min_piece_q = 2048;  // 32 KB: smaller pieces start pass 1 sooner, but more waits cost more
     const int piece_q = ((len >> 2) + TOPK_MAX_PIECES - 1) / TOPK_MAX_PIECES;
-    return piece_q < TOPK_PIECE_QUADS ? TOPK_PIECE_QUADS : piece_q;
+    return piece_q < min_piece_q ? min_piece_q : piece_q;
 }
 __device__ __forceinline__ void bulk_issue(const float* __restrict__ g, int len, unsigned* cache,
                                            unsigned long long* bars) {
@@ -535,7 +340,6 @@ __device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int
         mbar_wait0(bar0 + 8u * p);
         if (p == 0) TRACE(18);
         if (p == npieces - 1) TRACE(19);
-#if TOPK_HIST == 1
         // No warp-wide step in the histogram: each thread walks its own quads, every key counted unconditionally.
         for (int q = q0 + threadIdx.x; q < q1; q += BLOCK) {
             const uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
@@ -547,22 +351,6 @@ __device__ __forceinline__ void pass_first_bulk(const float* __restrict__ g, int
                 for (int i = 0; i < 4; ++i) atomicAdd(&H[k[i] >> 21], 1u);
             }
         }
-#else
-        for (int qq = q0; qq < q1; qq += BLOCK) {
-            const int q = qq + threadIdx.x;
-            unsigned k[4] = {0u, 0u, 0u, 0u};
-            const int nv = q < q1 ? 4 : 0;
-            if (nv) {
-                uint4 t = *reinterpret_cast<const uint4*>(cache + 4 * q);
-                k[0] = f2key(__uint_as_float(t.x));
-                k[1] = f2key(__uint_as_float(t.y));
-                k[2] = f2key(__uint_as_float(t.z));
-                k[3] = f2key(__uint_as_float(t.w));
-                *reinterpret_cast<uint4*>(cache + 4 * q) = make_uint4(k[0], k[1], k[2], k[3]);
-            }
-            if (count) hist_quad(H, k, nv, c);
-        }
-#endif
     }
     const int rem = len & 3;
     if (rem && threadIdx.x == 0) {  // last partial quad: plain loads
@@ -654,13 +442,7 @@ __device__ __forceinline__ long long load_index(const void* p, long long i, bool
 }
 
 // A group written by this row's CTAs (read past L1: in a cluster other CTAs wrote it).
-__device__ __forceinline__ int load_group(const int* p) {
-#if TOPK_HIP
-    return *reinterpret_cast<const volatile int*>(p);
-#else
-    return __ldcg(p);
-#endif
-}
+__device__ __forceinline__ int load_group(const int* p) { return load_cg(p); }
 
 // A request's context length as read (negative, or past what int32 token indices hold) as the expansion uses it.
 __device__ __forceinline__ long long context_limit(long long read) {
@@ -673,12 +455,12 @@ __device__ __forceinline__ unsigned tokens_kept(long long g, long long limit, in
     return (unsigned)(c < R ? c : R);
 }
 
-// The fused expansion's tokens written where the groups are (TOPK_FUSED_TOKENS_*): the group at output slot s keeps
-// its tokens at s*R onwards, since every kept group before it is a lower group and keeps all R (only the group that
-// holds the context's end keeps fewer, and no later group keeps any).  No re-read of the groups, no scan but the
-// one that finds the total for the tail.  FUSED false: the output passes write no tokens (compiled out).  COPIES:
-// they copy each group into shared memory at its slot (groups, K words; nullptr: not this launch), from which the
-// row kernels' expansion reads them after the top-k (TOPK_EXPAND_SMEM).
+// Where the output passes put each kept group's tokens.  FUSED (the cluster kernels): the tokens written where the
+// groups are: the group at output slot s keeps its tokens at s*R onwards, since every kept group before it is a lower
+// group and keeps all R (only the group that holds the context's end keeps fewer, and no later group keeps any); no
+// re-read of the groups, and in a cluster no barrier before the expansion.  COPIES (the row kernels): each group
+// copied into shared memory at its slot (groups, K words; nullptr: not this launch), from which the expansion after
+// the top-k reads them (expand_copied: no second read of the groups from global memory, no scan to place them).
 //
 // The row's facts are read in two steps so that no thread waits for them before the top-k: its request and position
 // where the sink is made (at the kernel's start), the request's context length once the row's visible count has
@@ -730,28 +512,24 @@ __device__ __forceinline__ TokenSink<FUSED, COPIES> token_facts(int row, const v
     }
     return t;
 }
-// The sink the output passes write into: the row's tokens where FUSED; the groups into `groups` where COPIES; else
-// nothing.  The caller calls fetch_context once the row's visible count is read.
+// The sink the output passes write into: the row's tokens where FUSED; the groups into `groups` where COPIES.  The
+// caller calls fetch_context once the row's visible count is read.
 template <bool FUSED, bool COPIES = false>
 __device__ __forceinline__ TokenSink<FUSED, COPIES> token_sink(int row, const void* pos, const void* ctx,
                                                                const void* t2r, int* tok, int num_requests, int R,
                                                                int tok_ld, int idx_wide, unsigned* groups = nullptr) {
-    if constexpr (FUSED || COPIES) {
-        auto t = token_facts<FUSED, COPIES>(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
-        if (COPIES && tok != nullptr) t.groups = groups;
-        return t;
-    } else {
-        return TokenSink<FUSED, COPIES>{nullptr, 0, R, 0u};
-    }
+    auto t = token_facts<FUSED, COPIES>(row, pos, ctx, t2r, tok, num_requests, R, tok_ld, idx_wide);
+    if (COPIES && tok != nullptr) t.groups = groups;
+    return t;
 }
 // The tokens of group g at output slot `slot`; how many.  A whole group of 4 in a row of 16-byte aligned token
-// slots is one 16-byte store (TOPK_EXPAND_VEC).  Not inlined: the output passes call it from many unrolled sites,
+// slots is one 16-byte store.  Not inlined: the output passes call it from many unrolled sites,
 // and only for the few kept groups (inlined, it doubles the kernels' code).
 __device__ __noinline__ unsigned write_group_tokens(int* __restrict__ trow, long long limit, int R, long long slot,
                                                     long long g) {
     const unsigned c = tokens_kept(g, limit, R);
     const int t0 = (int)(g * R);
-    if (TOPK_EXPAND_VEC && R == 4 && c == 4u && (reinterpret_cast<unsigned long long>(trow) & 15u) == 0)
+    if (R == 4 && c == 4u && (reinterpret_cast<unsigned long long>(trow) & 15u) == 0)
         *reinterpret_cast<int4*>(trow + slot * 4) = make_int4(t0, t0 + 1, t0 + 2, t0 + 3);
     else
         for (unsigned j = 0; j < c; ++j) trow[slot * R + j] = t0 + (int)j;
@@ -881,14 +659,9 @@ __device__ __forceinline__ void quad_masks(const uint4 t, unsigned valid, unsign
 // One quad q of the classify pass (keys t; valid: its columns inside the row, as a 4-bit mask).  A quad's four
 // columns are bits 4 (q & 7) .. 4 (q & 7) + 3 of bitmap word q >> 3: one OR per quad, and one counter update per
 // quad holding candidates.
-__device__ __forceinline__ void classify_quad(const uint4 t, int q, unsigned valid, unsigned b0, unsigned thr,
+__device__ __forceinline__ void classify_quad(const uint4 t, int q, unsigned valid, unsigned thr,
                                               unsigned want, unsigned* SB, unsigned short* cand, unsigned* s_ncand,
                                               unsigned& marked) {
-#if TOPK_CLASSIFY_SKIP
-    // Every column marked or listed has top digit >= b0 (thr and want are b0 or above); keys past len may hold
-    // anything, so they can only stop the skip, never cause it.
-    if (umax(umax(t.x, t.y), umax(t.z, t.w)) < (b0 << 21)) return;
-#endif
     unsigned kept, listed;
     quad_masks(t, valid, thr, want, kept, listed);
     if (kept) atomicOr(&SB[q >> 3], kept << (4 * (q & 7)));
@@ -901,6 +674,8 @@ __device__ __forceinline__ void classify_quad(const uint4 t, int q, unsigned val
     }
 }
 
+// The classify pass: UNITS (the row kernels) a unit of 16 columns per thread at a time; else (the clusters, whose
+// chunks split into fewer, unevenly shared units) a quad at a time.
 template <int BLOCK, bool UNITS>
 __device__ __forceinline__ unsigned pass_classify(const unsigned* cache, int len, unsigned b0, bool exhausted,
                                                   unsigned* SB, unsigned short* cand, unsigned* s_ncand) {
@@ -939,23 +714,11 @@ __device__ __forceinline__ unsigned pass_classify(const unsigned* cache, int len
         }
         return marked;
     }
-#if TOPK_CLASSIFY_FULL_QUADS
-    // The full quads with no per-quad mask of valid columns; the row's last, partial quad after them.
-    const int nfull = len >> 2;
-#pragma unroll 2
-    for (int q = threadIdx.x; q < nfull; q += BLOCK)
-        classify_quad(*reinterpret_cast<const uint4*>(cache + 4 * q), q, 0xFu, b0, thr, want, SB, cand, s_ncand,
-                      marked);
-    if ((len & 3) && threadIdx.x == nfull % BLOCK)
-        classify_quad(*reinterpret_cast<const uint4*>(cache + 4 * nfull), nfull, (1u << (len & 3)) - 1u, b0, thr,
-                      want, SB, cand, s_ncand, marked);
-#else  // a thread a quad at a time
     const int nq = (len + 3) >> 2;
 #pragma unroll 2
     for (int q = threadIdx.x; q < nq; q += BLOCK)
-        classify_quad(*reinterpret_cast<const uint4*>(cache + 4 * q), q, (1u << quad_valid(len, q)) - 1u, b0, thr,
+        classify_quad(*reinterpret_cast<const uint4*>(cache + 4 * q), q, (1u << quad_valid(len, q)) - 1u, thr,
                       want, SB, cand, s_ncand, marked);
-#endif
     return marked;
 }
 
@@ -1059,30 +822,17 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     const unsigned* hrow = hist != nullptr ? hist + (long long)row * 2048 : nullptr;
 #if TOPK_BULK
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem_row + ROW_MBAR_WORD);
-#if TOPK_EARLY_COPY
-    if (cached && vec) bulk_issue(g, n, buf, bars);  // the barrier after the zeroing covers the mbarriers' setup
 #endif
-#endif
-#if TOPK_VECTOR_SMEM
-    if (hrow != nullptr)
-        for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = hrow[i];
-    else
-        zero_words<BLOCK>(H, 2048);
-    zero_words<BLOCK>(SB, nwcap);
-#else
     for (int i = threadIdx.x; i < 2048; i += BLOCK) H[i] = hrow != nullptr ? hrow[i] : 0u;
     for (int i = threadIdx.x; i < nwcap; i += BLOCK) SB[i] = 0u;
-#endif
     if (threadIdx.x == 0) s_res[7] = 0u;
     __syncthreads();
     ts.fetch_context();  // after the barrier: no thread waits for the request id before the row's first loads
     TRACE(2);
 #if TOPK_BULK
     if (cached && vec) {
-#if !TOPK_EARLY_COPY
         bulk_issue(g, n, buf, bars);
         __syncthreads();
-#endif
         pass_first_bulk<BLOCK>(g, n, buf, H, bars, hrow == nullptr);
     } else
 #endif
@@ -1095,17 +845,15 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
     select_in<BLOCK, 2048>(H, (unsigned)K, s_scan, s_res);
     const unsigned b0 = s_res[0], krem1 = s_res[1], cnt1 = s_res[2];
     TRACE(6);
-#if TOPK_FAST
     if (cached && (cnt1 == krem1 || cnt1 <= (unsigned)cand_cap)) {
         const bool exhausted1 = cnt1 == krem1;
-        pass_classify<BLOCK, TOPK_CLASSIFY_UNITS != 0>(buf, n, b0, exhausted1, SB, cand, s_res + 7);
+        pass_classify<BLOCK, true>(buf, n, b0, exhausted1, SB, cand, s_res + 7);
         __syncthreads();
         TRACE(7);
         const int nw = (n + 31) >> 5;
         unsigned T = 0, e = TOPK_ALL;
         if (!exhausted1) {
             const int ncand = (int)s_res[7];
-            clear_unless_owned<BLOCK>(H, 2048);
             const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
             cand_hist<BLOCK>(buf, cand, ncand, H, c1);
             __syncthreads();
@@ -1117,7 +865,6 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
             if (cnt2 == krem2) {
                 T = prefix;
             } else {
-                clear_unless_owned<BLOCK>(H, 1024);
                 const PassCfg c2 = {0xFFFFFC00u, prefix, 0, 0x3FFu};
                 cand_hist<BLOCK>(buf, cand, ncand, H, c2);
                 __syncthreads();
@@ -1125,7 +872,7 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
                 T = prefix | s_res[0];
                 e = s_res[1];
             }
-            clear_unless_owned<BLOCK>(H, nw);  // H becomes the tie bitmap TB
+            // H, zero again, becomes the tie bitmap TB
             TRACE(11);
             cand_mark<BLOCK>(buf, cand, ncand, T, e, SB, H);
             __syncthreads();
@@ -1135,7 +882,6 @@ __device__ __forceinline__ void row_topk(const float* __restrict__ logits, const
         TRACE(15);
         return;
     }
-#endif
     if (cnt1 == krem1) {
         T = b0 << 21;
         e = TOPK_ALL;
@@ -1201,9 +947,9 @@ __device__ __forceinline__ int token_at(const unsigned* groups, long long limit,
     return token >= 0 && token < limit ? (int)token : -1;
 }
 
-// The row's expansion from the groups its sink copied into shared memory (TOPK_EXPAND_SMEM; a barrier after the
-// copies): slot s's tokens start at s*R, as with the fused tokens, so no scan places them; a scan counts them for
-// the tail.  With R = 4 (TOPK_EXPAND_VEC) the first K*R slots go in 16-byte aligned blocks of 4 (a warp's
+// The row's expansion from the groups its sink copied into shared memory (a barrier after the copies): slot s's
+// tokens start at s*R, as with the fused tokens, so no scan places them; a scan counts them for the tail.  With
+// R = 4 (no division by R per token) the first K*R slots go in 16-byte aligned blocks of 4 (a warp's
 // consecutive; the words before the first 16-byte boundary and after the last one alone), a slot past the kept
 // tokens with -1 and then the tail's value (after the scan's barriers); else each thread writes every BLOCK-th kept
 // token.
@@ -1212,7 +958,7 @@ __device__ __forceinline__ void expand_copied(const Sink& t, int K, int width, u
     const int R = t.R, n = K * R;  // K <= 2048 where groups are copied
     const long long limit = t.limit();
     unsigned mine = 0;
-    if (TOPK_EXPAND_VEC && R == 4) {
+    if (R == 4) {
         const int head = (int)((0u - (unsigned)(reinterpret_cast<unsigned long long>(t.trow) >> 2)) & 3u);
         const int blocks = (n - head) >> 2, rest = n - head - 4 * blocks;
         for (int b = threadIdx.x; b < blocks; b += BLOCK) {
@@ -1253,15 +999,6 @@ __device__ __forceinline__ void expand_copied(const Sink& t, int K, int width, u
 #define TOPK_ROW_ARGS logits, visible, out, rows, columns, ld, K, buf_cap, cached, vec_ok, cand_cap, histogram, ts
 #define TOPK_EXPAND_ARGS positions, contexts, requests, tokens, num_requests, ratio, width, tok_ld, idx_wide
 
-// A programmatic dependent launch (native.programmatic_config) may start while the kernel before it on the stream
-// (the scorer) still runs: every kernel waits for that one and its writes before its first global read.  A no-op in
-// any other launch.
-__device__ __forceinline__ void wait_for_prior_grid() {
-#if !TOPK_EMULATE && !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // One CTA per row: the top-k, then (with tokens) the row's expansion by the same CTA.
 template <int BLOCK>
 __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
@@ -1269,23 +1006,16 @@ __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
     wait_for_prior_grid();
     const int row = blockIdx.x;
     // The groups' copies for the expansion go into H (free once the output pass runs), if K fits it.
-    constexpr bool fused = TOPK_FUSED_TOKENS_ROWS != 0, copies = !fused && TOPK_EXPAND_SMEM != 0;
-    auto ts = token_sink<fused, copies>(row, positions, contexts, requests, row < rows ? tokens : nullptr,
-                                        num_requests, ratio, tok_ld, idx_wide, K <= 2048 ? smem_row : nullptr);
+    auto ts = token_sink<false, true>(row, positions, contexts, requests, row < rows ? tokens : nullptr,
+                                      num_requests, ratio, tok_ld, idx_wide, K <= 2048 ? smem_row : nullptr);
     row_topk<BLOCK, 4>(TOPK_ROW_ARGS);
     if (tokens != nullptr && row < rows) {  // block-uniform: every path of row_topk returns here
-        if constexpr (fused) {
-            unsigned total;  // the row's group tokens (every thread wrote its groups' own); then the tail
-            block_excl_scan<BLOCK>(ts.count, total, smem_row + 2048 + 96);
-            write_tail(ts.trow, ts.p, ts.limit(), ratio, total, width, threadIdx.x, BLOCK);
-        } else {
-            __syncthreads();  // the row's groups are written (and copied)
-            TRACE(16);
-            if (copies && ts.groups != nullptr)
-                expand_copied<BLOCK>(ts, K, width, smem_row + 2048);
-            else
-                expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
-        }
+        __syncthreads();  // the row's groups are written (and copied)
+        TRACE(16);
+        if (ts.groups != nullptr)
+            expand_copied<BLOCK>(ts, K, width, smem_row + 2048);
+        else
+            expand_row<BLOCK>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_row + 2048);
         TRACE(17);
     }
     TRACE(29);
@@ -1296,18 +1026,23 @@ __device__ __forceinline__ void row_kernel(TOPK_ROW_PARAMS) {
                       buf_cap, cached, vec_ok, cand_cap, num_requests, ratio, width, tok_ld, idx_wide)
 
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_256)
-extern "C" __global__ void __launch_bounds__(256, 4) topk_rows_256(TOPK_ROW_PARAMS) {
+extern "C" __global__ void TOPK_LAUNCH_BOUNDS(256, 4) topk_rows_256(TOPK_ROW_PARAMS) {
     TOPK_ROW_CALL(256);
 }
 #endif
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_rows_512)
-extern "C" __global__ void __launch_bounds__(512, 2) topk_rows_512(TOPK_ROW_PARAMS) {
+extern "C" __global__ void TOPK_LAUNCH_BOUNDS(512, 2) topk_rows_512(TOPK_ROW_PARAMS) {
     TOPK_ROW_CALL(512);
 }
 #endif
 
 // ---------------------------------------------------------------------------------------
 // One thread-block cluster of CL CTAs per row (sm_90+).
+#if defined(TOPK_SINGLE) && !TOPK_CLUSTERS &&                                                        \
+    (defined(TOPK_KERNEL_topk_cluster2_512) || defined(TOPK_KERNEL_topk_cluster4_512) ||              \
+     defined(TOPK_KERNEL_topk_cluster8_512) || defined(TOPK_KERNEL_topk_cluster16_512))
+#error "the cluster kernels are compiled out on this target: thread-block clusters exist on CUDA from sm_90 only"
+#endif
 #if TOPK_CLUSTERS
 #if !TOPK_EMULATE
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -1356,9 +1091,7 @@ __device__ __forceinline__ void push_hist(unsigned* H, unsigned* S) {
     const unsigned base = smem_u32(S);
     for (int b = threadIdx.x; b < NB; b += BLOCK) {
         const unsigned v = H[b];
-#if TOPK_OWNER_ZERO
         H[b] = 0u;  // the cluster barrier after the push orders this before the next pass adds into H
-#endif
         if (v) {
 #pragma unroll
             for (int r = 0; r < CL; ++r) red_add_cluster(mapa_u32(base + 4u * b, (unsigned)r), v);
@@ -1373,7 +1106,6 @@ __device__ __forceinline__ void load_loc(const unsigned* S, unsigned (&loc)[NB /
     for (int i = 0; i < PER; ++i) loc[i] = S[NB - 1 - (threadIdx.x * PER + i)];
 }
 
-#if TOPK_GATHER
 // The rest of a cluster's row after the first digit (threshold bin b0, rank krem1 in it, cnt1 keys in it over the
 // whole row), by gathering: classify the chunk (surely kept columns into SB, the bin's columns into cand); send the
 // count of surely kept columns to every higher rank's s_base[0] and the bin's (key, column) pairs into every CTA's
@@ -1425,7 +1157,6 @@ __device__ __forceinline__ long long gather_finish(const unsigned* cache, int le
     const unsigned prefix = (b0 << 21) | (b1 << 10);
     unsigned T = prefix, e = TOPK_ALL;
     if (cnt2 != krem2) {
-        clear_unless_owned<BLOCK>(H, 1024);
         for (int i = threadIdx.x; i < ng; i += BLOCK) {
             const unsigned k = G[2 * i];
             if ((k & 0xFFFFFC00u) == prefix) atomicAdd(&H[k & 0x3FFu], 1u);
@@ -1437,7 +1168,7 @@ __device__ __forceinline__ long long gather_finish(const unsigned* cache, int le
     }
     TRACE(11);
     const int nw = (len + 31) >> 5;
-    clear_unless_owned<BLOCK>(H, nw);  // H becomes the tie bitmap TB
+    // H, zero again, becomes the tie bitmap TB
     // This chunk's selected candidates into SB (ties into TB); the lower ranks' counted (packed eq << 16 | gt:
     // at most CL_GATHER_PAIRS each).
     unsigned below = 0;
@@ -1462,9 +1193,8 @@ __device__ __forceinline__ long long gather_finish(const unsigned* cache, int le
     TRACE(15);
     return base_gt + umin(base_eq, e);
 }
-#endif
 
-// Which CTA of a cluster writes the row's token tail, and from what (TOPK_FUSED_TOKENS_CLUSTERS): the highest rank
+// Which CTA of a cluster writes the row's token tail, and from what: the highest rank
 // whose chunk starts at or below the context's end (every group before it keeps all R tokens, none after it any),
 // decided after the top-k (writer(), from the sink's limit(): its read hides under the top-k).  A row of at most K
 // columns has next < 0: start is the CTA's rank (the first writes), first_slot the row's columns.
@@ -1525,28 +1255,18 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
 
 #if TOPK_BULK
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem_cl + CL_MBAR_WORD);
-#if TOPK_EARLY_COPY
-    if (vec) bulk_issue(g, len, cache, bars);
-#endif
 #endif
     // Everything but the mbarriers (thread 0 sets them up, maybe while other threads still zero): the sums, the
     // scratch and the chunk's bitmap.
-#if TOPK_VECTOR_SMEM
-    zero_words<BLOCK>(smem_cl, CL_MBAR_WORD);
-    zero_words<BLOCK>(smem_cl + CL_FIXED_WORDS, nwcap);
-#else
     for (int i = threadIdx.x; i < CL_MBAR_WORD; i += BLOCK) smem_cl[i] = 0u;
     for (int i = threadIdx.x; i < nwcap; i += BLOCK) smem_cl[CL_FIXED_WORDS + i] = 0u;
-#endif
     TRACE(2);
     // (0): every CTA's sums are zeroed before any remote push; pass 1 is local, so it runs between the halves
     cluster_arrive();
     const bool count = hist == nullptr;  // else S0 is the scorer's histogram of the whole row
 #if TOPK_BULK
     if (vec) {
-#if !TOPK_EARLY_COPY
         bulk_issue(g, len, cache, bars);
-#endif
         __syncthreads();  // the mbarriers set up, H zeroed
         ts.fetch_context();  // after the barrier: no thread waits for the request id before the row's first loads
         pass_first_bulk<BLOCK>(g, len, cache, H, bars, count);
@@ -1579,14 +1299,11 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
     }
     const unsigned b0 = s_res[0], krem1 = s_res[1], cnt1 = s_res[2];
     TRACE(6);
-#if TOPK_FAST && TOPK_GATHER
     // cnt1 is the cluster-wide count, so this branch is uniform over the cluster
     if (cnt1 != krem1 && cnt1 <= umin(CL_GATHER_PAIRS, (unsigned)cand_cap)) {
         tail.first_slot = gather_finish<BLOCK, CL>(cache, len, start, b0, krem1, cnt1, SB, cand, orow, ts);
         return;
     }
-#endif
-#if TOPK_FAST
     // cnt1 is the cluster-wide count, so this branch is uniform over the cluster
     if (cnt1 == krem1 || cnt1 <= (unsigned)cand_cap) {
         const bool exhausted1 = cnt1 == krem1;
@@ -1598,7 +1315,6 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         e = TOPK_ALL;
         if (!exhausted1) {
             const int ncand = (int)s_res[7];
-            clear_unless_owned<BLOCK>(H, 2048);  // owners: push_hist before barrier (1); no push: H never written
             const PassCfg c1 = {0xFFE00000u, b0 << 21, 10, 0x7FFu};
             cand_hist<BLOCK>(cache, cand, ncand, H, c1);
             __syncthreads();
@@ -1617,7 +1333,6 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
             if (cnt2 == krem2) {
                 T = prefix;
             } else {
-                clear_unless_owned<BLOCK>(H, 1024);
                 const PassCfg c2 = {0xFFFFFC00u, prefix, 0, 0x3FFu};
                 cand_hist<BLOCK>(cache, cand, ncand, H, c2);
                 __syncthreads();
@@ -1631,7 +1346,7 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
                 T = prefix | s_res[0];
                 e = s_res[1];
             }
-            clear_unless_owned<BLOCK>(H, nw);  // H becomes the tie bitmap TB
+            // H, zero again, becomes the tie bitmap TB
             TRACE(11);
             cand_mark<BLOCK>(cache, cand, ncand, T, e, SB, H);
             __syncthreads();
@@ -1658,7 +1373,6 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         TRACE(15);
         return;
     }
-#endif
     if (cnt1 == krem1) {
         T = b0 << 21;
         e = TOPK_ALL;
@@ -1735,39 +1449,28 @@ __device__ __forceinline__ void cluster_topk(const float* __restrict__ logits, c
         int width, int tok_ld, int idx_wide
 #define TOPK_CL_ARGS logits, visible, out, rows, columns, ld, K, vec_ok, cap, cand_cap, histogram, ts, tail
 
-// One cluster per row: the top-k (each CTA writes its chunk's slots), then (with tokens) the row's expansion: with
-// TOPK_FUSED_TOKENS_CLUSTERS each CTA writes its groups' tokens with them and the tail's CTA the rest, else the
-// cluster's first CTA expands the row once every CTA's groups are visible to it.
+// One cluster per row: the top-k (each CTA writes its chunk's slots, and with tokens its groups' tokens with them),
+// then the tail's CTA writes the row's token tail.
 template <int CL>
 __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem_cl);
     wait_for_prior_grid();
     const int row = blockIdx.x / CL;
-    auto ts = token_sink<TOPK_FUSED_TOKENS_CLUSTERS != 0>(row, positions, contexts, requests,
-                                                          row < rows ? tokens : nullptr, num_requests, ratio, tok_ld,
-                                                          idx_wide);
+    auto ts = token_sink<true>(row, positions, contexts, requests, row < rows ? tokens : nullptr, num_requests, ratio,
+                               tok_ld, idx_wide);
     CtaTail tail = {0, 0, 0};
     cluster_topk<512, 4, CL>(TOPK_CL_ARGS);
-    if constexpr (decltype(ts)::fused) {
-        const long long limit = ts.limit();
-        if (tokens != nullptr && row < rows && tail.writer(limit, ratio, cluster_rank() == CL - 1)) {  // CTA-uniform
-            long long total;
-            if (tail.next < 0) {
-                total = tail.first_slot * ratio < limit ? tail.first_slot * ratio : limit;
-            } else {
-                unsigned own;
-                block_excl_scan<512>(ts.count, own, smem_cl + 7168 + 96);
-                total = tail.first_slot * ratio + own;
-            }
-            write_tail(ts.trow, ts.p, limit, ratio, total, width, threadIdx.x, 512);
-            TRACE(17);
+    const long long limit = ts.limit();
+    if (tokens != nullptr && row < rows && tail.writer(limit, ratio, cluster_rank() == CL - 1)) {  // CTA-uniform
+        long long total;
+        if (tail.next < 0) {
+            total = tail.first_slot * ratio < limit ? tail.first_slot * ratio : limit;
+        } else {
+            unsigned own;
+            block_excl_scan<512>(ts.count, own, smem_cl + 7168 + 96);
+            total = tail.first_slot * ratio + own;
         }
-    } else if (tokens != nullptr && row < rows) {  // uniform over the cluster: every path of cluster_topk returns here
-        __threadfence();
-        cluster_sync();
-        TRACE(16);
-        if (cluster_rank() == 0)
-            expand_row<512>(out + (long long)row * K, K, row, TOPK_EXPAND_ARGS, smem_cl + 7168);
+        write_tail(ts.trow, ts.p, limit, ratio, total, width, threadIdx.x, 512);
         TRACE(17);
     }
     TRACE(29);
@@ -1778,22 +1481,22 @@ __device__ __forceinline__ void cluster_kernel(TOPK_CL_PARAMS) {
                        vec_ok, cap, cand_cap, num_requests, ratio, width, tok_ld, idx_wide)
 
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster2_512)
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(512, 2) topk_cluster2_512(TOPK_CL_PARAMS) {
+extern "C" __global__ void __cluster_dims__(2, 1, 1) TOPK_LAUNCH_BOUNDS(512, 2) topk_cluster2_512(TOPK_CL_PARAMS) {
     TOPK_CL_CALL(2);
 }
 #endif
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster4_512)
-extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(512, 2) topk_cluster4_512(TOPK_CL_PARAMS) {
+extern "C" __global__ void __cluster_dims__(4, 1, 1) TOPK_LAUNCH_BOUNDS(512, 2) topk_cluster4_512(TOPK_CL_PARAMS) {
     TOPK_CL_CALL(4);
 }
 #endif
 #if !defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster8_512)
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(512, 2) topk_cluster8_512(TOPK_CL_PARAMS) {
+extern "C" __global__ void __cluster_dims__(8, 1, 1) TOPK_LAUNCH_BOUNDS(512, 2) topk_cluster8_512(TOPK_CL_PARAMS) {
     TOPK_CL_CALL(8);
 }
 #endif
 #if !defined(TOPK_NO_CLUSTER16) && (!defined(TOPK_SINGLE) || defined(TOPK_KERNEL_topk_cluster16_512))
-extern "C" __global__ void __cluster_dims__(16, 1, 1) __launch_bounds__(512, 2) topk_cluster16_512(TOPK_CL_PARAMS) {
+extern "C" __global__ void __cluster_dims__(16, 1, 1) TOPK_LAUNCH_BOUNDS(512, 2) topk_cluster16_512(TOPK_CL_PARAMS) {
     TOPK_CL_CALL(16);
 }
 #endif

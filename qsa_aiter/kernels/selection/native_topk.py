@@ -27,6 +27,8 @@ from ..platform import Platform
 
 #: The CUDA source of the kernels.
 SOURCE_PATH = Path(__file__).with_name("native_topk.cu")
+#: The vendor facts it includes (``#include "native_compat.h"``), spliced into ``source()``'s text.
+COMPAT_PATH = Path(__file__).with_name("native_compat.h")
 
 #: Fixed part of a row kernel's shared memory: H[2048] | scan[128] | res[8] | mbarriers[16 x u64] (``ROW_FIXED_WORDS``
 #: in the source).
@@ -57,39 +59,6 @@ TWO_PER_SM_MARGIN = 2 * 1024
 #: Bins of the scorer's per-row histogram the kernels start from: the top 11 bits of the order-preserving key
 #: (``kernels/scoring/histogram.py``).
 HISTOGRAM_BINS = 2048
-#: The source's candidate changes (``native_topk.cu``, "Candidate changes"), each a compile-time switch timed by
-#: ``benchmarks/native_variants.py`` against the shipped kernel: each variant below is a build that differs from the
-#: source's defaults (``SWITCH_DEFAULTS``, on where a GPU timed the change faster), by what it changes, one at a
-#: time; and every change on together (``all``: pass 1's histogram with the uniform-digit step, ``all_plain_atomics``:
-#: with plain shared atomics).
-CANDIDATE_SWITCHES = {
-    "no_key_fadd": ("TOPK_KEY_FADD=0",),
-    "no_owner_zero": ("TOPK_OWNER_ZERO=0",),
-    "early_copy": ("TOPK_EARLY_COPY=1",),
-    "no_gather": ("TOPK_GATHER=0",),
-    "vector_smem": ("TOPK_VECTOR_SMEM=1",),
-    "fused_tokens_rows": ("TOPK_FUSED_TOKENS_ROWS=1",),
-    "unfused_tokens_clusters": ("TOPK_FUSED_TOKENS_CLUSTERS=0",),
-    "classify_skip": ("TOPK_CLASSIFY_UNITS=0", "TOPK_CLASSIFY_SKIP=1"),
-    "uniform_digit_hist": ("TOPK_HIST=3",),
-    "small_pieces": ("TOPK_PIECE_QUADS=512",),
-    "expand_from_global": ("TOPK_EXPAND_SMEM=0",),
-    "classify_quads": ("TOPK_CLASSIFY_UNITS=0",),
-    "classify_full_quads": ("TOPK_CLASSIFY_UNITS=0", "TOPK_CLASSIFY_FULL_QUADS=1"),
-    "scalar_tokens": ("TOPK_EXPAND_VEC=0",),
-}
-_EVERY_CHANGE = ("TOPK_KEY_FADD=1", "TOPK_OWNER_ZERO=1", "TOPK_EARLY_COPY=1", "TOPK_GATHER=1", "TOPK_VECTOR_SMEM=1",
-                 "TOPK_FUSED_TOKENS_ROWS=1", "TOPK_FUSED_TOKENS_CLUSTERS=1", "TOPK_CLASSIFY_SKIP=1",
-                 "TOPK_PIECE_QUADS=512", "TOPK_EXPAND_SMEM=1", "TOPK_EXPAND_VEC=1", "TOPK_CLASSIFY_UNITS=0",
-                 "TOPK_CLASSIFY_FULL_QUADS=1")
-CANDIDATE_SWITCHES["all"] = (*_EVERY_CHANGE, "TOPK_HIST=3")
-CANDIDATE_SWITCHES["all_plain_atomics"] = (*_EVERY_CHANGE, "TOPK_HIST=1")
-#: The defaults of the source's switches: on where a GPU timed them faster (docs/selection.md says which).
-SWITCH_DEFAULTS = {"TOPK_KEY_FADD": 1, "TOPK_OWNER_ZERO": 1, "TOPK_EARLY_COPY": 0, "TOPK_GATHER": 1,
-                   "TOPK_VECTOR_SMEM": 0, "TOPK_FUSED_TOKENS_ROWS": 0, "TOPK_FUSED_TOKENS_CLUSTERS": 1,
-                   "TOPK_CLASSIFY_SKIP": 0, "TOPK_HIST": 1, "TOPK_PIECE_QUADS": 2048,
-                   "TOPK_EXPAND_SMEM": 1, "TOPK_EXPAND_VEC": 1, "TOPK_CLASSIFY_UNITS": 1,
-                   "TOPK_CLASSIFY_FULL_QUADS": 0}
 #: Every launch argument after the three pointers is a C ``int``: the kernels compute row offsets in 64 bits, but
 #: columns, the row stride and block_topk must be below 2**31.
 INT_LIMIT = 2**31
@@ -107,8 +76,13 @@ CLUSTER_SCALARS = ("rows", "columns", "ld", "K", "vec_ok", "cap", "cand_cap") + 
 
 @lru_cache(maxsize=1)
 def source() -> str:
-    """The kernels' CUDA source (read once per process)."""
-    return SOURCE_PATH.read_text()
+    """The kernels' source with ``native_compat.h`` spliced in where it is included (read once per process): NVRTC
+    and hipRTC compile one text with no include path, and its hash (the JIT key's) covers both files."""
+    text, include = SOURCE_PATH.read_text(), '#include "native_compat.h"\n'
+    at = text.index(include)
+    line = text.count("\n", 0, at) + 2  # the source's line after the include
+    return (f'{text[:at]}#line 1 "native_compat.h"\n{COMPAT_PATH.read_text()}#line {line} "native_topk.cu"\n'
+            f"{text[at + len(include):]}")
 
 
 @dataclass(frozen=True)

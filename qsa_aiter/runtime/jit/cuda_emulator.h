@@ -11,9 +11,22 @@
 // the results. It does not model timing or memory-ordering races between warps (every interleaving it runs is
 // sequentially consistent), and it is slow (a launch of a few thousand threads takes milliseconds).
 //
+// The warp width is the build's (-DTOPK_WARP_SIZE, 32 or 64): 32 emulates an NVIDIA target (CUDA's shuffles and
+// votes with 32-bit lane masks, thread-block clusters and bulk copies), 64 an AMD wave64 one as HIP defines it (its
+// shuffles and votes take no mask, its ballot is 64 bits; no clusters, no bulk copies): TOPK_EMULATED_HIP and
+// TOPK_EMULATED_WARP_SIZE tell native_compat.h which target it is.
+//
 // The source's side of the contract: under TOPK_EMULATE it declares dynamic shared memory with
 // TOPK_DYNAMIC_SMEM(name) and leaves out its inline-assembly primitives; this header defines them.
 #pragma once
+#ifndef TOPK_WARP_SIZE
+#error "cuda_emulator.h: the emulated build names its warp width (-DTOPK_WARP_SIZE=32 or 64)"
+#endif
+#if TOPK_WARP_SIZE != 32 && TOPK_WARP_SIZE != 64
+#error "cuda_emulator.h: the emulated warp width is 32 (an NVIDIA target) or 64 (an AMD wave64 target)"
+#endif
+#define TOPK_EMULATED_WARP_SIZE TOPK_WARP_SIZE
+#define TOPK_EMULATED_HIP (TOPK_WARP_SIZE == 64)
 #include <setjmp.h>
 #include <stdint.h>
 #include <string.h>
@@ -79,7 +92,7 @@ inline unsigned atomicOr(unsigned* p, unsigned v) {
 
 namespace emu {
 
-constexpr int kWarp = 32;
+constexpr int kWarp = TOPK_EMULATED_WARP_SIZE;
 constexpr size_t kStackBytes = 64 * 1024;
 
 struct Cta;
@@ -100,7 +113,8 @@ struct Thread {
 struct Warp {
     int live = 0, arrived = 0, op = -1;
     unsigned generation = 0;
-    unsigned values[kWarp] = {}, results[kWarp] = {};
+    unsigned values[kWarp] = {};
+    unsigned long long results[kWarp] = {};  // a ballot's lane mask is as wide as the warp
     int arg = 0;
 };
 
@@ -167,9 +181,9 @@ inline void syncthreads() {
     wait_while(&c.generation, gen);
 }
 
-enum WarpOp { kShflIdx, kShflUp, kAll, kAny };
+enum WarpOp { kShflIdx, kShflUp, kAll, kAny, kBallot };
 // A warp collective: every live lane of the warp brings a value; the last to arrive computes all lanes' results.
-inline unsigned warp_collective(WarpOp op, unsigned value, int arg) {
+inline unsigned long long warp_collective(WarpOp op, unsigned value, int arg) {
     Thread& t = current();
     Warp& w = t.cta->warps[t.thread_idx.x / kWarp];
     const int lane = t.thread_idx.x % kWarp;
@@ -185,9 +199,11 @@ inline unsigned warp_collective(WarpOp op, unsigned value, int arg) {
     if (++w.arrived == w.live) {
         if (w.live != kWarp) fail("a warp collective with exited lanes");
         unsigned all = 1, any = 0;
+        unsigned long long ballot = 0;
         for (int l = 0; l < kWarp; ++l) {
             all &= w.values[l] != 0;
             any |= w.values[l] != 0;
+            ballot |= (unsigned long long)(w.values[l] != 0) << l;
         }
         for (int l = 0; l < kWarp; ++l) {
             switch (op) {
@@ -195,6 +211,7 @@ inline unsigned warp_collective(WarpOp op, unsigned value, int arg) {
                 case kShflUp: w.results[l] = l >= arg ? w.values[l - arg] : w.values[l]; break;
                 case kAll: w.results[l] = all; break;
                 case kAny: w.results[l] = any; break;
+                case kBallot: w.results[l] = ballot; break;
             }
         }
         w.arrived = 0;
@@ -246,10 +263,26 @@ inline unsigned* cluster_word(unsigned address) {
 #define TOPK_DYNAMIC_SMEM(name) unsigned* name = emu::dynamic_smem()
 
 inline void __syncthreads() { emu::syncthreads(); }
+// Each vendor's warp collectives, over the whole warp (the emulator fails a collective some lane does not reach): only
+// the emulated target's, so a source that calls the other vendor's does not build.
+#if TOPK_EMULATED_HIP
+// HIP (wave64): no lane mask; __shfl's source lane is taken modulo the width, __shfl_up keeps a lane's own value
+// below the delta, __ballot is a 64-bit mask.
+inline int __all(int p) { return (int)emu::warp_collective(emu::kAll, p ? 1u : 0u, 0); }
+inline int __any(int p) { return (int)emu::warp_collective(emu::kAny, p ? 1u : 0u, 0); }
+inline unsigned long long __ballot(int p) { return emu::warp_collective(emu::kBallot, p ? 1u : 0u, 0); }
+inline unsigned __shfl(unsigned v, int src) { return (unsigned)emu::warp_collective(emu::kShflIdx, v, src); }
+inline unsigned __shfl_up(unsigned v, unsigned d) { return (unsigned)emu::warp_collective(emu::kShflUp, v, (int)d); }
+#else
+// CUDA: a 32-bit mask of the lanes taking part (the kernels pass every lane's).
 inline int __all_sync(unsigned, bool p) { return (int)emu::warp_collective(emu::kAll, p ? 1u : 0u, 0); }
 inline int __any_sync(unsigned, bool p) { return (int)emu::warp_collective(emu::kAny, p ? 1u : 0u, 0); }
-inline unsigned __shfl_sync(unsigned, unsigned v, int src) { return emu::warp_collective(emu::kShflIdx, v, src); }
-inline unsigned __shfl_up_sync(unsigned, unsigned v, int d) { return emu::warp_collective(emu::kShflUp, v, d); }
+inline unsigned __ballot_sync(unsigned, bool p) { return (unsigned)emu::warp_collective(emu::kBallot, p ? 1u : 0u, 0); }
+inline unsigned __shfl_sync(unsigned, unsigned v, int src) {
+    return (unsigned)emu::warp_collective(emu::kShflIdx, v, src);
+}
+inline unsigned __shfl_up_sync(unsigned, unsigned v, int d) { return (unsigned)emu::warp_collective(emu::kShflUp, v, d); }
+#endif
 
 // The primitives the source writes in inline assembly on sm_90. An mbarrier lives in its 8 bytes of shared memory
 // as a state word (initialised, expecting bytes, complete), so code that overwrites a live one is caught.

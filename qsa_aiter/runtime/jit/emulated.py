@@ -7,6 +7,11 @@ addresses)`` executes one ``NativeLaunch`` (``kernels/selection/native_topk.py``
 cooperative thread, thread-block clusters with their distributed shared memory, bulk copies done when issued
 (the header says what it does not model). A failure inside the emulated kernel (a deadlock, a shared-memory address
 out of range, a divergent warp collective) raises ``EmulationError``.
+
+The emulated warp width is a compile-time parameter of the build, the ``TOPK_WARP_SIZE=<32|64>`` among its defines
+(32 where it names none): 32 emulates an NVIDIA target (CUDA's warp collectives, thread-block clusters and bulk
+copies), 64 an AMD wave64 target as HIP defines it (HIP's warp collectives, no clusters and no bulk copies: a kernel
+the source compiles out there, such as a cluster kernel, is refused at its launch).
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from functools import lru_cache
 from pathlib import Path
 
 HEADER_PATH = Path(__file__).with_name("cuda_emulator.h")
-#: The switches of an emulated build: the emulator's primitives, and the sm_90 paths (clusters, bulk copies) that a
-#: CPU build would otherwise leave out.
-EMULATION_DEFINES = ("TOPK_EMULATE=1", "TOPK_CLUSTERS=1", "TOPK_BULK=1")
+#: The switches of an emulated build: the emulator's primitives, and at the warp width of 32 the sm_90 paths (clusters,
+#: bulk copies) that a CPU build would otherwise leave out.
+EMULATION_DEFINES = ("TOPK_EMULATE=1",)
+NVIDIA_DEFINES = ("TOPK_CLUSTERS=1", "TOPK_BULK=1")
+#: The warp widths the emulator runs: an NVIDIA target's and an AMD wave64 target's.
+WARP_SIZES = (32, 64)
 MAX_POINTERS, MAX_SCALARS = 16, 32
 
 
@@ -43,18 +51,40 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def warp_size_of(defines: tuple[str, ...]) -> int:
+    """The emulated warp width an emulated build's ``defines`` name (``TOPK_WARP_SIZE=<32|64>``; 32 where none
+    does); ``ValueError`` for another width."""
+    named = [d.partition("=")[2] for d in defines if d.partition("=")[0] == "TOPK_WARP_SIZE"]
+    if not named:
+        return 32
+    if len(named) > 1 or named[0] not in {str(w) for w in WARP_SIZES}:
+        raise ValueError(f"defines: TOPK_WARP_SIZE must be named once, as one of {WARP_SIZES}; got {defines}")
+    return int(named[0])
+
+
 def _wrapper(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int], ...]) -> str:
     """C++ that includes ``source_path`` and gives each kernel (name, pointer C types, scalar count) a body the
-    emulator runs per thread, and ``emu_launch`` that picks one by name."""
-    lines = [f'#include "{source_path}"', "#include <string.h>",
-             "struct EmuArgs { void* p[%d]; int s[%d]; };" % (MAX_POINTERS, MAX_SCALARS)]
+    emulator runs per thread, and ``emu_launch`` that picks one by name. A kernel the source leaves out of the build
+    (the cluster kernels at a warp width of 64) resolves to a placeholder (a template in ``emu_absent``, which overload
+    resolution takes only where no kernel of that name exists), and its launch is refused."""
+    lines = [f'#include "{source_path}"', "#include <string.h>", "#include <type_traits>", "#include <utility>",
+             "struct EmuArgs { void* p[%d]; int s[%d]; };" % (MAX_POINTERS, MAX_SCALARS),
+             "namespace emu_absent {", "struct Absent {};"]
+    lines += [f"template <class... A> Absent {name}(A...) {{ return {{}}; }}" for name, _, _ in kernels]
+    lines += ["}  // namespace emu_absent", "using namespace emu_absent;"]
     dispatch = []
     for name, pointer_types, scalars in kernels:
         args = [f"({ctype})a.p[{i}]" for i, ctype in enumerate(pointer_types)]
         args += [f"a.s[{i}]" for i in range(scalars)]
+        probe = ", ".join([f"std::declval<{ctype}>()" for ctype in pointer_types] + ["std::declval<int>()"] * scalars)
+        lines.append(f"constexpr bool built_{name} = !std::is_same<decltype({name}({probe})), "
+                     "emu_absent::Absent>::value;")
         lines.append(f"static void body_{name}(void* raw) {{\n    EmuArgs& a = *(EmuArgs*)raw;\n"
-                     f"    {name}({', '.join(args)});\n}}")
-        dispatch.append(f'    if (!strcmp(kernel, "{name}")) body = body_{name};')
+                     f"    if constexpr (built_{name}) {name}({', '.join(args)});\n}}")
+        dispatch.append(f'    if (!strcmp(kernel, "{name}")) {{\n'
+                        f'        if (!built_{name}) {{ error = std::string("{name} is compiled out of this build '
+                        f'(warp width ") + std::to_string(TOPK_EMULATED_WARP_SIZE) + ")"; return error.c_str(); }}\n'
+                        f"        body = body_{name};\n    }}")
     lines += [
         'extern "C" const char* emu_launch(const char* kernel, int grid, int block, int cluster, '
         "unsigned long long smem, void** p, int np, const int* s, int ns, unsigned seed) {",
@@ -76,7 +106,9 @@ def _wrapper(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int],
 def build(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int], ...],
           defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Compile ``source_path``'s ``kernels`` (name, pointer C types, scalar count) for the emulator, with
-    ``EMULATION_DEFINES`` and ``defines``; the library is built once per process and argument set."""
+    ``EMULATION_DEFINES`` and ``defines``, at the warp width they name (``warp_size_of``: 32, with ``NVIDIA_DEFINES``,
+    or 64); the library is built once per process and argument set."""
+    warp = warp_size_of(defines)
     reason = unavailable_reason()
     if reason:
         raise EmulationError(f"cannot emulate native kernels: {reason}")
@@ -89,7 +121,10 @@ def build(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int], ..
     # _FORTIFY_SOURCE's longjmp check refuses a jump to another stack, which is how the emulator switches threads.
     command = [compiler(), "-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-U_FORTIFY_SOURCE", "-D_FORTIFY_SOURCE=0",
                "-include", str(HEADER_PATH),
-               *[f"-D{d}" for d in (*EMULATION_DEFINES, *defines)], str(wrapper), "-o", str(library)]
+               *[f"-D{d}" for d in (*EMULATION_DEFINES, *(NVIDIA_DEFINES if warp == 32 else ()),
+                                    *(() if any(d.startswith("TOPK_WARP_SIZE=") for d in defines) else
+                                      (f"TOPK_WARP_SIZE={warp}",)), *defines)],
+               str(wrapper), "-o", str(library)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise EmulationError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")

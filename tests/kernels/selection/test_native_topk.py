@@ -63,7 +63,7 @@ def test_kernel_parameters_match_the_source(macro, scalars):
 @pytest.mark.parametrize("variant", nt.VARIANTS, ids=lambda v: v.name)
 def test_every_variant_is_a_kernel_of_the_source(variant):
     cluster = rf"__cluster_dims__\({variant.cluster}, 1, 1\) " if variant.cluster > 1 else ""
-    pattern = (rf'extern "C" __global__ void {cluster}__launch_bounds__\({variant.threads}, '
+    pattern = (rf'extern "C" __global__ void {cluster}TOPK_LAUNCH_BOUNDS\({variant.threads}, '
                rf"{variant.blocks_per_multiprocessor}\) {variant.name}\(")
     assert re.search(pattern, SOURCE), pattern
     assert f"defined(TOPK_KERNEL_{variant.name})" in SOURCE
@@ -72,53 +72,58 @@ def test_every_variant_is_a_kernel_of_the_source(variant):
 
 
 def test_the_source_is_portable_and_self_contained():
+    """``source()`` is one text (no include path for NVRTC or hipRTC): the file includes only ``native_compat.h``, which
+    is spliced in; the vendor is tested there only, and the warp width is checked against the target's."""
+    text = nt.SOURCE_PATH.read_text()
+    assert re.findall(r"^[ \t]*#[ \t]*include.*$", text, re.M) == ['#include "native_compat.h"']
     assert not re.search(r"^\s*#\s*include", SOURCE, re.M)
-    assert "#ifndef TOPK_WARP_SIZE" in SOURCE and "#define WS TOPK_WARP_SIZE" in SOURCE
+    assert nt.COMPAT_PATH.read_text() in SOURCE
+    assert "TOPK_HIP" not in re.sub(r"//.*", "", text), "the .cu tests the vendor: native_compat.h's job"
+    assert "static_assert(TOPK_WARP_SIZE == TOPK_TARGET_WARP_SIZE" in SOURCE and "#define WS TOPK_WARP_SIZE" in SOURCE
     # the CUDA-only features sit behind their switches, decided by the target
     for switch in ("TOPK_CLUSTERS", "TOPK_BULK"):
         assert f"#ifndef {switch}\n#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)" in SOURCE
     assert " us " not in SOURCE and "µs" not in SOURCE, "measurements belong in docs/, not in the source"
 
 
-def test_the_candidate_switches_are_the_sources():
-    """Each candidate switch is a macro of the source with the default ``SWITCH_DEFAULTS`` gives it, listed in its
-    "Candidate changes"."""
-    names = {define.split("=")[0] for defines in nt.CANDIDATE_SWITCHES.values() for define in defines}
-    assert names == set(nt.SWITCH_DEFAULTS)
-    listing = SOURCE[SOURCE.index("// Candidate changes"):SOURCE.index("// shared-memory layout")]
-    for name, default in nt.SWITCH_DEFAULTS.items():
-        assert f"#ifndef {name}\n#define {name} {default}\n#endif" in SOURCE, name
-        if name != "TOPK_HIST":
-            assert re.search(rf"//   (\S+ / )?{name}=\d+ ", listing), name
-    for defines in nt.CANDIDATE_SWITCHES.values():  # every variant differs from the shipped build
-        assert any(int(d.split("=")[1]) != nt.SWITCH_DEFAULTS[d.split("=")[0]] for d in defines), defines
+#: The measured candidate switches the source had (docs/design-log/2026-12-06-native-topk-switches.md): only their
+#: shipped side is left, as plain code.
+REMOVED_SWITCHES = ("TOPK_KEY_FADD", "TOPK_OWNER_ZERO", "TOPK_EARLY_COPY", "TOPK_GATHER", "TOPK_VECTOR_SMEM",
+                    "TOPK_FUSED_TOKENS_ROWS", "TOPK_FUSED_TOKENS_CLUSTERS", "TOPK_CLASSIFY_SKIP", "TOPK_HIST",
+                    "TOPK_PIECE_QUADS", "TOPK_EXPAND_SMEM", "TOPK_EXPAND_VEC", "TOPK_CLASSIFY_UNITS",
+                    "TOPK_CLASSIFY_FULL_QUADS", "TOPK_FAST")
+#: The macros a build may set: what to build and for which target, not measured alternatives.
+BUILD_MACROS = {"TOPK_WARP_SIZE", "TOPK_EMULATE", "TOPK_CLUSTERS", "TOPK_BULK", "TOPK_TRACE", "TOPK_SINGLE",
+                "TOPK_NO_CLUSTER16"}
 
 
-def test_the_documented_switch_defaults_are_the_sources():
-    """docs/selection.md's table of the source's switches lists each with its default, in ``SWITCH_DEFAULTS``."""
+def test_no_measured_switch_is_left_in_the_source():
+    """Every macro a build may set (``#ifndef`` / ``#ifdef`` / ``defined``) is a build fact; the measured switches are
+    gone from the source, and the design log keeps each with the side that ships."""
+    settable = set(re.findall(r"#\s*ifn?def\s+(TOPK_\w+)", SOURCE)) | set(re.findall(r"defined\((TOPK_\w+)\)", SOURCE))
+    settable = {name for name in settable if not name.startswith("TOPK_KERNEL_")}
+    assert settable <= BUILD_MACROS, settable - BUILD_MACROS
+    for name in REMOVED_SWITCHES:
+        assert not re.search(rf"\b{name}\b", SOURCE), name
+    log = (Path(__file__).resolve().parents[3] / "docs" / "design-log" / "2026-12-06-native-topk-switches.md")
+    rows = dict(re.findall(r"^\| `(TOPK_\w+)` \| (\d+) \|", log.read_text(), flags=re.M))
+    assert set(rows) | {"TOPK_FAST"} == set(REMOVED_SWITCHES)
     doc = (Path(__file__).resolve().parents[3] / "docs" / "selection.md").read_text()
-    section = doc[doc.index("### The source's switches and their defaults"):]
-    section = section[:section.index("\n### ")]
-    rows = re.findall(r"^\| `(TOPK_\w+)` \| (\d+) \|", section, flags=re.M)
-    assert dict(rows) == {name: str(value) for name, value in nt.SWITCH_DEFAULTS.items()}
-    assert len(rows) == len(nt.SWITCH_DEFAULTS)
+    assert "design-log/2026-12-06-native-topk-switches.md" in doc
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("variant", nt.VARIANTS, ids=lambda v: v.name)
-def test_the_candidate_switches_compile_without_spills(variant):
-    """Every kernel with all the candidate switches on (as benchmarks/native_variants.py builds them), and the cluster
-    of 4 with each alone, compile for sm_90 within the registers their launch bounds allow, without spills or a stack
-    frame (local memory)."""
-    sets = [nt.CANDIDATE_SWITCHES["all"], nt.CANDIDATE_SWITCHES["all_plain_atomics"]]
-    if variant.name == "topk_cluster4_512":
-        sets += [defines for name, defines in nt.CANDIDATE_SWITCHES.items() if not name.startswith("all")]
-    for defines in sets:
-        built = nvrtc.compile_cubin(SOURCE, "sm_90", tuple(f"-D{d}" for d in (*variant.defines, *defines)),
-                                    name="native_topk.cu")
-        report = nvrtc.ptxas_report(built.log)[variant.name]
-        assert report.spill_store_bytes == 0 and report.stack_bytes == 0, (defines, report)
-        assert report.registers <= variant.max_registers, (defines, report)
+def test_a_warp_width_that_is_not_the_targets_does_not_compile():
+    """``-DTOPK_WARP_SIZE`` is checked against the target's width (32 on every NVIDIA target); a cluster kernel asked
+    for where clusters do not exist (below sm_90) stops the build naming why."""
+    rows = ("-DTOPK_SINGLE", "-DTOPK_KERNEL_topk_rows_256")
+    built = nvrtc.compile_cubin(SOURCE, "sm_90", (*rows, "-DTOPK_WARP_SIZE=32"), name="native_topk.cu")
+    assert "topk_rows_256" in nvrtc.ptxas_report(built.log)
+    with pytest.raises(nvrtc.NvrtcError, match="not the target's warp width"):
+        nvrtc.compile_cubin(SOURCE, "sm_90", (*rows, "-DTOPK_WARP_SIZE=64"), name="native_topk.cu")
+    with pytest.raises(nvrtc.NvrtcError, match="the cluster kernels are compiled out on this target"):
+        nvrtc.compile_cubin(SOURCE, "sm_80", ("-DTOPK_SINGLE", "-DTOPK_KERNEL_topk_cluster4_512"),
+                            name="native_topk.cu")
 
 
 def test_variants_per_platform():
@@ -437,40 +442,6 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(rows, columns, 
         again = torch.full_like(want, -7)
         native_block_topk(poisoned, visible, again, block_topk, plan=plan, histogram=histogram)
         assert torch.equal(again, out), f"{plan.describe()}: not bitwise repeatable"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("switches", list(nt.CANDIDATE_SWITCHES))
-@pytest.mark.parametrize("rows, columns, kind", [(7, 9000, "relu"), (36, 32768, "ties"), (5, 40000, "random")])
-def test_every_plan_with_a_candidate_switch_equals_the_oracle(switches, rows, columns, kind):
-    """Every plan built with each candidate switch (benchmarks/native_variants.py's builds), with the expansion fused
-    and without, against the oracles, twice (bitwise)."""
-    from qsa_aiter.kernels.selection.reference import torch_expand_block_indices
-    from qsa_aiter.runtime.registries import native_block_topk
-
-    defines = nt.CANDIDATE_SWITCHES[switches]
-    gen = torch.Generator().manual_seed(zlib.crc32(f"switch {rows} {columns} {kind}".encode()))
-    k, ratio, token_topk = 512, 4, 2048
-    logits = native_case_logits(gen, rows, columns, kind)
-    visible = edge_visible(gen, rows, columns, k)
-    want = torch.empty((rows, k), dtype=torch.int32, device="cuda")
-    torch_block_topk(logits, visible, k, want)
-    requests = torch.arange(rows, dtype=torch.int32, device="cuda")
-    contexts = torch.randint(0, ratio * columns + 9, (rows,), generator=gen).to(torch.int32).cuda()
-    positions = torch.randint(-1, ratio * columns, (rows,), generator=gen).cuda()
-    want_tokens = torch.empty((rows, token_topk + ratio - 1), dtype=torch.int32, device="cuda")
-    torch_expand_block_indices(want, positions, contexts, requests, ratio, token_topk, want_tokens)
-    poisoned = nan_past_visible(logits, visible)
-    for plan in native_plans(rows, columns, k):
-        for _ in range(2):
-            groups = torch.full_like(want, -7)
-            native_block_topk(poisoned, visible, groups, k, plan=plan, defines=defines)
-            assert torch.equal(groups, want), plan.describe()
-            tokens = torch.full_like(want_tokens, -7)
-            native_block_topk(poisoned, visible, groups, k, plan=plan, defines=defines,
-                              expand_into=(positions, contexts, requests, tokens, ratio, token_topk))
-            assert torch.equal(groups, want) and torch.equal(tokens, want_tokens), plan.describe()
 
 
 @pytest.mark.parametrize("shape, dtype", [((4, 2047), torch.int32), ((3, 2048), torch.int32), ((4, 2048), torch.int64)])

@@ -1,0 +1,126 @@
+// native_compat.h -- the vendor facts the native kernels meet, in one place: which vendor compiles them (CUDA
+// through NVRTC, HIP through hipRTC or clang, or the CPU emulator), the target's warp width, warp shuffles and votes,
+// launch bounds, and whether thread-block clusters and bulk copies exist.  native_topk.cu includes it and never
+// tests the vendor itself.  native_topk.source() splices this file in where the source includes it, so NVRTC and
+// hipRTC compile one text (no include path) and the JIT key's source hash covers both files.
+#ifndef QSA_NATIVE_COMPAT_H
+#define QSA_NATIVE_COMPAT_H
+
+// TOPK_EMULATE: the CPU build of runtime/jit/cuda_emulator.h (tests without a GPU), which defines the inline-assembly
+// primitives, the dynamic shared memory and the target it emulates (TOPK_EMULATED_HIP, TOPK_EMULATED_WARP_SIZE).
+#ifndef TOPK_EMULATE
+#define TOPK_EMULATE 0
+#define TOPK_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned name[]
+#endif
+
+#if TOPK_EMULATE
+#define TOPK_HIP TOPK_EMULATED_HIP
+#elif defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+#define TOPK_HIP 1
+#else
+#define TOPK_HIP 0
+#endif
+
+// ---------------------------------------------------------------------------------------
+// The warp width: the target's own (TOPK_TARGET_WARP_SIZE, from the compiler's target macros), checked against the
+// width the build passes (-DTOPK_WARP_SIZE: 32 for sm_*, 64 for gfx942 / gfx950), never a default.  A build that
+// passes none takes the target's.
+#if TOPK_EMULATE
+#define TOPK_TARGET_WARP_SIZE TOPK_EMULATED_WARP_SIZE
+#elif TOPK_HIP && !defined(__HIP_DEVICE_COMPILE__)
+// A HIP host pass compiles no device code and has no target: the width the build passes stands.
+#ifndef TOPK_WARP_SIZE
+#error "native_compat.h: a HIP host pass needs -DTOPK_WARP_SIZE (the device target's wavefront size)"
+#endif
+#define TOPK_TARGET_WARP_SIZE TOPK_WARP_SIZE
+#elif TOPK_HIP
+#if defined(__GFX9__)  // GCN and CDNA (gfx90a, gfx942 = MI300X/MI325X, gfx950 = MI355X): wave64 only
+#define TOPK_TARGET_WARP_SIZE 64
+#elif defined(__AMDGCN_WAVEFRONT_SIZE__)  // compilers that still state it (clang 22 does not)
+#define TOPK_TARGET_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE__
+#elif defined(__AMDGCN_WAVEFRONT_SIZE)
+#define TOPK_TARGET_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE
+#else
+#error "native_compat.h: cannot tell this AMD target's wavefront size (the kernels are built for gfx9 targets)"
+#endif
+#else
+#define TOPK_TARGET_WARP_SIZE 32  // every NVIDIA target
+#endif
+#ifndef TOPK_WARP_SIZE
+#define TOPK_WARP_SIZE TOPK_TARGET_WARP_SIZE
+#endif
+static_assert(TOPK_WARP_SIZE == TOPK_TARGET_WARP_SIZE,
+              "TOPK_WARP_SIZE (the width the build passes) is not the target's warp width: 32 for NVIDIA sm_*, 64 "
+              "for AMD gfx9 (gfx942, gfx950)");
+#define WS TOPK_WARP_SIZE
+
+// ---------------------------------------------------------------------------------------
+// Thread-block clusters (distributed shared memory, mapa, red.shared::cluster) and bulk copies (cp.async.bulk with
+// mbarriers) exist on CUDA from sm_90 only.  On HIP they are compiled out: a build that asks for them, or for a
+// cluster kernel by name, stops here (the launcher says "clusters compiled out on ROCm").
+#if TOPK_HIP
+#if defined(TOPK_CLUSTERS) && TOPK_CLUSTERS
+#error "TOPK_CLUSTERS=1: thread-block clusters do not exist on HIP"
+#endif
+#if defined(TOPK_BULK) && TOPK_BULK
+#error "TOPK_BULK=1: bulk copies (cp.async.bulk) do not exist on HIP"
+#endif
+#endif
+#ifndef TOPK_CLUSTERS
+#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define TOPK_CLUSTERS 1
+#else
+#define TOPK_CLUSTERS 0
+#endif
+#endif
+#ifndef TOPK_BULK
+#if !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define TOPK_BULK 1
+#else
+#define TOPK_BULK 0
+#endif
+#endif
+
+// ---------------------------------------------------------------------------------------
+// __launch_bounds__(threads, ctas): CUDA's second argument is the CTAs per multiprocessor the kernel promises to fit
+// (it caps registers at 64K / (threads * ctas)); HIP's is the minimum waves per execution unit (SIMD; a CU has 4),
+// so the same promise of `ctas` CTAs per CU reads ctas * threads / (warp width * 4) there.
+#if TOPK_HIP
+#define TOPK_LAUNCH_BOUNDS(threads, ctas) __launch_bounds__(threads, (ctas) * (threads) / (TOPK_WARP_SIZE * 4))
+#else
+#define TOPK_LAUNCH_BOUNDS(threads, ctas) __launch_bounds__(threads, ctas)
+#endif
+
+// ---------------------------------------------------------------------------------------
+// Warp shuffles and votes over the whole warp: CUDA's take a 32-bit lane mask (every lane), HIP's none (64 lanes).
+#if TOPK_HIP
+__device__ __forceinline__ int warp_all(bool p) { return __all(p); }
+__device__ __forceinline__ int warp_any(bool p) { return __any(p); }
+__device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shfl(v, src); }
+__device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up(v, d); }
+#else
+#define TOPK_FULL_MASK 0xFFFFFFFFu
+__device__ __forceinline__ int warp_all(bool p) { return __all_sync(TOPK_FULL_MASK, p); }
+__device__ __forceinline__ int warp_any(bool p) { return __any_sync(TOPK_FULL_MASK, p); }
+__device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shfl_sync(TOPK_FULL_MASK, v, src); }
+__device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up_sync(TOPK_FULL_MASK, v, d); }
+#endif
+
+// A word other CTAs of the launch wrote (read past L1: CUDA's ld.global.cg; HIP's volatile load).
+__device__ __forceinline__ int load_cg(const int* p) {
+#if TOPK_HIP
+    return *reinterpret_cast<const volatile int*>(p);
+#else
+    return __ldcg(p);
+#endif
+}
+
+// A programmatic dependent launch (CUDA sm_90+) may start while the kernel before it on the stream still runs: every
+// kernel waits for that one and its writes before its first global read.  A no-op in any other launch or target.
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if !TOPK_EMULATE && !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+#endif  // QSA_NATIVE_COMPAT_H
