@@ -438,7 +438,11 @@ class NativeTopkSpec(NativeKernelSpec):
         return choose_plan(problem.rows, problem.columns, problem.block_topk, platform)
 
     def describe_plan(self, problem, platform: Platform) -> str:
-        """The plan ``explain`` prints: the kernel and its layout, and on AMD why no cluster is planned."""
+        """The plan ``explain`` prints: the kernel and its layout, and on AMD why no cluster is planned (``none``, with
+        the reasons, where the platform has no plan)."""
+        reasons = self.reasons(problem, platform)
+        if reasons:
+            return f"none ({'; '.join(reasons)})"
         text = self.plan(problem, platform).describe()
         return f"{text}; {CLUSTERS_ON_ROCM}" if platform.backend == "hip" else text
 
