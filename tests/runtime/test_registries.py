@@ -235,3 +235,17 @@ def test_a_failing_triton_writer_falls_back_to_the_reference_writer(monkeypatch,
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and torch.equal(got_scale, want_scale)
     problem = registries.WriteProblem("cpu", 40, "fp8", 32)
     assert "- triton: marked broken" in registries.WRITER.explain(problem)
+
+
+def test_explain_prints_the_native_plan_and_that_rocm_has_no_clusters(monkeypatch):
+    """A chosen native top-k's plan is in the report: on gfx942 one workgroup per row, with the reason no cluster is
+    planned; on sm_90 a cluster of a long row."""
+    _native_serving(monkeypatch)
+    problem = registries.TopkProblem("cuda", 1, 65536, 512, fused=True)
+    monkeypatch.setattr(dispatch, "platform_of", lambda problem: Platform.named("gfx942"))
+    report = registries.TOPK.explain(problem)
+    assert "* native: serves" in report
+    assert "plan (arch gfx942): topk_rows_512 (uncached" in report  # 64 KB of LDS: the row does not fit
+    assert report.endswith("clusters compiled out on ROCm (one workgroup per row)")
+    monkeypatch.setattr(dispatch, "platform_of", lambda problem: Platform.named("sm_90"))
+    assert "plan (arch sm_90): topk_cluster" in registries.TOPK.explain(problem)
