@@ -112,8 +112,9 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     call, addresses, target, direct, _keep = native_topk_call(logits, visible, out, block_topk, plan, expand_into,
                                                                histogram)
     variant = plan.variant
-    kernel = native.kernel_for(kernels.source(), variant.name, (*kernels.SPEC.defines(variant, platform.arch), *defines),
-                               device, platform.arch, settings, non_portable_cluster=variant.non_portable_cluster)
+    program = (*kernels.SPEC.defines(variant, platform.arch), *defines)
+    kernel = native.kernel_for(kernels.source(), variant.name, program, device, platform.arch, settings,
+                               non_portable_cluster=variant.non_portable_cluster)
     name = NATIVE_TOPK_LAUNCH if expand_into is None else NATIVE_TOPK_EXPAND_LAUNCH
     if programmatic is None:
         programmatic = (settings or get_settings()).topk_pdl

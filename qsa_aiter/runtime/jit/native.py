@@ -18,13 +18,12 @@ import threading
 
 from ...kernels.native_spec import target_of
 from ..settings import QsaSettings, get_settings
-from . import hip_driver, hiprtc, nvrtc
+from . import cuda_driver, hip_driver, hiprtc, nvrtc
 from . import native_store as store_module
 from .cuda_driver import (
     C_TYPES, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, LoadedKernel, _in_context, _primary_context, check,
     current_stream, driver, load_cubin, programmatic_config,
 )
-from . import cuda_driver
 from .native_store import Compiler, native_store, source_hash
 from .paths import jit_root
 

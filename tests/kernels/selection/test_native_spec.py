@@ -66,7 +66,8 @@ def test_no_cluster_is_planned_on_rocm_and_explain_says_why():
         platform = Platform.named(arch)
         assert SPEC.plan(_Problem(), platform).variant.cluster == 1
         assert all(not name.startswith("cluster") for name in nt.plans_for(1, 65536, 512, platform))
-        assert SPEC.describe_plan(_Problem(), platform).endswith("clusters compiled out on ROCm (one workgroup per row)")
+        assert SPEC.describe_plan(_Problem(), platform).endswith(
+            "clusters compiled out on ROCm (one workgroup per row)")
         assert SPEC.reasons(_Problem(), platform) == []
 
 

@@ -45,6 +45,7 @@ ARCH = "sm_90"
 SOURCE = nt.source()
 ROWS_256 = nt.BY_NAME["topk_rows_256"]
 ROWS_256_DEFINES = nt.SPEC.defines(ROWS_256, ARCH)
+DEFINES = {variant.name: nt.SPEC.defines(variant, ARCH) for variant in nt.VARIANTS}
 
 
 def _compile_all(root: Path) -> dict:
@@ -87,7 +88,8 @@ def test_every_variant_compiles_for_sm_90_without_spills(compiled):
         assert store.binary_path(eid).read_bytes()[:4] == b"\x7fELF"
         assert record.options[0] == "--gpu-architecture=sm_90" and record.options[-3:] == [
             f"-D{d}" for d in nt.SPEC.defines(variant, ARCH)]
-        assert (record.compiler, record.compiler_version, record.compiler_path) == ("nvrtc", found.version_text, found.path)
+        assert (record.compiler, record.compiler_version, record.compiler_path) == (
+            "nvrtc", found.version_text, found.path)
         assert record.source_sha256 == native_store.source_hash(SOURCE) and record.built_by == "target"
         assert record.compile_seconds > 0 and f"Function properties for {variant.name}" in record.report
 
@@ -231,7 +233,7 @@ def test_corrupt_entries_are_rebuilt_with_a_warning(compiled, tmp_path, caplog):
             assert built.event.compiled and store.problem(built.entry_id, store.read(built.entry_id)) is None
             assert words in caplog.text and "rebuilding it" in caplog.text
     again = NativeStore(root, ARCH)
-    assert not any(again.build(SOURCE, name, nt.SPEC.defines(nt.BY_NAME[name], ARCH)).event.compiled for name in expected)
+    assert not any(again.build(SOURCE, name, DEFINES[name]).event.compiled for name in expected)
 
 
 def test_rebuild_rebuilds_each_entry_once(compiled, tmp_path):
@@ -367,22 +369,22 @@ def test_a_kernel_loads_once_per_device_from_the_cache(stand_in, compiled, tmp_p
     root = _copy(compiled, tmp_path)
     monkeypatch.setenv("QSA_AITER_JIT_DIR", str(root))
     variant = nt.BY_NAME["topk_cluster16_512"]
-    kernel = native.kernel_for(SOURCE, variant.name, nt.SPEC.defines(variant, ARCH), 0, ARCH, non_portable_cluster=True)
+    kernel = native.kernel_for(SOURCE, variant.name, DEFINES[variant.name], 0, ARCH, non_portable_cluster=True)
     assert (kernel.kernel, kernel.entry_id, kernel.device) == (variant.name, compiled[1][variant.name]["entry"], 0)
     load = next(args for name, args in stand_in.calls if name == "cuModuleLoadData")
     assert load[1][:4] == b"\x7fELF"
     function = next(args for name, args in stand_in.calls if name == "cuModuleGetFunction")
     assert function[2] == variant.name.encode()
-    assert ("cuFuncSetAttribute", (kernel.function, cuda_driver.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)) \
-        in stand_in.calls
+    non_portable = cuda_driver.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    assert ("cuFuncSetAttribute", (kernel.function, non_portable, 1)) in stand_in.calls
     # another context was current: the primary context is pushed around the load, then popped
     assert stand_in.names()[:5] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxGetCurrent",
                                     "cuCtxPushCurrent_v2"]
     assert stand_in.names()[-1] == "cuCtxPopCurrent_v2"
     count = len(stand_in.calls)
-    assert native.kernel_for(SOURCE, variant.name, nt.SPEC.defines(variant, ARCH), 0, ARCH, non_portable_cluster=True) is kernel
+    assert native.kernel_for(SOURCE, variant.name, DEFINES[variant.name], 0, ARCH, non_portable_cluster=True) is kernel
     assert len(stand_in.calls) == count, "loaded once per process and device"
-    assert native.kernel_for(SOURCE, variant.name, nt.SPEC.defines(variant, ARCH), 1, ARCH, non_portable_cluster=True) is not kernel
+    assert native.kernel_for(SOURCE, variant.name, DEFINES[variant.name], 1, ARCH, non_portable_cluster=True) is not kernel
 
 
 def test_the_settings_choose_the_directory_and_rebuild(stand_in, compiled, tmp_path, monkeypatch):
