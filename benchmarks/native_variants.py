@@ -29,7 +29,7 @@ import torch
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
-from qsa_aiter.runtime.registries import native_block_topk
+from qsa_aiter.runtime.native_topk import native_block_topk
 from qsa_aiter.tools.cli_args import add_selection_point_options
 from qsa_aiter.tools.inputs import selection_inputs
 from qsa_aiter.tools.timing import time_graph

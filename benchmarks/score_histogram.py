@@ -29,7 +29,7 @@ from qsa_aiter.kernels.scoring.histogram import torch_score_histogram
 from qsa_aiter.kernels.selection import native_topk
 from qsa_aiter.kernels.selection.reference import torch_block_topk
 from qsa_aiter.ops.scoring import describe_call
-from qsa_aiter.runtime import registries
+from qsa_aiter.runtime import native_topk as native_topk_runtime, registries
 from qsa_aiter.runtime.dispatch import plan_for
 from qsa_aiter.tools.cli_args import add_selection_point_options
 from qsa_aiter.tools.inputs import selection_inputs
@@ -87,7 +87,7 @@ def main() -> None:
         auto = native_topk.choose_plan(rows, columns, k, platform)
         for name, (plan, hist) in {"topk": (auto, None), "topk_hist": (auto, histogram)}.items():
             def launch(plan=plan, hist=hist):
-                registries.native_block_topk(logits, visible, groups, k, plan=plan, histogram=hist)
+                native_topk_runtime.native_block_topk(logits, visible, groups, k, plan=plan, histogram=hist)
             groups.fill_(-7)
             launch()
             if not torch.equal(groups, expected):

@@ -23,8 +23,8 @@ import torch
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
-from qsa_aiter.runtime.jit import native, nvrtc
-from qsa_aiter.runtime.registries import native_topk_call
+from qsa_aiter.runtime.jit import cuda_driver, native, nvrtc
+from qsa_aiter.runtime.native_topk import native_topk_call
 from qsa_aiter.tools.cli_args import add_selection_point_options
 from qsa_aiter.tools.inputs import selection_inputs
 
@@ -43,7 +43,7 @@ SLOTS, START_NS, END_NS = 32, 30, 31
 
 def read_trace(kernel: native.LoadedKernel, ctas: int) -> torch.Tensor:
     """The ``topk_trace`` array of ``kernel``'s module: int64 ``[ctas, SLOTS]``."""
-    raw = native.read_global(kernel, "topk_trace")
+    raw = cuda_driver.read_global(kernel, "topk_trace")
     return torch.frombuffer(bytearray(raw), dtype=torch.int64).view(-1, SLOTS)[:ctas].clone()
 
 
@@ -92,10 +92,10 @@ def trace_point(point, page: int, cache: str, plan_name: str | None, launches: i
     variant = plan.variant
     ctas = rows * variant.cluster
     built = nvrtc.compile_cubin(nt.source(), platform.arch,
-                                (*[f"-D{d}" for d in (*variant.defines, *defines)], f"-DTOPK_TRACE={ctas}"),
+                                (*[f"-D{d}" for d in (*nt.SPEC.defines(variant, platform.arch), *defines)], f"-DTOPK_TRACE={ctas}"),
                                 name="native_topk.cu")
-    kernel = native.load_cubin(built.cubin, variant.name, variant.name + "-trace", logits.device.index or 0,
-                               variant.non_portable_cluster)
+    kernel = cuda_driver.load_cubin(built.cubin, variant.name, variant.name + "-trace", logits.device.index or 0,
+                                    variant.non_portable_cluster)
     call, addresses, _target, _direct, _keep = native_topk_call(logits, visible, groups, k, plan, expand_into, None)
     launch = native.PreparedLaunch("trace", kernel, call.grid, call.block, call.shared_bytes,
                                    tuple(n for n, _ in call.pointers), call.scalars)

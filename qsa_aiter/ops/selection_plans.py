@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ..runtime import registries, replay
+from ..runtime import native_topk, registries, replay
 from ..kernels.scoring.problem import ScoreProblem
 from ..kernels.selection import maxima, topk
 from .scoring import SCORER_POINTERS
@@ -45,7 +45,7 @@ def _native_topk_parts(launches: list, expands: bool):
     expansion where the call ``expands``): the top-k as one function of the Triton top-k's nine addresses (it reads
     the logits, the visible counts and the groups, and the expansion's four; not the candidates or the maxima), or
     None where the launches are not that one."""
-    name = registries.NATIVE_TOPK_EXPAND_LAUNCH if expands else registries.NATIVE_TOPK_LAUNCH
+    name = native_topk.NATIVE_TOPK_EXPAND_LAUNCH if expands else native_topk.NATIVE_TOPK_LAUNCH
     direct = replay.direct_launches(launches, (name,))
     launch = direct[0].taking(*NATIVE_TOPK_POINTERS) if direct else None
     if launch is None:

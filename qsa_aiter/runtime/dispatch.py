@@ -40,7 +40,9 @@ class Candidate:
     ``reasons(problem, platform, settings)``: why it does not serve (empty: it serves). ``launch(problem, args,
     settings)``: run it on the call's arguments. ``ranks``: its place in the order per phase (lower first;
     ``ANY_PHASE`` for families without phases); ``universal``: in the order of problems outside the family's table.
-    A candidate with a ``spec`` launches inside the JIT cache's scope, and its tuned rows may decide the choice."""
+    A candidate with a ``spec`` launches inside the JIT cache's scope, and its tuned rows may decide the choice.
+    ``describe_plan(problem, platform)``: the plan ``explain`` prints for a chosen candidate that has no ``spec`` (a
+    native kernel's)."""
 
     name: str
     description: str
@@ -49,6 +51,7 @@ class Candidate:
     ranks: Mapping[str, int]
     universal: bool = False
     spec: KernelSpec | None = None
+    describe_plan: Callable[[Any, Platform], str] | None = None
 
 
 def spec_candidate(spec: KernelSpec, launch: Callable[[Any, Any, QsaSettings], None], *, name: str | None = None,
@@ -275,6 +278,10 @@ class Registry:
                                            else "serves, but has no measured row at the bucket compared"])
         report = full.report()
         spec = self.candidates[decision.chosen].spec if decision.chosen else None
+        describe = self.candidates[decision.chosen].describe_plan if decision.chosen else None
+        if describe is not None:
+            platform = platform_of(problem)
+            return report + f"\n  plan (arch {platform.arch}): {describe(problem, platform)}"
         if decision.chosen and spec is None and self.shows_plans:
             # Said outright, so that a report without a plan (the torch path on a CPU) is not taken for a cut one.
             return report + (f"\n  plan: none ({decision.chosen} is not one of this project's Triton kernels; "

@@ -5,8 +5,8 @@ how they are ordered, and the host-side problem each decides from.
   specs), ATOM's FlyDSL and AITER's scorers on ROCm, the torch reference. The table ``(kv_dtype, page_size, phase)
   -> order``; page sizes outside it get the universal candidates. Forced by ``QSA_AITER_BACKEND``.
 - ``TOPK`` (the block top-k step of ``qsa_block_topk`` and ``qsa_select_paged_tokens``): AITER's HIP top-k on ROCm
-  (where the AITER path is asked for), the Triton top-k, the native CUDA top-k (compiled by NVRTC, cached in the JIT
-  cache: ``native_block_topk``), the torch path. Forced by ``QSA_AITER_TOPK_BACKEND``.
+  (where the AITER path is asked for), the Triton top-k, the native top-k (compiled by NVRTC or hipRTC, cached in the
+  JIT cache: ``runtime/native_topk.py``), the torch path. Forced by ``QSA_AITER_TOPK_BACKEND``.
 - ``EXPAND`` (``qsa_expand_block_indices``, and selection's expansion after a top-k that does not fuse it): the
   Triton expansion, the torch path.
 - ``WRITER`` (``qsa_write_index_cache``): the Triton writer, the torch reference writer.
@@ -25,11 +25,10 @@ from ..kernels.scoring import SPECS as SCORING_SPECS
 from ..kernels.scoring.base import KV_DTYPES
 from ..kernels.scoring.problem import PHASES, ScoreProblem
 from ..kernels.scoring.reference import reference_paged_mqa_logits
-from ..kernels.selection import expand, native_topk, topk
+from ..kernels.selection import expand, topk
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
-from ..kernels.spec import record
 from . import rocm
-from .jit import emulated, native, nvrtc
+from . import native_topk
 from .dispatch import ANY_PHASE, Candidate, Registry, plan_for, register, spec_candidate
 from .settings import get_settings
 
@@ -170,155 +169,9 @@ def _launch_aiter_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
     _expand_after(args, settings)
 
 
-#: The names a native top-k launch is recorded under, without and with the fused expansion (``kernels.spec.record``;
-#: the selection replays match them).
-NATIVE_TOPK_LAUNCH, NATIVE_TOPK_EXPAND_LAUNCH = "native_topk", "native_topk+expand"
-
-#: The compute capability the native top-k needs (what its kernels were written for: sm_80's shared-memory opt-in;
-#: the cluster kernels need sm_90 and are only planned there).
-NATIVE_MIN_CAPABILITY = (8, 0)
-
-
-def native_topk_reasons(problem: TopkProblem, platform: Platform, settings) -> list[str]:
-    """Why the native CUDA top-k does not serve ``problem`` (empty: it serves), from host facts only: GPU tensors of
-    a CUDA build of torch (not ROCm: hipRTC builds of the source are not made), compute capability 8.0+, NVRTC and
-    the CUDA driver library loadable, and a plan that fits the GPU's shared memory."""
-    found = []
-    if problem.device_type != "cuda":
-        found.append(f"needs CUDA GPU tensors (tensors are on {problem.device_type})")
-    if torch.version.hip is not None:
-        found.append("needs NVIDIA CUDA: this is a ROCm build of torch (the source is not built with hipRTC yet)")
-    elif torch.version.cuda is None:
-        found.append(f"needs a CUDA build of torch (torch {torch.__version__} has no CUDA)")
-    elif problem.device_type == "cuda" and (platform.backend != "cuda" or platform.capability < NATIVE_MIN_CAPABILITY):
-        found.append(f"needs an NVIDIA GPU of compute capability {NATIVE_MIN_CAPABILITY[0]}.{NATIVE_MIN_CAPABILITY[1]} "
-                     f"or newer (the device is {platform.arch})")
-    elif problem.device_type == "cuda":
-        shape = native_topk.plan_reason(problem.columns, problem.block_topk, platform)
-        if shape:
-            found.append(shape)
-    for reason in (nvrtc.unavailable_reason(), native.driver_reason()):
-        if reason:
-            found.append(reason)
-    return found
-
-
-def _check_histogram(logits: torch.Tensor, histogram: torch.Tensor | None) -> None:
-    """A scorer's histogram for ``logits`` is a contiguous int32 ``[rows, HISTOGRAM_BINS]`` on their device."""
-    rows, bins = logits.shape[0], native_topk.HISTOGRAM_BINS
-    if histogram is not None and (histogram.shape != (rows, bins) or histogram.dtype != torch.int32
-                                  or not histogram.is_contiguous() or histogram.device != logits.device):
-        raise ValueError(f"histogram must be a contiguous int32 [{rows}, {bins}] tensor on {logits.device} (got "
-                         f"{histogram.dtype} {tuple(histogram.shape)} on {histogram.device})")
-
-
-def native_topk_call(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
-                      plan: native_topk.Plan, expand_into: tuple | None, histogram: torch.Tensor | None):
-    """The launch of ``plan`` for ``native_block_topk``'s arguments (also what ``benchmarks/topk_trace.py`` launches a
-    traced build with): ``(call, addresses, target, direct, keep)``, where
-    ``target`` is ``out`` or the contiguous buffer the kernel writes instead, ``direct`` says the kernel takes the
-    tensors as they are (no copies), and ``keep`` holds the copies ``addresses`` point into (alive until the launch
-    is issued)."""
-    rows, columns = logits.shape
-    row_stride = logits.stride(0) if rows > 1 else max(columns, 1)
-    # float4 loads and bulk copies need every row to start 16-byte aligned
-    vectorised = logits.data_ptr() % 16 == 0 and (row_stride % 4 == 0 or rows == 1)
-    # The kernel reads visible[row] (and the expansion's positions, lengths and requests) at stride 1 and writes
-    # groups rows block_topk apart: other layouts go through contiguous copies, and such a launch is not recorded.
-    inputs = (visible,) if expand_into is None else (visible, *expand_into[:3])
-    direct = all(t.stride(0) == 1 for t in inputs) and out.is_contiguous()
-    visible = visible if visible.stride(0) == 1 else visible.contiguous()
-    target = out if out.is_contiguous() else torch.empty(out.shape, dtype=torch.int32, device=out.device)
-    addresses = [logits.data_ptr(), visible.data_ptr(), target.data_ptr()]
-    expansion = None
-    keep = [visible]  # copies the addresses point into, alive until the launch is issued
-    if expand_into is not None:
-        positions, context_lens, token_to_request, tokens_out, ratio, token_topk = expand_into
-        positions, context_lens, token_to_request = (t if t.stride(0) == 1 else t.contiguous()
-                                                     for t in (positions, context_lens, token_to_request))
-        keep += [positions, context_lens, token_to_request]
-        expansion = native_topk.Expansion(
-            context_lens.shape[0], ratio, token_topk + ratio - 1, tokens_out.stride(0) if rows > 1 else 0,
-            positions.dtype == torch.int64, context_lens.dtype == torch.int64, token_to_request.dtype == torch.int64)
-        addresses += [positions.data_ptr(), context_lens.data_ptr(), token_to_request.data_ptr(),
-                      tokens_out.data_ptr()]
-    else:
-        addresses += [0, 0, 0, 0]
-    addresses.append(0 if histogram is None else histogram.data_ptr())
-    call = native_topk.launch_arguments(plan, rows, columns, row_stride, block_topk, vectorised, expansion)
-    return call, addresses, target, direct, keep
-
-
-def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
-                      settings=None, plan: native_topk.Plan | None = None, expand_into: tuple | None = None,
-                      histogram: torch.Tensor | None = None, defines: tuple[str, ...] = (),
-                      programmatic: bool | None = None) -> None:
-    """The native CUDA block top-k into ``out`` (int32 ``[tokens, block_topk]``, last dim contiguous) from fp32
-    ``logits [tokens, columns]`` (last dim contiguous, any row stride) and int32 ``visible [tokens]`` (read on the
-    device, clamped to ``[0, columns]``), on CUDA tensors; ``expand_into`` (``TopkArgs.expand_into``) fuses the
-    expansion into the launch, as the Triton top-k does; ``plan``: a ``native_topk.Plan`` instead of the one
-    ``choose_plan`` makes (tests, benchmarks); ``histogram``: the scorer's per-row histogram of these logits (int32
-    ``[tokens, HISTOGRAM_BINS]``, contiguous; ``kernels/scoring/histogram.py``), which the kernels start from
-    instead of counting the row's top bits themselves; ``defines``: compile-time switches of the source
-    (``NAME=VALUE``; benchmarks of its candidate changes); ``programmatic``: launch it as a programmatic dependent of
-    the kernel before it on the stream (compute capability 9.0+; None: as ``QSA_AITER_TOPK_PDL`` says). One launch
-    on the current stream; the kernel is compiled into the JIT cache, or loaded from it, at its first use in a
-    process. A launch whose tensors the kernel takes as
-    they are is recorded (``kernels.spec.record``) for the replay of later calls (one with a histogram or defines is
-    not)."""
-    rows, columns = logits.shape
-    if rows == 0:
-        return
-    _check_histogram(logits, histogram)  # before any device work
-    device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
-    platform = Platform.of(torch.device("cuda", device))
-    plan = plan or native_topk.choose_plan(rows, columns, block_topk, platform)
-    call, addresses, target, direct, _keep = native_topk_call(logits, visible, out, block_topk, plan, expand_into,
-                                                               histogram)
-    variant = plan.variant
-    kernel = native.kernel_for(native_topk.source(), variant.name, (*variant.defines, *defines), device,
-                               platform.arch, settings, non_portable_cluster=variant.non_portable_cluster)
-    name = NATIVE_TOPK_LAUNCH if expand_into is None else NATIVE_TOPK_EXPAND_LAUNCH
-    if programmatic is None:
-        programmatic = (settings or get_settings()).topk_pdl
-    prepared = native.PreparedLaunch(name, kernel, call.grid, call.block, call.shared_bytes,
-                                     tuple(pointer for pointer, _ in call.pointers), call.scalars,
-                                     programmatic=programmatic and platform.capability >= (9, 0))
-    prepared(*addresses)
-    if target is not out:
-        out.copy_(target)
-    elif direct and histogram is None and not defines:  # a later call of the same signature replays this launch
-        record(prepared)
-
-
-#: The native top-k's kernels as the emulator builds them: name, pointer C types, scalar count.
-EMULATED_TOPK_KERNELS = tuple(
-    (variant.name, tuple(ctype for _, ctype in native_topk.POINTERS),
-     len(native_topk.CLUSTER_SCALARS if variant.cluster > 1 else native_topk.ROW_SCALARS))
-    for variant in native_topk.VARIANTS)
-
-
-def emulated_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int,
-                        plan: native_topk.Plan, expand_into: tuple | None = None,
-                        histogram: torch.Tensor | None = None, order_seed: int = 0,
-                        defines: tuple[str, ...] = ()) -> None:
-    """``native_block_topk`` on CPU tensors: the kernel of ``plan`` run by the CUDA emulator
-    (``runtime/jit/emulated.py``; tests on machines without a GPU). ``order_seed`` picks the order the emulator
-    resumes waiting threads in; ``defines`` are the source's compile-time switches (``NAME=VALUE``). Raises
-    ``emulated.EmulationError`` where the emulated kernel fails."""
-    if logits.shape[0] == 0:
-        return
-    _check_histogram(logits, histogram)
-    call, addresses, target, _direct, _keep = native_topk_call(logits, visible, out, block_topk, plan, expand_into,
-                                                                histogram)
-    lib = emulated.build(native_topk.SOURCE_PATH, EMULATED_TOPK_KERNELS, tuple(defines))
-    emulated.run(lib, call, addresses, plan.variant.cluster, order_seed)
-    if target is not out:
-        out.copy_(target)
-
-
 def _launch_native_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
-    native_block_topk(args.logits, args.visible, args.groups, args.block_topk, settings, expand_into=args.expand_into)
+    native_topk.native_block_topk(args.logits, args.visible, args.groups, args.block_topk, settings,
+                                  expand_into=args.expand_into)
 
 
 TOPK = register(Registry("topk", "block top-k", (
@@ -327,8 +180,8 @@ TOPK = register(Registry("topk", "block top-k", (
     spec_candidate(topk.SPEC, _launch_triton_topk, name="triton", ranks={ANY_PHASE: 20}),
     # Ranked before Triton wherever it serves (faster at every work point of docs/selection.md); a failed compile or
     # launch marks it broken and the Triton top-k serves.
-    Candidate("native", "native CUDA top-k (NVRTC-compiled radix select; one CTA or one cluster per row; the "
-              "expansion fused)", native_topk_reasons, _launch_native_topk, {ANY_PHASE: 15}),
+    Candidate("native", native_topk.kernels.SPEC.description, native_topk.native_topk_reasons, _launch_native_topk,
+              {ANY_PHASE: 15}, describe_plan=native_topk.describe_plan),
     Candidate("torch", "torch path (a stable sort; any device, graph-safe)", _serves_all, _launch_torch_topk,
               {ANY_PHASE: 90}),
 ), broken_key=lambda problem: (problem.device_type, problem.fused), forced_setting="topk_backend"))

@@ -15,11 +15,13 @@ import torch
 import triton
 
 from ..kernels import catalog
+from ..kernels.cache import writer
 from ..kernels.cache.writer import WriterProblem, kind_of
 from ..kernels.platform import Platform, interpreting
 from ..kernels.quant.formats import CACHE_FORMATS, canonical_format
 from ..kernels.scoring import SPECS as SCORING_SPECS
 from ..kernels.scoring.base import example_problem
+from ..kernels.selection import expand, maxima, topk
 from ..kernels.selection.problem import SelectionProblem
 from ..runtime.jit.triton_compat import ASTSource, GPUTarget
 from .build import specialise
@@ -97,11 +99,11 @@ def compile_cache_writer(cache_format: str, target: str, head_dim: int = 128):
     fmt = CACHE_FORMATS[canonical_format(cache_format, stacklevel=2)]
     _check_target(target, "compile_cache_writer")
     problem = WriterProblem(4, writer_kind(fmt.name), head_dim, fmt.query_dtype)
-    return compile_plan(catalog.spec_named("cache_writer"), problem, target)
+    return compile_plan(catalog.spec_named(writer.SPEC.name), problem, target)
 
 
 #: The selection kernels ``compile_selection_kernel`` builds.
-SELECTION_KERNELS = ("topk", "block_maxima", "expand")
+SELECTION_KERNELS = catalog.family_names("selection")
 
 
 def compile_selection_kernel(kernel: str, target: str, block_topk: int = 512, compress_ratio: int = 4,
@@ -114,7 +116,8 @@ def compile_selection_kernel(kernel: str, target: str, block_topk: int = 512, co
         raise ValueError(f"kernel must be one of {', '.join(SELECTION_KERNELS)}; got {kernel!r}")
     _check_target(target, "compile_selection_kernel")
     requests = 9
-    columns = {"topk": 65536 if with_maxima else 32768, "block_maxima": 65536, "expand": 0}[kernel]
+    fused = kernel == topk.SPEC.name
+    columns = {topk.SPEC.name: 65536 if with_maxima else 32768, maxima.SPEC.name: 65536, expand.SPEC.name: 0}[kernel]
     problem = SelectionProblem(requests, columns, block_topk, compress_ratio, block_topk * compress_ratio,
-                               kernel == "topk", requests, with_maxima and kernel == "topk")
+                               fused, requests, with_maxima and fused)
     return compile_plan(catalog.spec_named(kernel), problem, target, index_dtype)

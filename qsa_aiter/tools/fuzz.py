@@ -42,8 +42,8 @@ from typing import Callable
 
 import torch
 
-from ..runtime import registries
-from ..runtime.jit import emulated, native, nvrtc
+from ..runtime import native_topk as native_topk_runtime, registries
+from ..runtime.jit import emulated, native
 from ..runtime.settings import get_settings
 from ..kernels.cache.reference import write_reference
 from .cli_args import comma_subset, positive_int, run_command
@@ -293,7 +293,7 @@ def run_native_topk(logits: torch.Tensor, visible: torch.Tensor, k: int, out: to
     """The native top-k of one case into ``out`` with a plan drawn from ``seed``: on the GPU where it serves, else
     emulated on the CPU (the plan's name is returned), or "refused" where neither can run."""
     problem = registries.topk_problem(logits, k, fused=False)
-    on_gpu = logits.is_cuda and not registries.native_topk_reasons(problem, Platform.of(logits.device),
+    on_gpu = logits.is_cuda and not native_topk_runtime.native_topk_reasons(problem, Platform.of(logits.device),
                                                                    get_settings())
     if not on_gpu and emulated.unavailable_reason() is not None:
         return "refused"
@@ -301,10 +301,10 @@ def run_native_topk(logits: torch.Tensor, visible: torch.Tensor, k: int, out: to
     draw = Draw(seed * 7919 + 17)
     plan = draw.pick(list(native_topk.plans_for(logits.shape[0], logits.shape[1], k, platform).values()))
     if on_gpu:
-        registries.native_block_topk(logits, visible, out, k, plan=plan)
+        native_topk_runtime.native_block_topk(logits, visible, out, k, plan=plan)
     else:
         target = torch.empty(out.shape, dtype=torch.int32)
-        registries.emulated_block_topk(logits.cpu(), visible.cpu(), target, k, plan, order_seed=draw.int(0, 2))
+        native_topk_runtime.emulated_block_topk(logits.cpu(), visible.cpu(), target, k, plan, order_seed=draw.int(0, 2))
         out.copy_(target)
     return plan.describe()
 
@@ -443,9 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_paths() -> tuple[str, ...]:
-    """Every path, less ``topk_native`` where it can run neither on a GPU (no NVRTC or CUDA driver) nor in the CPU
-    emulator (no C++ compiler): there every case would be refused."""
-    gpu = torch.cuda.is_available() and nvrtc.unavailable_reason() is None and native.driver_reason() is None
+    """Every path, less ``topk_native`` where it can run neither on a GPU (no run-time compiler or driver) nor in the
+    CPU emulator (no C++ compiler): there every case would be refused."""
+    vendor = "hip" if torch.version.hip is not None else "cuda"
+    gpu = torch.cuda.is_available() and not native.unavailable_reasons(vendor)
     if gpu or emulated.unavailable_reason() is None:
         return PATHS
     return tuple(p for p in PATHS if p != "topk_native")

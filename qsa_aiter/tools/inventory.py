@@ -9,12 +9,14 @@ from pathlib import Path
 
 import triton
 
-from ..kernels.selection import native_topk
-from ..runtime.jit import native, nvrtc
+from ..kernels import catalog
+from ..runtime.jit import nvrtc
+from ..runtime.jit.native_store import NATIVE_DIR, NativeRecord, NativeStore, source_hash
 from ..runtime.jit.store import Store
 
-#: The CUDA sources of the native kernels, by kernel name: a native entry built from another text is stale.
-NATIVE_SOURCES = {variant.name: native_topk.source for variant in native_topk.VARIANTS}
+#: The sources of the native kernels, by kernel name (``catalog.NATIVE_SPECS``): a native entry built from another
+#: text is stale.
+NATIVE_SOURCES = {name: spec.source for spec in catalog.NATIVE_SPECS for name in spec.kernel_names()}
 
 
 def stores_in(root: Path) -> list[Store]:
@@ -26,12 +28,12 @@ def stores_in(root: Path) -> list[Store]:
     return found
 
 
-def native_stores_in(root: Path) -> list[native.NativeStore]:
+def native_stores_in(root: Path) -> list[NativeStore]:
     """Every ``native/<arch>/`` directory under ``root``, as native stores (sorted)."""
-    base = Path(root) / native.NATIVE_DIR
+    base = Path(root) / NATIVE_DIR
     if not base.is_dir():
         return []
-    return [native.NativeStore(Path(root), arch_dir.name) for arch_dir in sorted(base.iterdir()) if arch_dir.is_dir()]
+    return [NativeStore(Path(root), arch_dir.name) for arch_dir in sorted(base.iterdir()) if arch_dir.is_dir()]
 
 
 def cached_archs(root: Path) -> list[str]:
@@ -39,26 +41,27 @@ def cached_archs(root: Path) -> list[str]:
     return sorted({store.arch for store in [*stores_in(root), *native_stores_in(root)]})
 
 
-def native_status(store: native.NativeStore, eid: str, record: native.NativeRecord, verify: bool,
+def native_status(store: NativeStore, eid: str, record: NativeRecord, verify: bool,
                   nvrtc_version: str | None) -> str:
-    """``ok``, or why a launch here would not use the entry: corrupt (its cubin checked where ``verify``), built
-    from another source of its kernel, or by another NVRTC than the one this process loads."""
+    """``ok``, or why a launch here would not use the entry: corrupt (its binary checked where ``verify``), built
+    from another source of its kernel, or (an NVRTC entry) by another NVRTC than the one this process loads. An AMD
+    entry built offline by clang is ``ok``: a ROCm launch loads it where it has no hipRTC entry of its own."""
     problem = store.problem(eid, record) if verify else None
     if problem:
         return problem
     source = NATIVE_SOURCES.get(record.kernel)
     if source is None:
         return "unknown kernel (not one of this version's native kernels)"
-    if record.source_sha256 != native.source_hash(source()):
+    if record.source_sha256 != source_hash(source()):
         return "stale: built from another source"
-    if nvrtc_version is not None and record.nvrtc_version != nvrtc_version:
+    if record.compiler == "nvrtc" and nvrtc_version is not None and record.compiler_version != nvrtc_version:
         return f"other NVRTC (this process compiles with {nvrtc_version})"
     return "ok"
 
 
 def describe_native(root: Path, verify: bool = True) -> list[str]:
     """The native entries under ``root``: per arch, every entry with its compile time, date, who built it, status,
-    and its kernel, NVRTC version, registers and spills."""
+    and its kernel, compiler (NVRTC, hipRTC or clang) and version, registers and spills."""
     lines = []
     present = None if nvrtc.unavailable_reason() else nvrtc.find().version_text
     for store in native_stores_in(root):

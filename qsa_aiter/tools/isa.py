@@ -10,6 +10,7 @@ import io
 import sys
 from pathlib import Path
 
+from ..kernels import catalog
 from ..kernels.platform import Platform
 from .aot import TARGETS
 from .assembly import VariantIsa, analyse, table
@@ -17,7 +18,7 @@ from .cli_args import PAGE_SIZE_MEANING, cache_formats, comma_subset, positive_i
 from .warmup import CACHES, INDEX_DTYPES, KERNELS, Matrix
 
 #: The scoring kernels (the default of ``isa --kernels``: the ones whose registers matter most).
-SCORING_KERNELS = ("tiled", "stacked", "keys_major", "rowwise")
+SCORING_KERNELS = catalog.family_names("scoring")
 
 
 def build_parser() -> argparse.ArgumentParser:

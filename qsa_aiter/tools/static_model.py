@@ -36,6 +36,7 @@ import torch
 from ..kernels import catalog
 from ..kernels.platform import Platform
 from ..kernels.quant.formats import CACHE_FORMATS
+from ..kernels.scoring import keys_major, stacked, tiled
 from ..kernels.scoring.base import example_problem, work_problem
 from ..runtime import tuned
 from ..runtime.settings import get_settings
@@ -49,7 +50,7 @@ from .work_points import point_named
 #: The targets modelled and their e4m3 cache flavour (the one their MFMAs multiply).
 TARGETS = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
 #: The kernels modelled (the MFMA scorers; the row-wise CUDA-core fallback keeps its defaults).
-KERNELS = ("stacked", "keys_major", "tiled")
+KERNELS = (stacked.SPEC.name, keys_major.SPEC.name, tiled.SPEC.name)
 #: How a model row's ``source`` starts (``explain`` prints it with the row).
 MODEL_SOURCE = "model, not measured:"
 #: One row per cache kind (``CacheFormat.kind``: bf16 serves fp16 too, fp8 serves fp8_fnuz): q dtype and kv name.
@@ -63,11 +64,11 @@ SIMDS_PER_CU = 4
 #: the model sets it). ``num_warps`` is an axis here: an AMD wave is 64 lanes, so the NVIDIA defaults' 4 warps are
 #: twice the lanes.
 GRIDS = {
-    "stacked": dict(block_n=(32, 64, 128), num_warps=(2, 4), num_stages=(2, 3)),
-    "keys_major": dict(block_n=(64, 128), num_warps=(2, 4), num_stages=(2, 3)),
+    stacked.SPEC.name: dict(block_n=(32, 64, 128), num_warps=(2, 4), num_stages=(2, 3)),
+    keys_major.SPEC.name: dict(block_n=(64, 128), num_warps=(2, 4), num_stages=(2, 3)),
     # Prefill: keys-major tiles with every head stacked as N only. Rows as M, or one N operand per head, keep four
     # accumulators live and spilled on gfx950 at every tile of 32 rows or more (docs/kernels.md).
-    "tiled": dict(block_m=(32, 64), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3), keys_major=(1,),
+    tiled.SPEC.name: dict(block_m=(32, 64), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3), keys_major=(1,),
                   stack_heads=(1,)),
 }
 
@@ -111,7 +112,7 @@ def candidates(kernel: str, problem, platform: Platform) -> list:
     out = [default]
     for values in itertools.product(*grid.values()):
         cfg = dataclasses.replace(default, **dict(zip(grid, values)))
-        if kernel == "tiled" and cfg.stack_heads and cfg.block_m * problem.num_heads > 256:
+        if kernel == tiled.SPEC.name and cfg.stack_heads and cfg.block_m * problem.num_heads > 256:
             continue  # a stacked N operand beyond 256 columns: more LDS than a CU has
         if cfg not in out:
             out.append(cfg)

@@ -14,10 +14,11 @@ one request count of each kind Triton specialises on). Then:
   C launcher stubs Triton builds per argument signature are not made: the GPU machine builds them at first launch
   (into the same directory).
 
-The native kernels (``native_topk``: the CUDA top-k's variants, ``kernels/selection/native_topk.py``) are compiled
-by NVRTC into the cache's ``native/<arch>/`` directory: for the present NVIDIA GPU they are also loaded on it; for
-``sm_90`` named without its GPU they are compiled only. AMD targets get none (the source is not built with hipRTC
-yet), and the report says so.
+The native kernels (``catalog.NATIVE_SPECS``: the native top-k's variants, ``kernels/selection/native_topk.py``) are
+compiled into the cache's ``native/<arch>/`` directory: for the present GPU by its run-time compiler (NVRTC, or hipRTC
+on ROCm) and loaded on it; for ``sm_90`` named without its GPU by NVRTC, and for ``gfx942`` / ``gfx950`` by clang
+(``runtime/jit/hip_clang.py``: the HIP headers and device bitcode it needs are named where they are missing), compiled
+only: a ROCm server with the same source loads those entries without compiling.
 
 Several processes may warm one directory at once: each variant is compiled by one of them (a busy variant is put
 back to the end of the queue, then waited for).
@@ -36,7 +37,7 @@ from ..runtime import dispatch, registries
 from ..kernels.platform import Platform, interpreting
 from ..kernels.scoring.problem import PHASES
 from ..kernels.scoring.base import ScorerSpec, example_problem, work_problem
-from ..kernels.selection import native_topk
+from ..kernels.native_spec import NativeKernelSpec, target_of
 from ..kernels.selection.problem import SelectionProblem
 from ..runtime.settings import QsaSettings, get_settings
 from ..runtime import tuned
@@ -46,7 +47,8 @@ from ..runtime.jit.paths import jit_root
 from ..runtime.jit.launching import store_for
 from ..runtime.jit.store import Store, VariantBusy
 from ..runtime.jit.triton_compat import driver
-from ..runtime.jit import native, nvrtc
+from ..runtime.jit import cuda_driver, hip_clang, hip_driver, hiprtc, native, nvrtc
+from ..runtime.jit.native_store import native_store
 from .work_points import COMPRESS_RATIO, HEAD_DIM, HEADS, TOKEN_TOPK, rows_per_request, warm_points
 
 #: Index-cache formats (docs/cache_formats.md): each scorer and the writer are built for each. q is bf16 except with
@@ -54,8 +56,8 @@ from .work_points import COMPRESS_RATIO, HEAD_DIM, HEADS, TOKEN_TOPK, rows_per_r
 CACHES = tuple(CACHE_FORMATS)
 #: The Triton kernels (``catalog.SPECS``).
 KERNELS = tuple(catalog.BY_NAME)
-#: The native kernel families, compiled by NVRTC (every variant of each for the arch).
-NATIVE_KERNELS = ("native_topk",)
+#: The native kernel families (``catalog.NATIVE_SPECS``; every variant of each for the arch).
+NATIVE_KERNELS = tuple(spec.name for spec in catalog.NATIVE_SPECS)
 INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
 #: Triton specialises an integer argument by value (1, a multiple of 16, or neither): the selection kernels take the
 #: request count, so one count of each kind.
@@ -252,7 +254,7 @@ def warmup(arch: str | None = None, *, root=None, matrix: Matrix | None = None, 
     store = store_for(root, arch, settings.rebuild)
     if not store.writable():
         raise ValueError(f"root: the JIT cache directory {store.dir} is not writable")
-    native_dir = native.native_store(root, arch, settings.rebuild).dir
+    native_dir = native_store(root, arch, settings.rebuild).dir
     report = WarmupReport(arch, str(store.dir if triton_kernels else native_dir))
     on_gpu = arch == present
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -260,7 +262,7 @@ def warmup(arch: str | None = None, *, root=None, matrix: Matrix | None = None, 
     if triton_kernels:
         target = driver.active.get_current_target() if on_gpu else TARGETS[arch]
         queue = _unique(launches(matrix, arch, device, settings), target)
-    natives = _native_variants(matrix, arch, device, report)
+    natives = _native_variants(matrix, arch, device, settings, report)
     bar = tqdm(total=len(queue) + len(natives), desc=f"warm-up {arch}", unit="kernel", disable=not progress)
     deferred = []
     try:
@@ -276,39 +278,55 @@ def warmup(arch: str | None = None, *, root=None, matrix: Matrix | None = None, 
     return report
 
 
-def _native_variants(matrix: Matrix, arch: str, device: torch.device,
-                     report: WarmupReport) -> list[native_topk.Variant]:
-    """The native variants to build for ``arch`` (those its compute capability has), or none with a note saying
-    why (an AMD target; no NVRTC here)."""
-    if "native_topk" not in matrix.kernels:
-        return []
+def _native_variants(matrix: Matrix, arch: str, device: torch.device, settings: QsaSettings,
+                     report: WarmupReport) -> list[tuple[NativeKernelSpec, object, tuple]]:
+    """``(spec, variant, compiler)`` of every native variant to build for ``arch``: those its platform has
+    (``NativeKernelSpec.variants_for``), by the compiler a launch there uses (the present GPU: NVRTC or hipRTC) or
+    the offline one of a named target (NVRTC for ``sm_XY``; clang for gfx942 / gfx950, ``hip_clang``); none, with a
+    note saying why, where the platform has none or no compiler is here."""
+    specs = [spec for spec in catalog.NATIVE_SPECS if spec.name in matrix.kernels]
     platform = Platform.of(device) if device.type == "cuda" else Platform.named(arch)
-    if platform.backend != "cuda":
-        report.notes.append(f"native_topk: not built for {arch}: the native kernels are CUDA only (AMD: hipRTC "
-                            "builds are future work)")
-        report.skipped.append("native_topk")
-        return []
-    reason = nvrtc.unavailable_reason()
-    if reason:
-        report.notes.append(f"native_topk: not built: {reason}")
-        report.skipped.append("native_topk")
-        return []
-    return list(native_topk.variants_for(platform))
+    result = []
+    for spec in specs:
+        variants = spec.variants_for(platform)
+        if not variants:
+            report.notes.append(f"{spec.name}: not built for {arch}: it has no kernel for that arch")
+            report.skipped.append(spec.name)
+            continue
+        compiler, reason = None, None
+        try:
+            if device.type == "cuda":
+                compiler = native.runtime_compiler(arch)
+            elif target_of(arch).vendor == "cuda":
+                compiler = nvrtc.compiler()
+            else:
+                found = hip_clang.toolchain(settings, arch)
+                compiler, reason = (None, found) if isinstance(found, str) else (found, None)
+        except (nvrtc.NvrtcUnavailable, hiprtc.HiprtcUnavailable) as err:
+            reason = str(err)
+        if compiler is None:
+            report.notes.append(f"{spec.name}: not built: {reason}")
+            report.skipped.append(spec.name)
+            continue
+        result += [(spec, variant, compiler) for variant in variants]
+    return result
 
 
-def _warm_native(variants: list[native_topk.Variant], root, arch: str, device: torch.device | None,
-                 settings: QsaSettings, report: WarmupReport, bar) -> None:
+def _warm_native(natives: list, root, arch: str, device: torch.device | None, settings: QsaSettings,
+                 report: WarmupReport, bar) -> None:
     """Compile (or find) each native variant into ``root``'s ``native/<arch>/``; on ``device`` (the present GPU)
     also load it there. Another process compiling a variant is waited for."""
-    store = native.native_store(root, arch, settings.rebuild)
-    for variant in variants:
-        label = f"native_topk {variant.name}"
+    store = native_store(root, arch, settings.rebuild)
+    for spec, variant, compiler in natives:
+        label = f"{spec.name} {variant.name}"
         try:
-            built = store.build(native_topk.source(), variant.name, variant.defines,
+            built = store.build(spec.source(), variant.name, spec.defines(variant, arch), compiler,
                                 built_by="launch" if device is not None else "target")
-            if device is not None:
-                native.load_cubin(built.cubin, variant.name, built.entry_id, device.index,
-                                  variant.non_portable_cluster)
+            if device is not None and compiler.kind == "hiprtc":
+                hip_driver.load_code_object(built.binary, variant.name, built.entry_id, device.index)
+            elif device is not None:
+                cuda_driver.load_cubin(built.binary, variant.name, built.entry_id, device.index,
+                                       variant.non_portable_cluster)
             if built.event.compiled:
                 report.compiled[built.entry_id] = built.event.seconds
             else:

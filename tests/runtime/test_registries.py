@@ -16,7 +16,8 @@ from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import expand, topk
 from qsa_aiter.kernels.selection.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.runtime import dispatch, registries
-from qsa_aiter.runtime.jit import native, nvrtc
+from qsa_aiter.runtime import native_topk as native_topk_runtime
+from qsa_aiter.runtime.jit import cuda_driver, native
 from qsa_aiter.runtime.settings import ConfigurationError
 from qsa_aiter.tools.workloads import make_batch
 
@@ -89,10 +90,10 @@ def test_native_topk_reasons_on_this_machine():
     on_gpu = registries.TOPK.reasons("native", registries.TopkProblem("cuda", 36, 32768, 512, fused=True))
     assert "needs CUDA GPU tensors" not in " ".join(on_gpu)
     if torch.version.hip is None:
-        assert f"needs a CUDA build of torch (torch {torch.__version__} has no CUDA)" in on_gpu
-    for reason in (nvrtc.unavailable_reason(), native.driver_reason()):
-        assert (reason in on_gpu) if reason else True
-    if native.driver_reason():
+        assert f"needs a CUDA or ROCm build of torch (torch {torch.__version__} has neither)" in on_gpu
+    for reason in native.unavailable_reasons("cuda"):
+        assert reason in on_gpu
+    if cuda_driver.driver_reason():
         assert any("libcuda.so.1" in r for r in on_gpu)
 
 
@@ -103,17 +104,22 @@ def test_native_topk_reasons_from_the_platform(monkeypatch):
     problem = registries.TopkProblem("cuda", 36, 32768, 512)
     # This host's own facts (NVRTC and the driver library) follow the platform's; without NVRTC its reason names
     # where it looked (torch/lib among them), so the platform's reasons are compared whole, not searched for "torch".
-    host = [r for r in (nvrtc.unavailable_reason(), native.driver_reason()) if r]
+    host = native.unavailable_reasons("cuda")
     volta = dataclasses.replace(Platform.named("sm_90"), arch="sm_70", capability=(7, 0))
-    found = registries.native_topk_reasons(problem, volta, None)
+    found = native_topk_runtime.native_topk_reasons(problem, volta, None)
     assert found == ["needs an NVIDIA GPU of compute capability 8.0 or newer (the device is sm_70)", *host]
-    found = registries.native_topk_reasons(problem, Platform.named("sm_90"), None)
+    found = native_topk_runtime.native_topk_reasons(problem, Platform.named("sm_90"), None)
     assert found == host
     small = dataclasses.replace(Platform.named("sm_90"), shared_memory_per_block=4096)
-    assert any("bytes of shared memory per block" in r for r in registries.native_topk_reasons(problem, small, None))
+    assert any("bytes of shared memory per block" in r for r in native_topk_runtime.native_topk_reasons(problem, small, None))
+    # On a ROCm build: gfx942 / gfx950 serve (hipRTC and the HIP runtime are this host's facts), others do not.
     monkeypatch.setattr(torch.version, "hip", "7.0")
-    assert registries.native_topk_reasons(problem, Platform.named("gfx950"), None)[0].startswith(
-        "needs NVIDIA CUDA: this is a ROCm build of torch")
+    hip_host = native.unavailable_reasons("hip")
+    for arch in ("gfx942", "gfx950"):
+        assert native_topk_runtime.native_topk_reasons(problem, Platform.named(arch), None) == hip_host
+    gfx90a = dataclasses.replace(Platform.named("gfx942"), arch="gfx90a")
+    assert native_topk_runtime.native_topk_reasons(problem, gfx90a, None)[0] == (
+        "needs an NVIDIA GPU (sm_80+) or an AMD gfx942 or gfx950 (the device is gfx90a)")
 
 
 @pytest.mark.skipif(ON_CUDA_TORCH, reason="forcing where the native top-k cannot run")
@@ -129,7 +135,7 @@ def test_forcing_the_native_topk_where_it_cannot_run_names_its_reasons(monkeypat
 
 def test_the_native_topk_serves_where_its_host_facts_allow():
     """The native candidate's reasons are its host facts alone (no opt-in): ``auto`` takes it wherever it can run."""
-    assert registries.TOPK.candidates["native"].reasons is registries.native_topk_reasons
+    assert registries.TOPK.candidates["native"].reasons is native_topk_runtime.native_topk_reasons
 
 
 def _native_serving(monkeypatch, launch=None):
@@ -181,7 +187,7 @@ def test_the_native_topk_fuses_the_expansion(monkeypatch, rng):
     args = _batch(rng)
     want = qsa_aiter.qsa_select_paged_tokens(*args, 64, 4)
     _native_serving(monkeypatch)
-    monkeypatch.setattr(registries, "native_block_topk", stand_in)
+    monkeypatch.setattr(native_topk_runtime, "native_block_topk", stand_in)
     monkeypatch.setattr(registries, "expand_tokens", _failing)  # no second launch
     monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
     assert torch.equal(qsa_aiter.qsa_select_paged_tokens(*args, 64, 4), want) and seen == [((3, 16), True)]
@@ -229,3 +235,17 @@ def test_a_failing_triton_writer_falls_back_to_the_reference_writer(monkeypatch,
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and torch.equal(got_scale, want_scale)
     problem = registries.WriteProblem("cpu", 40, "fp8", 32)
     assert "- triton: marked broken" in registries.WRITER.explain(problem)
+
+
+def test_explain_prints_the_native_plan_and_that_rocm_has_no_clusters(monkeypatch):
+    """A chosen native top-k's plan is in the report: on gfx942 one workgroup per row, with the reason no cluster is
+    planned; on sm_90 a cluster of a long row."""
+    _native_serving(monkeypatch)
+    problem = registries.TopkProblem("cuda", 1, 65536, 512, fused=True)
+    monkeypatch.setattr(dispatch, "platform_of", lambda problem: Platform.named("gfx942"))
+    report = registries.TOPK.explain(problem)
+    assert "* native: serves" in report
+    assert "plan (arch gfx942): topk_rows_512 (uncached" in report  # 64 KB of LDS: the row does not fit
+    assert report.endswith("clusters compiled out on ROCm (one workgroup per row)")
+    monkeypatch.setattr(dispatch, "platform_of", lambda problem: Platform.named("sm_90"))
+    assert "plan (arch sm_90): topk_cluster" in registries.TOPK.explain(problem)

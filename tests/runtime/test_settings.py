@@ -32,7 +32,8 @@ def test_every_variable_is_known():
     assert set(ENV_NAMES) == {"ATOM_QSA_STACKED_DECODE_SCORER", "QSA_AITER_BACKEND", "QSA_AITER_STRICT",
                               "QSA_AITER_E4M3_MMA", "QSA_AITER_TUNED_CONFIG", "QSA_AITER_LOG_LEVEL", "ROCM_QSA_FLYDSL",
                               "QSA_AITER_JIT_DIR", "QSA_AITER_REBUILD", "QSA_AITER_TOPK_BACKEND",
-                              "QSA_AITER_LOGITS_WORKSPACE_MB", "QSA_AITER_TOPK_PDL"}
+                              "QSA_AITER_LOGITS_WORKSPACE_MB", "QSA_AITER_TOPK_PDL", "QSA_AITER_HIP_CLANG",
+                              "QSA_AITER_HIP_SDK"}
 
 
 @pytest.mark.parametrize("var", BOOL_VARS)

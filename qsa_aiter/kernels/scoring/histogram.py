@@ -4,7 +4,7 @@ A scorer built with ``HISTOGRAM`` (``ScoreProblem.histogram``) adds every score 
 ``c < visible[r]``, to ``histogram[r, key(score) >> 21]``: int32 ``[tokens, HISTOGRAM_BINS]``, zeroed by the caller,
 where ``key`` is the native top-k's order-preserving map of an fp32 score to 32 bits (``-0.0`` as ``+0.0``). The
 top-k then finds the bin of its ``block_topk``-th best score from the histogram instead of counting the row's top bits
-itself (``native_topk.cu``, ``registries.native_block_topk(..., histogram=)``). The adds are relaxed global atomics:
+itself (``native_topk.cu``, ``runtime.native_topk.native_block_topk(..., histogram=)``). The adds are relaxed global atomics:
 they only count, so the histogram, like the logits, is the same on every run. Measured on the H200 they cost the
 scorer more than the top-k gains, so the ops do not ask for it (docs/selection.md, "The quad classify, the scorers'
 histogram, and where the time goes"; ``benchmarks/score_histogram.py``).

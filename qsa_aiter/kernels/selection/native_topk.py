@@ -1,15 +1,18 @@
 """The native block top-k (``native_topk.cu`` beside this file): what its kernels serve and how they are launched,
-declared once, in pure Python (no compiler, no driver: ``runtime/jit/nvrtc.py`` compiles, ``runtime/jit/native.py``
-caches, loads and launches, ``runtime/registries.py`` makes it the ``native`` top-k candidate).
+declared once (``SPEC``, a ``native_spec.NativeKernelSpec``), in pure Python (no compiler, no driver:
+``runtime/jit`` compiles, caches, loads and launches, ``runtime/native_topk.py`` launches it and
+``runtime/registries.py`` makes it the ``native`` top-k candidate).
 
-The kernels (CUDA C++, compiled at run time by NVRTC) compute what the Triton top-k computes: per row the
+The kernels (CUDA C++, compiled at run time by NVRTC on NVIDIA and by hipRTC on AMD, or ahead of time by clang) compute what the Triton top-k computes: per row the
 ``block_topk`` best columns of ``[0, clamp(visible, 0, columns))`` by ``(-score, column)``, in ascending column order,
 then ``-1``; a row with ``visible <= block_topk`` takes ``0 .. visible-1`` without reading a score. The method (a
 radix select with shared-memory histograms, one CTA per row or one thread-block cluster per row) is described at the
 top of the ``.cu`` file.
 
-- ``VARIANTS``: the kernels, each one NVRTC program (``-DTOPK_SINGLE -DTOPK_KERNEL_<name>``) and one JIT-cache entry
-  per arch; the cluster kernels exist from compute capability 9.0 (``variants_for``).
+- ``VARIANTS``: the kernels, each one program (``-DTOPK_SINGLE -DTOPK_KERNEL_<name>``, and the target's warp width)
+  and one JIT-cache entry per arch; the cluster kernels exist from compute capability 9.0, the row kernels on
+  gfx942 / gfx950 too (``variants_for``).
+- ``ROW_PARAMS`` / ``CLUSTER_PARAMS``: the kernels' parameters, the one declaration of them.
 - ``choose_plan(rows, columns, block_topk, platform)``: which kernel, and how its shared memory is laid out
   (``Plan``), from the platform's multiprocessors, compute capability and shared-memory limits.
 - ``launch_arguments(plan, ..., expansion)``: the launch (``NativeLaunch``): kernel name, grid, block, dynamic shared
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ..native_spec import AMD_ARCHS, NativeKernelSpec, Param, params
 from ..platform import Platform
 
 #: The CUDA source of the kernels.
@@ -63,19 +67,31 @@ HISTOGRAM_BINS = 2048
 #: columns, the row stride and block_topk must be below 2**31.
 INT_LIMIT = 2**31
 
-#: The kernels' parameters, in order (``TOPK_ROW_PARAMS`` / ``TOPK_CL_PARAMS`` in the source): the pointers with their
-#: C types, then the scalars. Pointers 4-7 and the last five scalars are the fused expansion's (``tokens`` null:
-#: none); ``histogram`` is the scorer's per-row histogram (``HISTOGRAM_BINS`` int32 per row; null: none).
-POINTERS = (("logits", "const float*"), ("visible", "const int*"), ("out", "int*"), ("positions", "const void*"),
-            ("contexts", "const void*"), ("requests", "const void*"), ("tokens", "int*"),
-            ("histogram", "const unsigned*"))
+#: The kernels' parameters, in order: the one declaration of them (the source's ``TOPK_ROW_PARAMS`` /
+#: ``TOPK_CL_PARAMS`` macros are tested against it). The pointers with their C types, then the scalars (C ``int``).
+#: Pointers 4-7 and the last five scalars are the fused expansion's (``tokens`` null: none); ``histogram`` is the
+#: scorer's per-row histogram (``HISTOGRAM_BINS`` int32 per row; null: none).
+_POINTER_PARAMS = (("logits", "const float*"), ("visible", "const int*"), ("out", "int*"),
+                   ("positions", "const void*"), ("contexts", "const void*"), ("requests", "const void*"),
+                   ("tokens", "int*"), ("histogram", "const unsigned*"))
 EXPANSION_SCALARS = ("num_requests", "ratio", "width", "tok_ld", "idx_wide")
-ROW_SCALARS = ("rows", "columns", "ld", "K", "buf_cap", "cached", "vec_ok", "cand_cap") + EXPANSION_SCALARS
-CLUSTER_SCALARS = ("rows", "columns", "ld", "K", "vec_ok", "cap", "cand_cap") + EXPANSION_SCALARS
+ROW_PARAMS = params(*_POINTER_PARAMS, *((name, "int") for name in (
+    "rows", "columns", "ld", "K", "buf_cap", "cached", "vec_ok", "cand_cap", *EXPANSION_SCALARS)))
+CLUSTER_PARAMS = params(*_POINTER_PARAMS, *((name, "int") for name in (
+    "rows", "columns", "ld", "K", "vec_ok", "cap", "cand_cap", *EXPANSION_SCALARS)))
+#: Derived from the parameter lists: the pointers (the same for every kernel) and each kind's scalar names.
+POINTERS = tuple((p.name, p.ctype) for p in ROW_PARAMS if p.pointer)
+ROW_SCALARS = tuple(p.name for p in ROW_PARAMS if not p.pointer)
+CLUSTER_SCALARS = tuple(p.name for p in CLUSTER_PARAMS if not p.pointer)
+
+
+def source() -> str:
+    """The kernels' source (``NativeTopkSpec.source``: ``native_compat.h`` spliced in)."""
+    return SPEC.source()
 
 
 @lru_cache(maxsize=1)
-def source() -> str:
+def _spliced_source() -> str:
     """The kernels' source with ``native_compat.h`` spliced in where it is included (read once per process): NVRTC
     and hipRTC compile one text with no include path, and its hash (the JIT key's) covers both files."""
     text, include = SOURCE_PATH.read_text(), '#include "native_compat.h"\n'
@@ -99,6 +115,11 @@ class Variant:
     def defines(self) -> tuple[str, ...]:
         """The ``-D`` macros of its NVRTC program: build this kernel only."""
         return ("TOPK_SINGLE", f"TOPK_KERNEL_{self.name}")
+
+    @property
+    def params(self) -> tuple[Param, ...]:
+        """Its parameters (``ROW_PARAMS`` or ``CLUSTER_PARAMS``)."""
+        return CLUSTER_PARAMS if self.cluster > 1 else ROW_PARAMS
 
     @property
     def min_capability(self) -> tuple[int, int]:
@@ -127,11 +148,24 @@ VARIANTS = (
 BY_NAME = {variant.name: variant for variant in VARIANTS}
 
 
+#: Why no cluster kernel is planned on AMD: the source compiles thread-block clusters (distributed shared memory,
+#: cluster barriers, bulk copies) out under HIP; a row is one workgroup there.
+CLUSTERS_ON_ROCM = "clusters compiled out on ROCm (one workgroup per row)"
+
+
 def variants_for(platform: Platform) -> tuple[Variant, ...]:
-    """The variants that exist for ``platform`` (an NVIDIA one; none for others)."""
-    if platform.backend != "cuda":
-        return ()
-    return tuple(v for v in VARIANTS if platform.capability >= v.min_capability)
+    """The variants that exist for ``platform``: on NVIDIA those its compute capability has (clusters from 9.0); on
+    gfx942 / gfx950 the row kernels (``CLUSTERS_ON_ROCM``); none elsewhere."""
+    if platform.backend == "cuda":
+        return tuple(v for v in VARIANTS if platform.capability >= v.min_capability)
+    if platform.backend == "hip" and platform.arch in AMD_ARCHS:
+        return tuple(v for v in VARIANTS if v.cluster == 1)
+    return ()
+
+
+def has_clusters(platform: Platform) -> bool:
+    """Whether the cluster kernels exist on ``platform`` (NVIDIA compute capability 9.0+)."""
+    return platform.backend == "cuda" and platform.capability >= (9, 0)
 
 
 def _round4(count: int) -> int:
@@ -235,7 +269,7 @@ def choose_plan(rows: int, columns: int, block_topk: int, platform: Platform,
         raise ValueError(reason)
     if columns <= block_topk:
         return trivial_plan()
-    if (platform.capability >= (9, 0) and 2 * rows <= platform.multiprocessors
+    if (has_clusters(platform) and 2 * rows <= platform.multiprocessors
             and columns >= CLUSTER_MIN_COLUMNS):
         for size in cluster_sizes:
             plan = cluster_plan(size, columns, platform)
@@ -259,7 +293,7 @@ def plans_for(rows: int, columns: int, block_topk: int, platform: Platform) -> d
         return {"trivial": choose_plan(rows, columns, block_topk, platform)}
     plans = {f"rows_{threads}": rows_plan(threads, columns, platform) for threads in (256, 512)}
     plans["rows_512_uncached"] = rows_plan(512, columns, platform, cached=False)
-    if platform.capability >= (9, 0):
+    if has_clusters(platform):
         plans |= {f"cluster{size}": cluster_plan(size, columns, platform) for size in (2, 4, 8)}
     return {name: plan for name, plan in plans.items() if _fits(plan, platform)}
 
@@ -344,3 +378,56 @@ def launch_arguments(plan: Plan, rows: int, columns: int, row_stride: int, block
         names = ROW_SCALARS
     return NativeLaunch(variant.name, (rows * variant.cluster, 1, 1), (variant.threads, 1, 1), plan.shared_bytes,
                         POINTERS, tuple((name, "int", values[name]) for name in names))
+
+
+#: The NVIDIA compute capability the kernels need (sm_80's shared-memory opt-in; the cluster kernels need sm_90 and
+#: are only planned there).
+MIN_CAPABILITY = (8, 0)
+
+
+class NativeTopkSpec(NativeKernelSpec):
+    """The native block top-k, declared once: its variants, source, parameters (``ROW_PARAMS`` /
+    ``CLUSTER_PARAMS``), targets (``native_spec.target_of``), reasons and plans. A problem is anything with ``rows``,
+    ``columns`` and ``block_topk`` (the runtime's ``TopkProblem``)."""
+
+    name = "native_topk"
+    family = "selection"
+    description = ("native top-k (radix select compiled at run time: NVRTC on NVIDIA, hipRTC on AMD; one CTA or one "
+                   "cluster per row; the expansion fused)")
+    source_path = SOURCE_PATH
+    variants = VARIANTS
+
+    def params_of(self, variant: Variant) -> tuple[Param, ...]:
+        return variant.params
+
+    def source(self) -> str:
+        return _spliced_source()
+
+    def variants_for(self, platform: Platform) -> tuple[Variant, ...]:
+        return variants_for(platform)
+
+    def reasons(self, problem, platform: Platform) -> list[str]:
+        """The platform's (an NVIDIA GPU of compute capability ``MIN_CAPABILITY``+, or gfx942 / gfx950) and the
+        shape's (``plan_reason``)."""
+        if platform.backend == "cuda" and platform.capability < MIN_CAPABILITY:
+            return [f"needs an NVIDIA GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (the "
+                    f"device is {platform.arch})"]
+        if not variants_for(platform):
+            return [f"needs an NVIDIA GPU (sm_80+) or an AMD {' or '.join(AMD_ARCHS)} (the device is {platform.arch})"]
+        shape = plan_reason(problem.columns, problem.block_topk, platform)
+        return [shape] if shape else []
+
+    def plan(self, problem, platform: Platform) -> Plan:
+        return choose_plan(problem.rows, problem.columns, problem.block_topk, platform)
+
+    def describe_plan(self, problem, platform: Platform) -> str:
+        """The plan ``explain`` prints: the kernel and its layout, and on AMD why no cluster is planned (``none``, with
+        the reasons, where the platform has no plan)."""
+        reasons = self.reasons(problem, platform)
+        if reasons:
+            return f"none ({'; '.join(reasons)})"
+        text = self.plan(problem, platform).describe()
+        return f"{text}; {CLUSTERS_ON_ROCM}" if platform.backend == "hip" else text
+
+
+SPEC = NativeTopkSpec()

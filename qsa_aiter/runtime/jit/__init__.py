@@ -4,8 +4,10 @@ manifest, and loaded from there by later processes without calling Triton's comp
 Modules, one concern each: ``paths`` (where the cache lives; what identifies a build), ``manifest`` (its records),
 ``store`` (one ``triton-<version>/<arch>/`` directory: locks, recording, placing entries in Triton's in-memory
 caches), ``routing`` (Triton's compiles routed into a store, its compile hooks), ``launching`` (``load`` and ``scope``
-around launches). ``nvrtc`` (NVRTC through ctypes: CUDA C++ to a CUBIN for a named arch) and ``native`` (the native
-entries under ``<root>/native/<arch>/``, loaded and launched through the CUDA driver API) serve the native kernels.
+around launches). The native kernels: ``native_store`` (their entries under ``<root>/native/<arch>/``), one
+compiler per vendor and route (``nvrtc``: CUDA C++ to a CUBIN; ``hiprtc``: HIP at run time on ROCm; ``hip_clang``:
+AMD code objects offline), one device driver per vendor (``cuda_driver``, ``hip_driver``) and ``native`` (loading
+and launching).
 The offline tools on top of it are in ``qsa_aiter/tools``: ``build`` (compiling for a named target without its
 GPU), ``aot`` (ahead-of-time builds), ``warmup`` (the variant matrix) and ``inventory`` (``jit list`` / ``jit
 clear``). Triton's private names are reached through ``triton_compat`` only. The public names are re-exported here;

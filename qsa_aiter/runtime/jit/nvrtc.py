@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from .native_store import Compiled as Built, Resources
+
 #: Options of every compile (``compile_cubin`` adds the arch): C++17, device code by default, and ptxas' report of
 #: registers, spills and stack in the log.
 BASE_OPTIONS = ("--std=c++17", "-default-device", "--ptxas-options=-v")
@@ -265,3 +267,35 @@ def ptxas_report(log: str) -> dict[str, PtxasReport]:
             reports[current] = PtxasReport(int(match.group(1)), frame[1], frame[2], frame[0])
             current, frame = None, None
     return reports
+
+
+@dataclass(frozen=True)
+class NvrtcCompiler:
+    """``native_store.Compiler`` for NVIDIA archs: ``nvrtc`` (default: ``find()``) compiling to a CUBIN."""
+
+    nvrtc: Nvrtc
+    kind = "nvrtc"
+
+    @property
+    def version(self) -> str:
+        return self.nvrtc.version_text
+
+    @property
+    def path(self) -> str:
+        return self.nvrtc.path
+
+    def options(self, arch: str, defines: tuple[str, ...]) -> tuple[str, ...]:
+        return (f"--gpu-architecture={arch}", *BASE_OPTIONS, *(f"-D{d}" for d in defines))
+
+    def compile(self, source: str, kernel: str, arch: str, defines: tuple[str, ...]) -> Built:
+        done = compile_cubin(source, arch, tuple(f"-D{d}" for d in defines), name=f"{kernel}.cu", nvrtc=self.nvrtc)
+        report = ptxas_report(done.log).get(kernel)
+        resources = (Resources(report.registers, report.spill_store_bytes, report.spill_load_bytes, report.stack_bytes)
+                     if report else Resources())
+        lines = "\n".join(line for line in done.log.splitlines() if line.startswith("ptxas"))
+        return Built(done.cubin, done.log, done.seconds, resources, lines)
+
+
+def compiler(nvrtc: Nvrtc | None = None) -> NvrtcCompiler:
+    """The NVRTC compiler of native sources (``NvrtcUnavailable`` without NVRTC)."""
+    return NvrtcCompiler(nvrtc or find())

@@ -21,7 +21,7 @@ from qsa_aiter.kernels.scoring.histogram import torch_score_histogram
 from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.runtime.jit import emulated
-from qsa_aiter.runtime.registries import emulated_block_topk
+from qsa_aiter.runtime.native_topk import emulated_block_topk
 
 from native_cases import edge_visible, nan_past_visible, native_case_logits, native_plans
 

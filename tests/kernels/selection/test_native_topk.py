@@ -130,7 +130,9 @@ def test_variants_per_platform():
     assert nt.variants_for(H200) == nt.VARIANTS
     ampere = dataclasses.replace(H200, arch="sm_80", capability=(8, 0))
     assert [v.name for v in nt.variants_for(ampere)] == ["topk_rows_256", "topk_rows_512"]
-    assert nt.variants_for(Platform.named("gfx950")) == ()
+    for arch in ("gfx942", "gfx950"):  # the row kernels: clusters are compiled out on ROCm
+        assert [v.name for v in nt.variants_for(Platform.named(arch))] == ["topk_rows_256", "topk_rows_512"]
+    assert nt.variants_for(Platform("cpu", "cpu", (0, 0), 0, False)) == ()
     assert [v.non_portable_cluster for v in nt.VARIANTS] == [False] * 5 + [True]
 
 
@@ -405,7 +407,7 @@ def test_native_topk_equals_the_oracle(monkeypatch, rows, columns, block_topk, k
 @pytest.mark.parametrize("rows, columns, block_topk", [(7, 9000, 512), (3, 40000, 512), (20, 3000, 64)])
 @pytest.mark.parametrize("kind", ["random", "ties", "relu", "constant"])
 def test_every_plan_equals_the_oracle(rows, columns, block_topk, kind):
-    from qsa_aiter.runtime.registries import native_block_topk
+    from qsa_aiter.runtime.native_topk import native_block_topk
 
     gen = torch.Generator().manual_seed(7)
     logits = native_case_logits(gen, rows, columns, kind)
@@ -426,7 +428,7 @@ def test_every_plan_equals_the_oracle(rows, columns, block_topk, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_plan_from_the_scorers_histogram_equals_the_oracle(rows, columns, block_topk, kind):
     from qsa_aiter.kernels.scoring.histogram import torch_score_histogram
-    from qsa_aiter.runtime.registries import native_block_topk
+    from qsa_aiter.runtime.native_topk import native_block_topk
 
     gen = torch.Generator().manual_seed(zlib.crc32(f"hist {rows} {columns} {kind}".encode()))
     logits = native_case_logits(gen, rows, columns, kind)
@@ -446,7 +448,7 @@ def test_every_plan_from_the_scorers_histogram_equals_the_oracle(rows, columns, 
 
 @pytest.mark.parametrize("shape, dtype", [((4, 2047), torch.int32), ((3, 2048), torch.int32), ((4, 2048), torch.int64)])
 def test_a_histogram_of_another_shape_or_dtype_is_refused(shape, dtype):
-    from qsa_aiter.runtime.registries import native_block_topk
+    from qsa_aiter.runtime.native_topk import native_block_topk
 
     logits, visible = torch.zeros(4, 9000), torch.full((4,), 9000, dtype=torch.int32)
     out = torch.empty(4, 512, dtype=torch.int32)
@@ -465,7 +467,7 @@ def test_the_fused_expansion_equals_the_torch_expansion(wide):
     bad request ids and int32/int64 indices."""
     from qsa_aiter.kernels.scoring.histogram import torch_score_histogram
     from qsa_aiter.kernels.selection.reference import torch_expand_block_indices
-    from qsa_aiter.runtime.registries import native_block_topk
+    from qsa_aiter.runtime.native_topk import native_block_topk
 
     gen = torch.Generator().manual_seed(11)
     rows, columns, k, ratio, token_topk = 6, 9000, 128, 4, 512
@@ -551,7 +553,7 @@ def test_selection_through_native_equals_selection_through_triton(monkeypatch, c
 def test_a_programmatic_launch_waits_for_the_kernel_before_it(rows, columns):
     """A programmatic dependent launch (``QSA_AITER_TOPK_PDL``) right after the kernel that writes its logits, in a
     CUDA graph replayed on new logits and lengths: each replay equals the oracle on that replay's inputs."""
-    from qsa_aiter.runtime.registries import native_block_topk
+    from qsa_aiter.runtime.native_topk import native_block_topk
     from qsa_aiter.tools.timing import capture_graph
 
     gen = torch.Generator().manual_seed(rows)

@@ -22,8 +22,9 @@ import pytest
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import native_topk as nt
 from qsa_aiter.runtime import registries
-from qsa_aiter.runtime.jit import native, nvrtc
-from qsa_aiter.runtime.jit.native import NativeStore
+from qsa_aiter.runtime import native_topk as native_topk_runtime
+from qsa_aiter.runtime.jit import cuda_driver, native, native_store, nvrtc
+from qsa_aiter.runtime.jit.native_store import NativeStore
 from qsa_aiter.runtime.jit.store import VariantBusy
 from qsa_aiter.tools import inventory
 from qsa_aiter.tools.cli import main
@@ -43,13 +44,15 @@ pytestmark = pytest.mark.nvrtc
 ARCH = "sm_90"
 SOURCE = nt.source()
 ROWS_256 = nt.BY_NAME["topk_rows_256"]
+ROWS_256_DEFINES = nt.SPEC.defines(ROWS_256, ARCH)
+DEFINES = {variant.name: nt.SPEC.defines(variant, ARCH) for variant in nt.VARIANTS}
 
 
 def _compile_all(root: Path) -> dict:
     store = NativeStore(root, ARCH)
     result = {}
     for variant in nt.VARIANTS:
-        built = store.build(SOURCE, variant.name, variant.defines, built_by="target")
+        built = store.build(SOURCE, variant.name, nt.SPEC.defines(variant, ARCH), built_by="target")
         result[variant.name] = {"entry": built.entry_id, "compiled": built.event.compiled}
     return result
 
@@ -80,14 +83,15 @@ def test_every_variant_compiles_for_sm_90_without_spills(compiled):
         eid = built[variant.name]["entry"]
         record = store.read(eid)
         assert eid.startswith(f"{variant.name}-") and store.problem(eid, record) is None
-        assert (record.spill_store_bytes, record.spill_load_bytes, record.stack_bytes) == (0, 0, 0), record.ptxas
+        assert (record.spill_store_bytes, record.spill_load_bytes, record.stack_bytes) == (0, 0, 0), record.report
         assert 0 < record.registers <= variant.max_registers
-        assert store.cubin_path(eid).read_bytes()[:4] == b"\x7fELF"
-        assert record.options[0] == "--gpu-architecture=sm_90" and record.options[-2:] == [
-            f"-D{d}" for d in variant.defines]
-        assert record.nvrtc_version == found.version_text and record.nvrtc_library == found.path
-        assert record.source_sha256 == native.source_hash(SOURCE) and record.built_by == "target"
-        assert record.compile_seconds > 0 and f"Function properties for {variant.name}" in record.ptxas
+        assert store.binary_path(eid).read_bytes()[:4] == b"\x7fELF"
+        assert record.options[0] == "--gpu-architecture=sm_90" and record.options[-3:] == [
+            f"-D{d}" for d in nt.SPEC.defines(variant, ARCH)]
+        assert (record.compiler, record.compiler_version, record.compiler_path) == (
+            "nvrtc", found.version_text, found.path)
+        assert record.source_sha256 == native_store.source_hash(SOURCE) and record.built_by == "target"
+        assert record.compile_seconds > 0 and f"Function properties for {variant.name}" in record.report
 
 
 def test_below_sm_90_the_switches_leave_the_row_kernels():
@@ -156,9 +160,9 @@ def test_nvrtc_missing_is_a_clear_reason(no_nvrtc, tmp_path):
     assert reason.startswith("NVRTC not found (") and str(no_nvrtc) in reason
     assert "pip install nvidia-cuda-nvrtc-cu12" in reason and "libnvrtc.so.99" not in reason
     with pytest.raises(nvrtc.NvrtcUnavailable, match="NVRTC not found"):
-        NativeStore(tmp_path / "jit", ARCH).build(SOURCE, ROWS_256.name, ROWS_256.defines)
+        NativeStore(tmp_path / "jit", ARCH).build(SOURCE, ROWS_256.name, ROWS_256_DEFINES)
     problem = registries.TopkProblem("cuda", 4, 4096, 512, fused=True)
-    assert any(r.startswith("NVRTC not found") for r in registries.native_topk_reasons(
+    assert any(r.startswith("NVRTC not found") for r in native_topk_runtime.native_topk_reasons(
         problem, Platform.named(ARCH), None))
     report = warmup(ARCH, root=tmp_path / "jit", matrix=Matrix(kernels=("native_topk",)), progress=False)
     assert report.compiled == {} and report.failed == {}
@@ -180,17 +184,18 @@ def test_nvrtc_nowhere(monkeypatch):
 
 
 def test_key_separates_what_identifies_a_build():
-    parts = ("a" * 64, "topk_rows_256", "sm_90", ("-DX",), "12.9")
-    key = native.native_key(*parts)
-    for index, other in enumerate(("b" * 64, "topk_rows_512", "sm_100", ("-DY",), "13.0")):
+    parts = ("a" * 64, "topk_rows_256", "sm_90", ("-DX",), "nvrtc 12.9")
+    key = native_store.native_key(*parts)
+    for index, other in enumerate(("b" * 64, "topk_rows_512", "sm_100", ("-DY",), "nvrtc 13.0")):
         changed = list(parts)
         changed[index] = other
-        assert native.native_key(*changed) != key
-    assert native.native_entry_id("topk_rows_256", key) == f"topk_rows_256-{key[:20]}"
+        assert native_store.native_key(*changed) != key
+    assert native_store.native_entry_id("topk_rows_256", key) == f"topk_rows_256-{key[:20]}"
     store = NativeStore(Path("/nowhere"), ARCH)
-    eid, options = store.identify(SOURCE, ROWS_256.name, ROWS_256.defines, nvrtc.find())
-    assert options == nvrtc.BASE_OPTIONS + ("-DTOPK_SINGLE", "-DTOPK_KERNEL_topk_rows_256")
-    assert eid != store.identify(SOURCE + "\n", ROWS_256.name, ROWS_256.defines, nvrtc.find())[0]
+    eid, options = store.identify(SOURCE, ROWS_256.name, ROWS_256_DEFINES, nvrtc.compiler())
+    assert options == ("--gpu-architecture=sm_90", *nvrtc.BASE_OPTIONS, "-DTOPK_SINGLE", "-DTOPK_KERNEL_topk_rows_256",
+                       "-DTOPK_WARP_SIZE=32")
+    assert eid != store.identify(SOURCE + "\n", ROWS_256.name, ROWS_256_DEFINES, nvrtc.compiler())[0]
 
 
 def test_a_second_build_is_a_hit(compiled, tmp_path):
@@ -199,9 +204,9 @@ def test_a_second_build_is_a_hit(compiled, tmp_path):
     store = NativeStore(root, ARCH)
     start = time.perf_counter()
     for variant in nt.VARIANTS:
-        built = store.build(SOURCE, variant.name, variant.defines)
+        built = store.build(SOURCE, variant.name, nt.SPEC.defines(variant, ARCH))
         assert not built.event.compiled and built.entry_id == compiled[1][variant.name]["entry"]
-        assert built.cubin == store.cubin_path(built.entry_id).read_bytes()
+        assert built.binary == store.binary_path(built.entry_id).read_bytes()
     assert time.perf_counter() - start < 2.0
     assert {p.name: p.stat().st_mtime_ns for p in (root / "native" / ARCH).iterdir() if p.is_file()} == before
     assert [e.compiled for e in store.events] == [False] * len(nt.VARIANTS)
@@ -211,33 +216,33 @@ def test_corrupt_entries_are_rebuilt_with_a_warning(compiled, tmp_path, caplog):
     root = _copy(compiled, tmp_path)
     store = NativeStore(root, ARCH)
     ids = {name: b["entry"] for name, b in compiled[1].items()}
-    truncated = store.cubin_path(ids["topk_rows_256"])
+    truncated = store.binary_path(ids["topk_rows_256"])
     truncated.write_bytes(truncated.read_bytes()[:100])
-    altered = store.cubin_path(ids["topk_rows_512"])
+    altered = store.binary_path(ids["topk_rows_512"])
     data = bytearray(altered.read_bytes())
     data[-1] ^= 0xFF
     altered.write_bytes(bytes(data))
     store.record_path(ids["topk_cluster2_512"]).write_text("{not json")
-    store.cubin_path(ids["topk_cluster4_512"]).unlink()
+    store.binary_path(ids["topk_cluster4_512"]).unlink()
     expected = {"topk_rows_256": "has 100 bytes", "topk_rows_512": "does not match its recorded sha256",
                 "topk_cluster2_512": "does not parse", "topk_cluster4_512": "is missing"}
     with caplog.at_level(logging.WARNING, logger="qsa_aiter"):
         for name, words in expected.items():
             variant = nt.BY_NAME[name]
-            built = store.build(SOURCE, name, variant.defines)
+            built = store.build(SOURCE, name, nt.SPEC.defines(variant, ARCH))
             assert built.event.compiled and store.problem(built.entry_id, store.read(built.entry_id)) is None
             assert words in caplog.text and "rebuilding it" in caplog.text
     again = NativeStore(root, ARCH)
-    assert not any(again.build(SOURCE, name, nt.BY_NAME[name].defines).event.compiled for name in expected)
+    assert not any(again.build(SOURCE, name, DEFINES[name]).event.compiled for name in expected)
 
 
 def test_rebuild_rebuilds_each_entry_once(compiled, tmp_path):
     root = _copy(compiled, tmp_path)
     first, second = NativeStore(root, ARCH, rebuild=True), NativeStore(root, ARCH, rebuild=True)
-    assert first.build(SOURCE, ROWS_256.name, ROWS_256.defines).event.compiled
-    assert not second.build(SOURCE, ROWS_256.name, ROWS_256.defines).event.compiled, "rebuilt since it opened"
-    assert not first.build(SOURCE, ROWS_256.name, ROWS_256.defines).event.compiled
-    assert not NativeStore(root, ARCH).build(SOURCE, ROWS_256.name, ROWS_256.defines).event.compiled
+    assert first.build(SOURCE, ROWS_256.name, ROWS_256_DEFINES).event.compiled
+    assert not second.build(SOURCE, ROWS_256.name, ROWS_256_DEFINES).event.compiled, "rebuilt since it opened"
+    assert not first.build(SOURCE, ROWS_256.name, ROWS_256_DEFINES).event.compiled
+    assert not NativeStore(root, ARCH).build(SOURCE, ROWS_256.name, ROWS_256_DEFINES).event.compiled
 
 
 _RACE = r"""
@@ -245,7 +250,7 @@ import json, sys, time
 from pathlib import Path
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import native_topk as nt
-from qsa_aiter.runtime.jit.native import NativeStore
+from qsa_aiter.runtime.jit.native_store import NativeStore
 
 root, ready, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 store = NativeStore(Path(root), "sm_90")
@@ -253,7 +258,7 @@ variant = nt.BY_NAME["topk_rows_256"]
 ready.touch()
 while not go.exists():
     time.sleep(0.005)
-built = store.build(nt.source(), variant.name, variant.defines)
+built = store.build(nt.source(), variant.name, nt.SPEC.defines(variant, "sm_90"))
 print("JIT-RESULT " + json.dumps({"compiled": built.event.compiled, "entry": built.entry_id,
                                   "sha256": built.record.sha256}))
 """
@@ -282,18 +287,18 @@ def test_two_processes_building_one_entry_compile_it_once(tmp_path):
 
 def test_a_busy_entry(tmp_path):
     store = NativeStore(tmp_path, ARCH)
-    eid, _ = store.identify(SOURCE, ROWS_256.name, ROWS_256.defines, nvrtc.find())
+    eid, _ = store.identify(SOURCE, ROWS_256.name, ROWS_256_DEFINES, nvrtc.compiler())
     with store.lock(eid):
         with pytest.raises(VariantBusy):
-            store.build(SOURCE, ROWS_256.name, ROWS_256.defines, wait=False)
+            store.build(SOURCE, ROWS_256.name, ROWS_256_DEFINES, wait=False)
 
 
 def test_a_read_only_directory_compiles_in_memory(tmp_path, monkeypatch, caplog):
     store = NativeStore(tmp_path, ARCH)
     monkeypatch.setattr(store, "writable", lambda: False)
     with caplog.at_level(logging.WARNING, logger="qsa_aiter"):
-        built = store.build(SOURCE, ROWS_256.name, ROWS_256.defines)
-    assert built.event.compiled and built.cubin[:4] == b"\x7fELF" and not (tmp_path / "native").exists()
+        built = store.build(SOURCE, ROWS_256.name, ROWS_256_DEFINES)
+    assert built.event.compiled and built.binary[:4] == b"\x7fELF" and not (tmp_path / "native").exists()
     assert "is not writable" in caplog.text
 
 
@@ -353,10 +358,10 @@ class StandInDriver:
 @pytest.fixture
 def stand_in(monkeypatch, tmp_path):
     driver = StandInDriver()
-    monkeypatch.setattr(native, "_driver", lambda: driver)
-    monkeypatch.setattr(native, "_primary", {})
+    monkeypatch.setattr(cuda_driver, "_driver", lambda: driver)
+    monkeypatch.setattr(cuda_driver, "_primary", {})
     monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(native, "_stores", {})
+    monkeypatch.setattr(native_store, "_stores", {})
     return driver
 
 
@@ -364,22 +369,22 @@ def test_a_kernel_loads_once_per_device_from_the_cache(stand_in, compiled, tmp_p
     root = _copy(compiled, tmp_path)
     monkeypatch.setenv("QSA_AITER_JIT_DIR", str(root))
     variant = nt.BY_NAME["topk_cluster16_512"]
-    kernel = native.kernel_for(SOURCE, variant.name, variant.defines, 0, ARCH, non_portable_cluster=True)
+    kernel = native.kernel_for(SOURCE, variant.name, DEFINES[variant.name], 0, ARCH, non_portable_cluster=True)
     assert (kernel.kernel, kernel.entry_id, kernel.device) == (variant.name, compiled[1][variant.name]["entry"], 0)
     load = next(args for name, args in stand_in.calls if name == "cuModuleLoadData")
     assert load[1][:4] == b"\x7fELF"
     function = next(args for name, args in stand_in.calls if name == "cuModuleGetFunction")
     assert function[2] == variant.name.encode()
-    assert ("cuFuncSetAttribute", (kernel.function, native.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)) \
-        in stand_in.calls
+    non_portable = cuda_driver.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    assert ("cuFuncSetAttribute", (kernel.function, non_portable, 1)) in stand_in.calls
     # another context was current: the primary context is pushed around the load, then popped
     assert stand_in.names()[:5] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxGetCurrent",
                                     "cuCtxPushCurrent_v2"]
     assert stand_in.names()[-1] == "cuCtxPopCurrent_v2"
     count = len(stand_in.calls)
-    assert native.kernel_for(SOURCE, variant.name, variant.defines, 0, ARCH, non_portable_cluster=True) is kernel
+    assert native.kernel_for(SOURCE, variant.name, DEFINES[variant.name], 0, ARCH, non_portable_cluster=True) is kernel
     assert len(stand_in.calls) == count, "loaded once per process and device"
-    assert native.kernel_for(SOURCE, variant.name, variant.defines, 1, ARCH, non_portable_cluster=True) is not kernel
+    assert native.kernel_for(SOURCE, variant.name, DEFINES[variant.name], 1, ARCH, non_portable_cluster=True) is not kernel
 
 
 def test_the_settings_choose_the_directory_and_rebuild(stand_in, compiled, tmp_path, monkeypatch):
@@ -387,19 +392,19 @@ def test_the_settings_choose_the_directory_and_rebuild(stand_in, compiled, tmp_p
     root = _copy(compiled, tmp_path)
     monkeypatch.setenv("QSA_AITER_JIT_DIR", str(root))
     monkeypatch.setenv("QSA_AITER_REBUILD", "1")
-    native.kernel_for(SOURCE, ROWS_256.name, ROWS_256.defines, 0, ARCH)
-    native.kernel_for(SOURCE, ROWS_256.name, ROWS_256.defines, 0, ARCH)
-    rebuilt = native.native_store(root, ARCH, rebuild=True)
+    native.kernel_for(SOURCE, ROWS_256.name, ROWS_256_DEFINES, 0, ARCH)
+    native.kernel_for(SOURCE, ROWS_256.name, ROWS_256_DEFINES, 0, ARCH)
+    rebuilt = native_store.native_store(root, ARCH, rebuild=True)
     assert [e.compiled for e in rebuilt.events] == [True]
     assert NativeStore(root, ARCH).read(rebuilt.events[0].entry_id).date > rebuilt.opened
     monkeypatch.delenv("QSA_AITER_REBUILD")
-    native.kernel_for(SOURCE, ROWS_256.name, ROWS_256.defines, 0, ARCH)
-    assert [e.compiled for e in native.native_store(root, ARCH).events] == [False]
+    native.kernel_for(SOURCE, ROWS_256.name, ROWS_256_DEFINES, 0, ARCH)
+    assert [e.compiled for e in native_store.native_store(root, ARCH).events] == [False]
 
 
 def test_a_launch_passes_the_arguments_by_address(stand_in):
     stand_in.current = 0xC0  # device 0's primary context is current: nothing pushed
-    kernel = native.load_cubin(b"\x7fELF", "topk_rows_512", "topk_rows_512-x", 0)
+    kernel = cuda_driver.load_cubin(b"\x7fELF", "topk_rows_512", "topk_rows_512-x", 0)
     plan = nt.choose_plan(256, 25088, 512, Platform.named(ARCH))
     call = nt.launch_arguments(plan, 256, 25088, 25088, 512, True)
     names = tuple(name for name, _ in call.pointers)
@@ -409,7 +414,7 @@ def test_a_launch_passes_the_arguments_by_address(stand_in):
                           call.scalars)(*addresses, stream=77)
     assert "cuCtxPushCurrent_v2" not in stand_in.names()
     attribute = next(args for name, args in stand_in.calls if name == "cuFuncSetAttribute")
-    assert attribute[1:] == (native.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, plan.shared_bytes)
+    assert attribute[1:] == (cuda_driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, plan.shared_bytes)
     args = next(args for name, args in stand_in.calls if name == "cuLaunchKernel")
     assert args[1:8] == (256, 1, 1, 512, 1, 1, plan.shared_bytes) and args[8].value == 77 and args[10] is None
     pointers = [as_pointer or 0 for as_pointer, _ in stand_in.arguments[:len(names)]]
@@ -429,7 +434,7 @@ def test_a_prepared_launch_fills_in_each_calls_addresses(stand_in, monkeypatch):
 
     stand_in.current = 0xC0
     monkeypatch.setattr(native, "current_stream", lambda device: 55)
-    kernel = native.load_cubin(b"\x7fELF", "topk_rows_256", "topk_rows_256-x", 0)
+    kernel = cuda_driver.load_cubin(b"\x7fELF", "topk_rows_256", "topk_rows_256-x", 0)
     scalars = (("rows", "int", 4), ("columns", "int", 9000))
     prepared = native.PreparedLaunch("native_topk", kernel, (4, 1, 1), (256, 1, 1), 1024,
                                      ("logits", "visible", "out"), scalars)
@@ -452,7 +457,7 @@ def test_a_prepared_launch_fills_in_each_calls_addresses(stand_in, monkeypatch):
 
 def test_the_launch_config_structs_are_laid_out_as_in_cuda_h():
     """``CUlaunchConfig`` and ``CUlaunchAttribute`` as cuda.h (CUDA 12 and 13) lays them out on 64-bit Linux."""
-    config, attribute = native.LaunchConfig, native.LaunchAttribute
+    config, attribute = cuda_driver.LaunchConfig, cuda_driver.LaunchAttribute
     assert ctypes.sizeof(config) == 56
     assert (config.shared_bytes.offset, config.stream.offset, config.attributes.offset,
             config.attribute_count.offset) == (24, 32, 40, 48)
@@ -463,7 +468,7 @@ def test_a_programmatic_launch_goes_through_cuLaunchKernelEx(stand_in):
     """With ``programmatic`` the launch carries the programmatic-stream-serialization attribute on the call's stream,
     with the same argument array; without it, ``cuLaunchKernel`` as before."""
     stand_in.current = 0xC0
-    kernel = native.load_cubin(b"\x7fELF", "topk_cluster4_512", "topk_cluster4_512-x", 0)
+    kernel = cuda_driver.load_cubin(b"\x7fELF", "topk_cluster4_512", "topk_cluster4_512-x", 0)
     prepared = native.PreparedLaunch("native_topk", kernel, (144, 1, 1), (512, 1, 1), 1024,
                                      ("logits", "visible", "out"), (("rows", "int", 36),), programmatic=True)
     assert prepared.programmatic
@@ -472,7 +477,7 @@ def test_a_programmatic_launch_goes_through_cuLaunchKernelEx(stand_in):
         prepared(0x10, 0x20, 0x30, stream=stream)
         assert "cuLaunchKernel" not in stand_in.names()
         assert stand_in.config == ((144, 1, 1), (512, 1, 1), 1024, stream, 1,
-                                   native.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+                                   cuda_driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
         params = stand_in.ex_arguments
         assert [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p)).contents.value for i in range(3)] == \
             [0x10, 0x20, 0x30]
@@ -484,9 +489,9 @@ def test_a_programmatic_launch_goes_through_cuLaunchKernelEx(stand_in):
 
 
 def test_a_failing_driver_call_names_the_call_and_the_error(stand_in):
-    kernel = native.load_cubin(b"\x7fELF", "topk_rows_256", "topk_rows_256-x", 0)
+    kernel = cuda_driver.load_cubin(b"\x7fELF", "topk_rows_256", "topk_rows_256-x", 0)
     stand_in.fail = "cuLaunchKernel"
-    with pytest.raises(native.DriverError, match=r"cuLaunchKernel\(topk_rows_256, grid \(4, 1, 1\), block "
+    with pytest.raises(cuda_driver.DriverError, match=r"cuLaunchKernel\(topk_rows_256, grid \(4, 1, 1\), block "
                                                  r"\(256, 1, 1\), 9000 B shared\) failed: CUDA_ERROR_INVALID_VALUE: "
                                                  "invalid argument"):
         native.PreparedLaunch("native_topk", kernel, (4, 1, 1), (256, 1, 1), 9000, ("a", "b", "c"),
@@ -495,11 +500,11 @@ def test_a_failing_driver_call_names_the_call_and_the_error(stand_in):
 
 
 def test_the_driver_library_is_named_where_it_does_not_load():
-    if native.driver_reason() is None:
+    if cuda_driver.driver_reason() is None:
         pytest.skip("this machine has a CUDA driver")
-    assert "libcuda.so.1" in native.driver_reason()
-    with pytest.raises(native.DriverUnavailable, match="libcuda.so.1"):
-        native.driver()
+    assert "libcuda.so.1" in cuda_driver.driver_reason()
+    with pytest.raises(cuda_driver.DriverUnavailable, match="libcuda.so.1"):
+        cuda_driver.driver()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -516,7 +521,7 @@ def test_jit_list_and_clear_show_native_entries(compiled, tmp_path, capsys, monk
     assert "topk_cluster8_512 NVRTC " in listing and "0 B spill stores, 0 B spill loads, 0 B stack" in listing
     store = NativeStore(root, ARCH)
     eid = compiled[1]["topk_rows_256"]["entry"]
-    store.cubin_path(eid).write_bytes(b"x")
+    store.binary_path(eid).write_bytes(b"x")
     monkeypatch.setitem(inventory.NATIVE_SOURCES, "topk_rows_512", lambda: "another source")
     assert main(["jit", "list", "--jit-dir", str(root)]) == 0
     listing = capsys.readouterr().out
@@ -528,15 +533,9 @@ def test_jit_list_and_clear_show_native_entries(compiled, tmp_path, capsys, monk
     assert "(empty)" in capsys.readouterr().out
 
 
-def test_warmup_command_for_sm_90_and_an_amd_target(compiled, tmp_path, capsys):
+def test_warmup_command_for_sm_90(compiled, tmp_path, capsys):
     root = _copy(compiled, tmp_path)
     assert main(["warmup", "--arch", ARCH, "--kernels", "native_topk", "--jit-dir", str(root), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert f"warm-up sm_90: {len(nt.VARIANTS)} variants, 0 compiled" in out
     assert f"{len(nt.VARIANTS)} already cached, 0 failed" in out
-    assert main(["warmup", "--arch", "gfx950", "--kernels", "native_topk", "--jit-dir", str(root),
-                 "--no-progress"]) == 1  # nothing built: a failure
-    out = capsys.readouterr().out
-    assert "native_topk: not built for gfx950: the native kernels are CUDA only (AMD: hipRTC builds are future work)" \
-        in out
-    assert not (root / "native" / "gfx950").exists()
