@@ -40,7 +40,9 @@ class Candidate:
     ``reasons(problem, platform, settings)``: why it does not serve (empty: it serves). ``launch(problem, args,
     settings)``: run it on the call's arguments. ``ranks``: its place in the order per phase (lower first;
     ``ANY_PHASE`` for families without phases); ``universal``: in the order of problems outside the family's table.
-    A candidate with a ``spec`` launches inside the JIT cache's scope, and its tuned rows may decide the choice."""
+    A candidate with a ``spec`` launches inside the JIT cache's scope, and its tuned rows may decide the choice.
+    ``final``: its errors are raised, never marked broken (a candidate made of steps that dispatch through registries
+    of their own, which already fell back where they could: selection's ``composite``)."""
 
     name: str
     description: str
@@ -49,6 +51,7 @@ class Candidate:
     ranks: Mapping[str, int]
     universal: bool = False
     spec: KernelSpec | None = None
+    final: bool = False
 
 
 def spec_candidate(spec: KernelSpec, launch: Callable[[Any, Any, QsaSettings], None], *, name: str | None = None,
@@ -314,7 +317,7 @@ class Registry:
             except ConfigurationError:
                 raise
             except Exception as err:  # compile or launch failure: fall back unless strict
-                if settings.strict or decision.forced:
+                if settings.strict or decision.forced or candidate.final:
                     raise
                 message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
                 key = (self.family, name, self.broken_key(problem))
