@@ -33,7 +33,7 @@ import importlib.util
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -313,9 +313,9 @@ def ascending_groups(groups: torch.Tensor, visible: torch.Tensor) -> torch.Tenso
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _k1_functions() -> tuple[dict[str, object], str | None]:
+def _k1_functions() -> tuple[dict[str, Callable[..., Any]], str | None]:
     """K1's three functions by name, or ``({}, why)`` when one does not import."""
-    found = {}
+    found: dict[str, Callable[..., Any]] = {}
     for attr in FLYDSL_K1_FUNCTIONS:
         _, fn, why = _load(FLYDSL_K1, attr)
         if why:
