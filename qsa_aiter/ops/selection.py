@@ -20,6 +20,7 @@ a CUDA graph (K1's own wrapper reads one int back for a decode batch over a wide
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -298,7 +299,7 @@ def qsa_select_paged_tokens(
         if problem.num_tokens == 0:
             return result, None
         args = SelectionArgs(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
-                             k_scale, result, lambda s: _composite(call, args, s))
+                             k_scale, result, functools.partial(_composite, call))
         ran = SELECTION.dispatch(SelectionProblem(problem, budget, rows), args, settings)
         # Replayed: one chunk of the composite path (a library's launches, and several chunks, are not recorded).
         if ran != "composite" or rows < problem.num_tokens:

@@ -482,8 +482,8 @@ class SelectionProblem:
 class SelectionArgs:
     """The tensors of a validated ``qsa_select_paged_tokens`` call as the op was given them (``q [tokens, H, D]``,
     ``k_cache``, ``page_table``, ``token_to_request`` and ``query_positions [tokens]``, ``context_lens [requests]``,
-    ``k_scale`` or None), its int32 ``out [tokens, token_topk + R - 1]``, and ``composite``: the op's own path on
-    these tensors (scoring, then the top-k with the expansion, chunk by chunk; it takes the settings)."""
+    ``k_scale`` or None), its int32 ``out [tokens, token_topk + R - 1]``, and ``composite``: the op's own path
+    (scoring, then the top-k with the expansion, chunk by chunk), called with these args and the settings."""
 
     q: torch.Tensor
     k_cache: torch.Tensor
@@ -493,7 +493,7 @@ class SelectionArgs:
     context_lens: torch.Tensor
     k_scale: torch.Tensor | None
     out: torch.Tensor
-    composite: Callable[[QsaSettings], None]
+    composite: Callable[["SelectionArgs", QsaSettings], None]
 
     @property
     def device(self) -> torch.device:
@@ -519,6 +519,6 @@ SELECTION = register(Registry("selection", "selection", (
               {ANY_PHASE: 10}),
     Candidate("composite", "scoring (qsa_paged_mqa_logits' registry), then the block top-k with the expansion "
               "(block top-k's registry), chunk by chunk; any device", _serves_all,
-              lambda problem, args, settings: args.composite(settings), {ANY_PHASE: 50}, final=True),
+              lambda problem, args, settings: args.composite(args, settings), {ANY_PHASE: 50}, final=True),
 ), broken_key=lambda problem: (_scoring_broken_key(problem.score), problem.token_topk),
     forced_setting="select_backend"))
