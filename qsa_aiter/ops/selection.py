@@ -5,18 +5,22 @@
   The top-k registry (``runtime/registries.TOPK``) chooses who ranks: the Triton radix select where Triton runs, the
   torch path (a stable sort) elsewhere, AITER's HIP top-k when the AITER path is asked for on a ROCm GPU.
 - ``qsa_expand_block_indices``: groups back to tokens, plus each row's causal tail (``registries.EXPAND``).
-- ``qsa_select_paged_tokens``: scoring, then top-k and expansion in one launch, rows chunked so the fp32 logits stay
-  within the logits workspace bound: ``logits_workspace_bytes``, else ``QSA_AITER_LOGITS_WORKSPACE_MB``, else one
-  sized from the device once per device (``device_workspace_bound``). ``explain_selection`` reports both decisions
-  and the chunking, with where its bound came from.
+- ``qsa_select_paged_tokens``: the selection registry (``registries.SELECTION``) chooses how: the composite path
+  (scoring, then top-k and expansion in one launch) or, where asked for and served, AITER's FlyDSL fused selection
+  (``flydsl_k1``: block ids in one pass, then the expansion). Rows are chunked so the fp32 logits stay within the
+  logits workspace bound: ``logits_workspace_bytes``, else ``QSA_AITER_LOGITS_WORKSPACE_MB``, else one sized from
+  the device once per device (``device_workspace_bound``). ``explain_selection`` reports every decision and the
+  chunking, with where its bound came from.
 
 Every decision is made from shapes, host-side arguments and (for the workspace bound) the device's total memory, a
-host-side property read once per device; nothing reads device memory, so the ops can be captured in a CUDA graph.
+host-side property read once per device; nothing of this project reads device memory, so the ops can be captured in
+a CUDA graph (K1's own wrapper reads one int back for a decode batch over a wide table, except while capturing).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,7 +31,9 @@ from ..runtime import registries, replay
 from ..runtime.arguments import (
     check_index_out, check_int, check_tensor, check_topk_args, check_topk_budget, fail_argument,
 )
-from ..runtime.registries import TOPK, TopkArgs, expand_tokens, topk_problem
+from ..runtime.registries import (
+    SELECTION, TOPK, SelectionArgs, SelectionProblem, TopkArgs, expand_tokens, topk_problem,
+)
 from ..runtime.settings import QsaSettings, get_settings
 from . import selection_plans as plans
 from .declarations import Call, taking_arguments_of
@@ -289,28 +295,16 @@ def qsa_select_paged_tokens(
         call = validate_selection_call(q, compressed_k_cache, page_table, token_to_request, query_positions,
                                        context_lens, token_topk, compress_ratio, out, logits_workspace_bytes,
                                        max_seq_len, k_scale, phase, max_query_len, settings)
-        problem, ratio, budget, result, rows = call.problem, call.ratio, call.token_topk, call.out, call.chunk_rows
-        tokens, columns = problem.num_tokens, problem.num_columns
-        if tokens == 0:
+        problem, budget, result, rows = call.problem, call.token_topk, call.out, call.chunk_rows
+        if problem.num_tokens == 0:
             return result, None
-        block_topk = budget // ratio
-        logits = torch.empty((rows, columns), dtype=torch.float32, device=q.device)
-        groups = torch.empty((rows, block_topk), dtype=torch.int32, device=q.device)
-        for r0 in range(0, tokens, rows):
-            r1 = min(tokens, r0 + rows)
-            # A chunk is the validated call narrowed to its rows: it keeps the whole call's dispatch (its phase).
-            chunk = dataclasses.replace(problem, num_tokens=r1 - r0)
-            chunk_logits = logits[: r1 - r0]
-            visible = score_validated(chunk, math.sqrt(problem.head_dim), q[r0:r1], compressed_k_cache, page_table,
-                                      token_to_request[r0:r1], query_positions[r0:r1], context_lens, k_scale,
-                                      chunk_logits, settings)
-            # The top-k expands its groups into the chunk's token rows (one launch for the Triton top-k).
-            expansion = (query_positions[r0:r1], context_lens, token_to_request[r0:r1], result[r0:r1], ratio, budget)
-            TOPK.dispatch(topk_problem(chunk_logits, block_topk, fused=True),
-                          TopkArgs(chunk_logits, visible, groups[: r1 - r0], block_topk, expansion), settings)
-        if rows < tokens:  # several chunks: dominated by their kernels, not replayed
+        args = SelectionArgs(q, compressed_k_cache, page_table, token_to_request, query_positions, context_lens,
+                             k_scale, result, functools.partial(_composite, call))
+        ran = SELECTION.dispatch(SelectionProblem(problem, budget, rows), args, settings)
+        # Replayed: one chunk of the composite path (a library's launches, and several chunks, are not recorded).
+        if ran != "composite" or rows < problem.num_tokens:
             return result, None
-        return result, lambda launches: plans.SelectionPlan.of(problem, block_topk, budget, launches)
+        return result, lambda launches: plans.SelectionPlan.of(problem, budget // call.ratio, budget, launches)
 
     return replay.cached_call(
         "qsa_select_paged_tokens", settings,
@@ -318,24 +312,53 @@ def qsa_select_paged_tokens(
         (token_topk, compress_ratio, logits_workspace_bytes, max_seq_len, phase, max_query_len), first_call)
 
 
+def _composite(call: ValidatedSelection, args: SelectionArgs, settings: QsaSettings) -> None:
+    """The ``composite`` selection candidate: per chunk of ``call.chunk_rows`` rows, scoring (``SCORING``), then
+    the block top-k with the expansion into ``args.out`` (``TOPK``; one launch for the Triton and native top-k)."""
+    problem, ratio, budget, rows = call.problem, call.ratio, call.token_topk, call.chunk_rows
+    tokens, columns, block_topk = problem.num_tokens, problem.num_columns, call.token_topk // call.ratio
+    logits = torch.empty((rows, columns), dtype=torch.float32, device=args.device)
+    groups = torch.empty((rows, block_topk), dtype=torch.int32, device=args.device)
+    for r0 in range(0, tokens, rows):
+        r1 = min(tokens, r0 + rows)
+        # A chunk is the validated call narrowed to its rows: it keeps the whole call's dispatch (its phase).
+        chunk = dataclasses.replace(problem, num_tokens=r1 - r0)
+        chunk_logits = logits[: r1 - r0]
+        visible = score_validated(chunk, math.sqrt(problem.head_dim), args.q[r0:r1], args.k_cache, args.page_table,
+                                  args.token_to_request[r0:r1], args.query_positions[r0:r1], args.context_lens,
+                                  args.k_scale, chunk_logits, settings)
+        expansion = (args.query_positions[r0:r1], args.context_lens, args.token_to_request[r0:r1], args.out[r0:r1],
+                     ratio, budget)
+        TOPK.dispatch(topk_problem(chunk_logits, block_topk, fused=True),
+                      TopkArgs(chunk_logits, visible, groups[: r1 - r0], block_topk, expansion), settings)
+
+
 # Typed like the op it explains, whose signature is the one declaration of its arguments and defaults.
 @taking_arguments_of(qsa_select_paged_tokens)
 def explain_selection(call: Call) -> str:
     """Which kernels a ``qsa_select_paged_tokens`` call with these arguments would run, and why: the chunks of rows
     (their count, rows and logits bytes, and the workspace bound with where it came from: the argument,
-    ``QSA_AITER_LOGITS_WORKSPACE_MB``, or the device with its numbers), the scoring decision (with its launch plan)
-    and the top-k decision, each with every candidate's reasons. The arguments are validated as the op validates
-    them; nothing is launched or written."""
+    ``QSA_AITER_LOGITS_WORKSPACE_MB``, or the device with its numbers), the selection decision (the composite path
+    or a fused candidate, with every candidate's reasons), then for the composite path the scoring decision (with
+    its launch plan) and the top-k decision, for a fused candidate the expansion decision, each with every
+    candidate's reasons. The arguments are validated as the op validates them; nothing is launched or written."""
     selection = validate_selection_call(**call, op="explain_selection")
     problem, rows = selection.problem, selection.chunk_rows
     chunks = -(-problem.num_tokens // rows) if problem.num_tokens else 0
-    topk_step = registries.TopkProblem(problem.device_type, rows, problem.num_columns,
-                                       selection.token_topk // selection.ratio, fused=True)
-    return "\n".join([
+    block_topk = selection.token_topk // selection.ratio
+    whole = SelectionProblem(problem, selection.token_topk, rows)
+    lines = [
         f"qsa_select_paged_tokens: {problem.num_tokens} rows in {chunks} chunk(s) of at most {rows} rows (logits "
         f"workspace {selection.workspace} bytes, {selection.workspace_source}; a chunk's logits {rows} x "
         f"{problem.num_columns} x 4 = {4 * rows * problem.num_columns} bytes)",
-        registries.SCORING.explain(dataclasses.replace(problem, num_tokens=min(rows, problem.num_tokens))),
-        TOPK.explain(topk_step),
-    ])
+        SELECTION.explain(whole),
+    ]
+    if SELECTION.select(whole).chosen == "composite":
+        lines += [registries.SCORING.explain(dataclasses.replace(problem, num_tokens=min(rows, problem.num_tokens))),
+                  TOPK.explain(registries.TopkProblem(problem.device_type, rows, problem.num_columns, block_topk,
+                                                      fused=True))]
+    else:
+        lines.append(registries.EXPAND.explain(registries.ExpandProblem(
+            problem.device_type, min(rows, problem.num_tokens), block_topk, selection.ratio, selection.token_topk)))
+    return "\n".join(lines)
 

@@ -42,7 +42,8 @@ class Candidate:
     ``ANY_PHASE`` for families without phases); ``universal``: in the order of problems outside the family's table.
     A candidate with a ``spec`` launches inside the JIT cache's scope, and its tuned rows may decide the choice.
     ``describe_plan(problem, platform)``: the plan ``explain`` prints for a chosen candidate that has no ``spec`` (a
-    native kernel's)."""
+    native kernel's). ``final``: its errors are raised, never marked broken (a candidate made of steps that dispatch
+    through registries of their own, which already fell back where they could: selection's ``composite``)."""
 
     name: str
     description: str
@@ -52,6 +53,7 @@ class Candidate:
     universal: bool = False
     spec: KernelSpec | None = None
     describe_plan: Callable[[Any, Platform], str] | None = None
+    final: bool = False
 
 
 def spec_candidate(spec: KernelSpec, launch: Callable[[Any, Any, QsaSettings], None], *, name: str | None = None,
@@ -321,7 +323,7 @@ class Registry:
             except ConfigurationError:
                 raise
             except Exception as err:  # compile or launch failure: fall back unless strict
-                if settings.strict or decision.forced:
+                if settings.strict or decision.forced or candidate.final:
                     raise
                 message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
                 key = (self.family, name, self.broken_key(problem))

@@ -10,11 +10,15 @@ how they are ordered, and the host-side problem each decides from.
 - ``EXPAND`` (``qsa_expand_block_indices``, and selection's expansion after a top-k that does not fuse it): the
   Triton expansion, the torch path.
 - ``WRITER`` (``qsa_write_index_cache``): the Triton writer, the torch reference writer.
+- ``SELECTION`` (``qsa_select_paged_tokens`` as a whole): AITER's FlyDSL fused selection (``flydsl_k1``, where
+  ``ROCM_QSA_FLYDSL=1``), the composite path (scoring, then ``TOPK`` with the expansion). Forced by
+  ``QSA_AITER_SELECT_BACKEND``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -30,7 +34,7 @@ from ..kernels.selection.reference import torch_block_topk, torch_expand_block_i
 from . import rocm
 from . import native_topk
 from .dispatch import ANY_PHASE, Candidate, Registry, plan_for, register, spec_candidate
-from .settings import get_settings
+from .settings import QsaSettings, get_settings
 
 BLOCK_SIZES = (16, 64)
 
@@ -297,3 +301,77 @@ WRITER = register(Registry("writer", "qsa_write_index_cache", (
               {ANY_PHASE: 90}),
 ), broken_key=lambda problem: (problem.device_type, problem.kind)))
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Selection (scoring, top-k and expansion of qsa_select_paged_tokens)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SelectionProblem:
+    """A ``qsa_select_paged_tokens`` call, from host facts: ``score``, its scoring problem (every row of the call,
+    columns fixed by ``max_seq_len``), ``token_topk`` tokens kept per row, ``chunk_rows``: the rows of one chunk of
+    logits within the call's workspace bound."""
+
+    score: ScoreProblem
+    token_topk: int
+    chunk_rows: int
+
+    @property
+    def device_type(self) -> str:
+        return self.score.device_type
+
+    @property
+    def block_topk(self) -> int:
+        return self.token_topk // self.score.compress_ratio
+
+    def summary(self) -> str:
+        return (f"{self.score.summary()} token_topk={self.token_topk} R={self.score.compress_ratio} "
+                f"chunk_rows={self.chunk_rows}")
+
+
+@dataclass(frozen=True)
+class SelectionArgs:
+    """The tensors of a validated ``qsa_select_paged_tokens`` call as the op was given them (``q [tokens, H, D]``,
+    ``k_cache``, ``page_table``, ``token_to_request`` and ``query_positions [tokens]``, ``context_lens [requests]``,
+    ``k_scale`` or None), its int32 ``out [tokens, token_topk + R - 1]``, and ``composite``: the op's own path
+    (scoring, then the top-k with the expansion, chunk by chunk), called with these args and the settings."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    page_table: torch.Tensor
+    token_to_request: torch.Tensor
+    query_positions: torch.Tensor
+    context_lens: torch.Tensor
+    k_scale: torch.Tensor | None
+    out: torch.Tensor
+    composite: Callable[["SelectionArgs", QsaSettings], None]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+def _launch_flydsl_k1(problem: SelectionProblem, args: SelectionArgs, settings) -> None:
+    ratio, token_topk = problem.score.compress_ratio, problem.token_topk
+
+    def expand(block_ids: torch.Tensor, rows: slice) -> None:
+        expand_tokens(block_ids, args.query_positions[rows], args.context_lens, args.token_to_request[rows], ratio,
+                      token_topk, args.out[rows], settings)
+
+    rocm.run_flydsl_k1(problem, args, expand)
+
+
+# One candidate per way of turning a call into its tokens: today the composite path (which always serves) and
+# AITER's FlyDSL K1 (opt-in: ranked first where asked for); a fused candidate of this project's own goes between
+# them by rank.
+SELECTION = register(Registry("selection", "selection", (
+    Candidate("flydsl_k1", rocm.FLYDSL_K1_DESCRIPTION,
+              lambda problem, platform, settings: rocm.flydsl_k1_reasons(problem, settings), _launch_flydsl_k1,
+              {ANY_PHASE: 10}),
+    Candidate("composite", "scoring (qsa_paged_mqa_logits' registry), then the block top-k with the expansion "
+              "(block top-k's registry), chunk by chunk; any device", _serves_all,
+              lambda problem, args, settings: args.composite(args, settings), {ANY_PHASE: 50}, final=True),
+), broken_key=lambda problem: (_scoring_broken_key(problem.score), problem.token_topk),
+    forced_setting="select_backend"))

@@ -13,6 +13,10 @@ environment at import, so it is never imported on a machine where it could not s
   .qsa_paged_mqa_logits_flydsl``, only with ``ROCM_QSA_FLYDSL=1`` (or ``VLLM_ROCM_QSA_FLYDSL=1``), ``flydsl``
   importable and a gfx942/gfx950 GPU; it hard-codes bf16, 4 heads, head_dim 128, R 4 and 16 compressed groups per
   page (the engine's 64-token KV block), and addresses its buffers with 32-bit byte offsets.
+- ``flydsl_k1`` (``flydsl_k1_reasons``, ``run_flydsl_k1``; ``registries.SELECTION`` declares the candidate):
+  AITER's FlyDSL fused selection ``aiter.ops.flydsl.qsa.qsa_k1_block_ids``, which scores and selects block ids in
+  one pass, only with ``ROCM_QSA_FLYDSL=1`` on gfx942/gfx950 and where the library's own predicates
+  (``qsa_k1_selection_serves``, ``qsa_k1_serves``) say yes; its block ids are sorted and expanded here.
 - ``aiter_block_topk``: AITER's HIP radix top-k (``aiter.ops.topk.top_k_per_row_prefill``, ``stable=True``) with the
   contract of ``qsa_aiter.qsa_block_topk`` (kept groups ascending, then ``-1``).
 
@@ -29,10 +33,12 @@ import importlib.util
 import inspect
 import logging
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from ..kernels.scoring.problem import PHASES, ScoreProblem
+from ..kernels.scoring.reference import visible_groups
 from .arguments import check_index_out, check_topk_args, fail_argument
 from .dispatch import Candidate
 from .log import log_once
@@ -46,8 +52,14 @@ FLYDSL_ARCHS = ("gfx942", "gfx950")
 #: The FlyDSL kernel addresses logits and cache with signed 32-bit byte offsets.
 FLYDSL_MAX_BYTES = 2**31 - 1
 
+#: AITER's FlyDSL fused selection ("K1"): its module and the functions this project calls (ROCm/aiter#5996).
+FLYDSL_K1 = "aiter.ops.flydsl.qsa"
+FLYDSL_K1_FUNCTIONS = ("qsa_k1_selection_serves", "qsa_k1_serves", "qsa_k1_block_ids")
+
 AITER_DESCRIPTION = "AITER's QSA Triton scorer (aiter.ops.triton.attention.qsa)"
 FLYDSL_DESCRIPTION = "FlyDSL MFMA prefill scorer (ATOM's qsa_flydsl_layout)"
+FLYDSL_K1_DESCRIPTION = ("AITER's FlyDSL fused selection K1 (aiter.ops.flydsl.qsa: scores and selects block ids in "
+                         "one pass), its block ids sorted and expanded here")
 
 
 @dataclass(frozen=True)
@@ -282,12 +294,117 @@ def aiter_block_topk(logits: torch.Tensor, visible: torch.Tensor, block_topk: in
     _, fn, _ = _load(*AITER_TOPK)
     row_starts = torch.zeros(tokens, dtype=torch.int32, device=logits.device)
     fn(logits, row_starts, visible, out, None, tokens, logits.stride(0), logits.stride(1), block_topk, stable=True)
-    # Kept groups ascending, -1 last; anything outside [0, visible) is not a kept group.
+    return ascending_groups(out, visible)
+
+
+def ascending_groups(groups: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Put a library's selected groups (int32 ``[rows, k]``, in the library's order, ``-1`` or any value outside
+    ``[0, visible)`` in unused slots) in this project's order, in place: kept groups ascending, ``-1`` after them.
+    ``visible``: int32 ``[rows]``. One sort of ``[rows, k]`` on the device (no host sync)."""
     big = torch.iinfo(torch.int32).max
-    keep = (out >= 0) & (out < visible[:, None])
-    ordered = torch.sort(torch.where(keep, out, big), dim=1).values
-    out.copy_(torch.where(ordered == big, -1, ordered))
-    return out
+    keep = (groups >= 0) & (groups < visible[:, None])
+    ordered = torch.sort(torch.where(keep, groups, big), dim=1).values
+    groups.copy_(torch.where(ordered == big, -1, ordered))
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AITER's FlyDSL fused selection (K1)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _k1_functions() -> tuple[dict[str, Callable[..., Any]], str | None]:
+    """K1's three functions by name, or ``({}, why)`` when one does not import."""
+    found: dict[str, Callable[..., Any]] = {}
+    for attr in FLYDSL_K1_FUNCTIONS:
+        _, fn, why = _load(FLYDSL_K1, attr)
+        if why:
+            return {}, why
+        found[attr] = fn
+    return found, None
+
+
+def _k1_meta_tensors(problem: ScoreProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k_cache, page_table)`` as K1 would be handed them for ``problem``, as meta tensors (shapes, dtypes and
+    strides, no memory): ``qsa_k1_serves`` answers from those, so the decision needs no call's tensors."""
+    d, page = problem.head_dim, problem.block_size
+    q = torch.empty((problem.num_tokens, problem.num_heads, d), dtype=problem.q_dtype, device="meta")
+    page_stride, slot_stride = problem.key_strides or (page * d, d)
+    k_cache = torch.empty_strided((problem.num_pages, page, 1, d), (page_stride, slot_stride, d, 1),
+                                  dtype=problem.cache_dtype, device="meta")
+    table = torch.empty((problem.num_requests, problem.num_columns // page), dtype=torch.int32, device="meta")
+    return q, k_cache, table
+
+
+def _k1_answer(name: str, fn, *args, **kwargs) -> str | None:
+    """What K1's predicate ``fn`` says (None: it serves); a predicate that raises says no, with its error."""
+    try:
+        answer = fn(*args, **kwargs)
+    except Exception as err:  # e.g. a head count outside the library's own set raises there
+        return f"{FLYDSL_K1}.{name} refuses it ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+    return None if answer is None else f"{name}: {answer}"
+
+
+def flydsl_k1_reasons(problem, settings: QsaSettings | None = None) -> list[str]:
+    """Why K1 does not serve ``problem`` (a ``registries.SelectionProblem``; empty: it serves): off unless
+    ``ROCM_QSA_FLYDSL=1``; a ROCm GPU of gfx942/gfx950; the logits width a whole number of pages (K1 scores whole
+    pages of the table it is given); then the library's own answers, ``qsa_k1_selection_serves(token_topk, R)``
+    and ``qsa_k1_serves(q, k_cache, page_table, heads=(H,))`` (asked with meta tensors of the call's shapes)."""
+    settings = settings or get_settings()
+    if not settings.rocm_qsa_flydsl:
+        off = ["off (ROCM_QSA_FLYDSL=1 or VLLM_ROCM_QSA_FLYDSL=1 enables it)"]
+        return _log_reasons("flydsl_k1", problem, off, logging.DEBUG)
+    score = problem.score
+    reasons = _rocm_gpu_reasons(score)
+    if not reasons and _gpu_arch() not in FLYDSL_ARCHS:
+        reasons.append(f"needs {' or '.join(FLYDSL_ARCHS)} (this GPU is {_gpu_arch()})")
+    if score.num_columns % score.block_size:
+        reasons.append(f"scores whole pages: the logits width ({score.num_columns} columns, from max_seq_len) is not a "
+                       f"multiple of the page's {score.block_size} groups")
+    if not reasons:
+        functions, why = _k1_functions()
+        if why:
+            reasons.append(why)
+        else:
+            answers = (
+                _k1_answer("qsa_k1_selection_serves", functions["qsa_k1_selection_serves"], problem.token_topk,
+                           score.compress_ratio),
+                _k1_answer("qsa_k1_serves", functions["qsa_k1_serves"], *_k1_meta_tensors(score),
+                           heads=(score.num_heads,)),
+            )
+            reasons += [answer for answer in answers if answer]
+    return _log_reasons("flydsl_k1", problem, reasons, logging.WARNING)
+
+
+def run_flydsl_k1(problem, args, expand: Callable[[torch.Tensor, slice], None]) -> None:
+    """Select with K1 (``problem``: a ``registries.SelectionProblem``; ``args``: its ``SelectionArgs``): per chunk of
+    ``problem.chunk_rows`` rows (K1 scores long rows into an fp32 ``[rows, columns]`` buffer of its own, bounded like
+    ours), ``qsa_k1_block_ids`` writes int32 ``[rows, token_topk // R]`` block ids, ``ascending_groups`` puts them
+    in this project's order (K1's selector returns them in its own order), and ``expand(block_ids, rows)`` writes
+    their tokens into ``args.out[rows]``.
+
+    K1 takes int32 ``token_to_req``, ``query_positions`` (its ``positions_int32``), ``context_lens`` (per request,
+    in tokens: it reads ``context_lens[token_to_req[row]]``) and ``page_table``: int64 ones are converted on the
+    device (no host sync). The page table is narrowed to the logits width (``max_seq_len``); ``heads=(H,)`` pins the
+    head count K1 compiles for; ``score_scale`` is ``head_dim ** -0.5``, the scale of this project's logits."""
+    functions, why = _k1_functions()
+    if why:
+        raise RuntimeError(why)
+    block_ids = functions["qsa_k1_block_ids"]
+    score = problem.score
+    tokens, rows = score.num_tokens, problem.chunk_rows
+    requests, positions, lengths = (t.to(torch.int32) for t in (args.token_to_request, args.query_positions,
+                                                                 args.context_lens))
+    table = args.page_table[:, : score.num_columns // score.block_size].to(torch.int32)
+    blocks = torch.empty((min(rows, tokens), problem.block_topk), dtype=torch.int32, device=args.q.device)
+    for r0 in range(0, tokens, rows):
+        r1 = min(tokens, r0 + rows)
+        chunk = blocks[: r1 - r0]
+        block_ids(args.q[r0:r1], args.k_cache, table, requests[r0:r1], positions[r0:r1], lengths, out=chunk,
+                  score_scale=score.head_dim ** -0.5, heads=(score.num_heads,))
+        visible = visible_groups(requests[r0:r1], positions[r0:r1], lengths, score.compress_ratio, score.num_columns)
+        ascending_groups(chunk, visible)
+        expand(chunk, slice(r0, r1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -315,3 +432,4 @@ def aiter_topk_candidate_reasons(problem, platform, settings: QsaSettings) -> li
         reasons.append("used only when the AITER path is asked for (QSA_AITER_TOPK_BACKEND=aiter or "
                        "QSA_AITER_BACKEND=aiter)")
     return reasons + aiter_topk_reasons(problem.device_type)
+

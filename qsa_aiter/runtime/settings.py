@@ -54,8 +54,9 @@ class QsaSettings(BaseSettings):
         False,
         alias="ROCM_QSA_FLYDSL",
         validation_alias=AliasChoices("ROCM_QSA_FLYDSL", "VLLM_ROCM_QSA_FLYDSL"),  # the name vLLM uses
-        description="1 lets the FlyDSL prefill scorer serve on gfx942/gfx950 where `flydsl` and its kernel import and "
-        "the shape is served (docs/integration.md).",
+        description="1 lets the FlyDSL prefill scorer and AITER's FlyDSL fused selection (`flydsl_k1`: scores and "
+        "selects block ids in one pass, our expansion turns them into tokens) serve on gfx942/gfx950 where their "
+        "modules import and the shape is served (docs/integration.md, docs/selection.md).",
     )
     backend: str = Field(
         "auto",
@@ -71,6 +72,14 @@ class QsaSettings(BaseSettings):
         "`qsa_aiter.explain_selection` lists them) forced for the top-k step of selection. `native` is the CUDA "
         "top-k compiled at run time by NVRTC, which `auto` takes on NVIDIA GPUs. Checked at the first top-k call; "
         "forcing a candidate that cannot serve the call is an error naming its reasons.",
+    )
+    select_backend: str = Field(
+        "auto",
+        alias="QSA_AITER_SELECT_BACKEND",
+        description="`auto`, or the name of one selection candidate (`composite`: scoring, then the top-k, then the "
+        "expansion, each chosen by its own registry; `flydsl_k1`: AITER's FlyDSL fused selection, which needs "
+        "`ROCM_QSA_FLYDSL=1`) forced for `qsa_select_paged_tokens`. Checked at the first selection call; forcing a "
+        "candidate that cannot serve the call is an error naming its reasons.",
     )
     topk_pdl: bool = Field(
         False,
@@ -149,7 +158,7 @@ class QsaSettings(BaseSettings):
     def _strict_bool(cls, value: object) -> object:
         return _parse_bool(value)
 
-    @field_validator("backend", "topk_backend", mode="before")
+    @field_validator("backend", "topk_backend", "select_backend", mode="before")
     @classmethod
     def _backend_name(cls, value: object) -> object:
         text = str(value).strip().lower()

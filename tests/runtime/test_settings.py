@@ -26,6 +26,7 @@ def test_defaults():
     assert s.jit_dir == "" and s.rebuild is False
     assert s.logits_workspace_mb == 0
     assert s.topk_pdl is False
+    assert s.select_backend == "auto"
 
 
 def test_every_variable_is_known():
@@ -33,7 +34,7 @@ def test_every_variable_is_known():
                               "QSA_AITER_E4M3_MMA", "QSA_AITER_TUNED_CONFIG", "QSA_AITER_LOG_LEVEL", "ROCM_QSA_FLYDSL",
                               "QSA_AITER_JIT_DIR", "QSA_AITER_REBUILD", "QSA_AITER_TOPK_BACKEND",
                               "QSA_AITER_LOGITS_WORKSPACE_MB", "QSA_AITER_TOPK_PDL", "QSA_AITER_HIP_CLANG",
-                              "QSA_AITER_HIP_SDK"}
+                              "QSA_AITER_HIP_SDK", "QSA_AITER_SELECT_BACKEND"}
 
 
 @pytest.mark.parametrize("var", BOOL_VARS)
@@ -61,6 +62,26 @@ def test_bad_boolean_names_variable_value_and_allowed_words(monkeypatch, var, wo
 def test_backend_values(monkeypatch, value, expected):
     monkeypatch.setenv("QSA_AITER_BACKEND", value)
     assert get_settings().backend == expected
+
+
+@pytest.mark.parametrize("value,expected", [("auto", "auto"), (" Composite ", "composite")]
+                         + [(n.upper(), n) for n in registries.SELECTION.candidates])
+def test_select_backend_values(monkeypatch, value, expected):
+    monkeypatch.setenv("QSA_AITER_SELECT_BACKEND", value)
+    assert get_settings().select_backend == expected
+    assert registries.SELECTION.forced(get_settings()) == (None if expected == "auto" else expected)
+
+
+@pytest.mark.parametrize("value", ["fused", "", "k1", "composite,flydsl_k1"])
+def test_bad_select_backend(monkeypatch, value):
+    """Like QSA_AITER_BACKEND: a name that is no selection candidate is refused at the first selection decision,
+    one that is no name at all when the settings are read; both name the variable and the allowed values."""
+    monkeypatch.setenv("QSA_AITER_SELECT_BACKEND", value)
+    with pytest.raises(settings.ConfigurationError) as info:
+        registries.SELECTION.forced(get_settings())
+    message = str(info.value)
+    assert f"QSA_AITER_SELECT_BACKEND={value.lower()!r}" in message or f"QSA_AITER_SELECT_BACKEND={value!r}" in message
+    assert "allowed: auto" in message
 
 
 @pytest.mark.parametrize("value", ["cutlass", "", "hip", "rowwise,tiled", "default"])
