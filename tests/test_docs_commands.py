@@ -20,8 +20,10 @@ import benchmark_scripts
 from qsa_aiter.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The README and every page under docs/ (docs/bench/ holds raw measurement output, not commands to copy).
-DOCS = (ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "bench" not in p.parts))
+#: The documents whose commands a reader runs: README.md and docs/, less docs/bench/ (raw output) and
+#: docs/design-log/ (the history of experiments, which names commands as they were then).
+DOCS = (ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md")
+                                    if "bench" not in p.parts and "design-log" not in p.parts))
 
 #: ``python -m qsa_aiter <command>`` commands that take their own arguments, and the module whose ``build_parser``
 #: parses them (``cli.main`` hands them the rest of the line unparsed).
