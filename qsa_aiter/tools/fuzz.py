@@ -53,6 +53,7 @@ from ..kernels.selection import native_topk
 from ..kernels.scoring import SPECS as SCORING_SPECS
 from ..ops.scoring import describe_call, qsa_paged_mqa_logits
 from ..kernels.scoring.reference import reference_paged_mqa_logits
+from ..kernels.scoring.problem import MAX_DECODE_ROWS
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from ..ops.selection import qsa_block_topk, qsa_expand_block_indices
 from ..kernels.selection.reference import reference_block_topk, reference_expand_block_indices
@@ -172,10 +173,14 @@ def scoring_case(seed: int, device: torch.device) -> ScoringCase:
     kwargs = {} if batch.k_scale is None else {"k_scale": batch.k_scale.to(device)}
     if draw.chance(0.2):
         kwargs["max_columns"] = draw.int(0, width * page_size)
+    query_len, tokens = max(rows + [1]), batch.q.shape[0]
+    if draw.chance(0.5):  # a hint the shapes allow (the ops refuse one that contradicts them)
+        kwargs["phase"] = draw.pick(tuple(
+            phase for phase in ("prefill", "verify", "draft", "decode")
+            if not (phase in ("draft", "decode") and query_len > 1)
+            and not (phase in ("verify", "draft") and tokens > MAX_DECODE_ROWS)))
     if draw.chance(0.5):
-        kwargs["phase"] = draw.pick(("prefill", "verify", "draft", "decode"))
-    if draw.chance(0.5):
-        kwargs["max_query_len"] = max(rows + [1])
+        kwargs["max_query_len"] = query_len
     args = (batch.q[order].contiguous().to(device), batch.compressed_k_cache.to(device), table.to(device),
             t2r[order].to(device), pos[order].to(device), ctx.to(device), ratio)
     label = (f"seed {seed}: {cache_format} cache, q {str(q_dtype).removeprefix('torch.')}, page {page_size}, "

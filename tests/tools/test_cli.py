@@ -326,12 +326,18 @@ def test_jit_clear_names_the_archs_the_cache_holds(tmp_path, capsys):
     assert "for sm_100 (the cache holds sm_90)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("arch, why", [("sm_90", "no NVRTC"), ("gfx950", "an AMD target")])
+@pytest.mark.parametrize("arch, why", [("sm_90", "no NVRTC"), ("gfx950", "no clang or HIP headers")])
 def test_a_warmup_that_built_nothing_fails(arch, why, monkeypatch, tmp_path, capsys):
-    """The native tier without NVRTC, or for an AMD target, builds nothing: the notes say why and the exit is 1."""
-    from qsa_aiter.runtime.jit import nvrtc
+    """The native tier without its compiler (NVRTC for NVIDIA, clang and the HIP headers for AMD) builds nothing:
+    the notes say why and the exit is 1."""
+    from qsa_aiter.runtime.jit import hip_clang, nvrtc
+
+    def no_nvrtc():
+        raise nvrtc.NvrtcUnavailable("NVRTC not found (test)")
 
     monkeypatch.setattr(nvrtc, "unavailable_reason", lambda: "NVRTC not found (test)")
+    monkeypatch.setattr(nvrtc, "compiler", no_nvrtc)
+    monkeypatch.setattr(hip_clang, "toolchain", lambda settings=None, arch="gfx942": "clang not found (test)")
     argv = ["warmup", "--arch", arch, "--kernels", "native_topk", "--jit-dir", str(tmp_path), "--no-progress"]
     assert main(argv) == 1
     captured = capsys.readouterr()
