@@ -116,7 +116,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         description="Compile the variant matrix (the model's shapes x kernels x index-cache dtypes x "
                                     "page sizes x tile configs) into the JIT cache: for the present GPU by launching "
                                     "each variant once, or for a named arch without a GPU. The native kernels "
-                                    "(native_topk) are compiled by NVRTC, for NVIDIA targets only. See "
+                                    "(native_topk) are compiled by NVRTC for NVIDIA targets and by clang (with the HIP headers) "
+                                    "for gfx942 / gfx950. See "
                                     "docs/jit_and_configs.md.")
     wu.add_argument("--arch", choices=tuple(TARGETS), default=None,
                     help="compile for this arch without a GPU (default: the present GPU's)")
