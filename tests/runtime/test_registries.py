@@ -17,7 +17,7 @@ from qsa_aiter.kernels.selection import expand, topk
 from qsa_aiter.kernels.selection.reference import reference_block_topk, reference_expand_block_indices
 from qsa_aiter.runtime import dispatch, registries
 from qsa_aiter.runtime import native_topk as native_topk_runtime
-from qsa_aiter.runtime.jit import cuda_driver, native
+from qsa_aiter.runtime.jit import cuda_driver, hiprtc, native
 from qsa_aiter.runtime.settings import ConfigurationError
 from qsa_aiter.tools.workloads import make_batch
 
@@ -97,7 +97,7 @@ def test_native_topk_reasons_on_this_machine():
         assert any("libcuda.so.1" in r for r in on_gpu)
 
 
-def test_native_topk_reasons_from_the_platform(monkeypatch):
+def test_native_topk_reasons_from_the_platform(monkeypatch, request):
     """On a CUDA build of torch: the compute capability and the shared memory of the device decide."""
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.version, "hip", None)
@@ -114,6 +114,8 @@ def test_native_topk_reasons_from_the_platform(monkeypatch):
     assert any("bytes of shared memory per block" in r for r in native_topk_runtime.native_topk_reasons(problem, small, None))
     # On a ROCm build: gfx942 / gfx950 serve (hipRTC and the HIP runtime are this host's facts), others do not.
     monkeypatch.setattr(torch.version, "hip", "7.0")
+    hiprtc.forget()  # searched anew as on a ROCm build, and forgotten again after (the search is per process)
+    request.addfinalizer(hiprtc.forget)
     hip_host = native.unavailable_reasons("hip")
     for arch in ("gfx942", "gfx950"):
         assert native_topk_runtime.native_topk_reasons(problem, Platform.named(arch), None) == hip_host
