@@ -146,7 +146,7 @@ def split_e4m3(x):
 
 
 @triton.jit
-def split_query_e4m3(q):
+def split_query_e4m3(q, KEEP_NAN: tl.constexpr):
     """bf16 query rows (held in fp32, ``[M, D]``) as two e4m3 terms and a power-of-two row scale:
     ``(hi, lo, row_scale)`` with ``q == (hi + lo) * row_scale[:, None]``.
 
@@ -159,7 +159,9 @@ def split_query_e4m3(q):
     """
     inverse, row_scale = e4m3_row_scale(tl.max(tl.abs(q), axis=1))
     hi, lo = split_e4m3(q * inverse[:, None])
-    return hi, lo, nan_rows_scale(row_scale, row_has_nan(q))
+    if KEEP_NAN:  # off only where the registers are full (docs/kernels.md, "NaN")
+        row_scale = nan_rows_scale(row_scale, row_has_nan(q))
+    return hi, lo, row_scale
 
 
 @triton.jit

@@ -40,11 +40,12 @@ _NO_REQUEST = tl.constexpr(2147483647)  # larger than any request id
 
 @triton.jit
 def _head_scores(q_first, q_second, q_factor, k_first, k_second, KV_KIND: tl.constexpr, KEYS_MAJOR: tl.constexpr,
-                 E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr):
+                 E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr, NAN_RELU: tl.constexpr):
     """One head's ReLU'd dots of a key tile: ``[BLOCK_N, BLOCK_M]`` keys-major, or ``[BLOCK_M, BLOCK_N]``. With
     ``E4M3_MMA`` the stored e4m3 keys against q's two terms (``tiles.fp8_keys_major_dots``); with ``SCALED_MMA`` the
     packed MXFP4 keys (``k_first``) and their e8m0 exponents (``k_second``) against them (``tiles.fp4_scaled_dots``).
-    Operands as ``load_q_tile`` and ``load_keys`` give them."""
+    Operands as ``load_q_tile`` and ``load_keys`` give them. ``NAN_RELU``: the ReLU keeps a NaN dot (one ``max.NaN``
+    on NVIDIA); off on AMD, where its NaN test overflows the keys-major e4m3 tiles' registers (docs/kernels.md)."""
     if SCALED_MMA:
         dots = fp4_scaled_dots(k_first, k_second, q_first, q_second, q_factor)
     elif E4M3_MMA:
@@ -53,7 +54,11 @@ def _head_scores(q_first, q_second, q_factor, k_first, k_second, KV_KIND: tl.con
         dots = keys_major_pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
     else:
         dots = pair_dot(q_first, q_second, k_first, k_second, KV_KIND)
-    return tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN dot stays NaN (docs/kernels.md)
+    if NAN_RELU:
+        relu = tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN dot stays NaN (docs/kernels.md)
+    else:
+        relu = tl.maximum(dots, 0.0)
+    return relu
 
 
 @triton.jit
@@ -92,6 +97,7 @@ def _tiled_prefill_kernel(
     KV_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
     SCALAR_PAGES: tl.constexpr, KEYS_MAJOR: tl.constexpr, E4M3_MMA: tl.constexpr, SCALED_MMA: tl.constexpr,
     HISTOGRAM: tl.constexpr, KEY_PAGE_STRIDE: tl.constexpr = 0, KEY_SLOT_STRIDE: tl.constexpr = 0,
+    NAN_RELU: tl.constexpr = True,
 ):
     row_tile = tl.program_id(0)
     col_prog = tl.program_id(1)
@@ -163,16 +169,16 @@ def _tiled_prefill_kernel(
                                                     PAGE_SIZE, HEAD_DIM, KV_KIND, DOT_DTYPE, FAST_DECODE,
                                                     SCALAR_PAGES, KEY_PAGE_STRIDE, KEY_SLOT_STRIDE)
             if PER_HEAD:
-                acc = _head_scores(q0a, q0b, q0f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
-                acc += _head_scores(q1a, q1b, q1f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
-                acc += _head_scores(q2a, q2b, q2f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
-                acc += _head_scores(q3a, q3b, q3f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
+                acc = _head_scores(q0a, q0b, q0f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA, NAN_RELU)
+                acc += _head_scores(q1a, q1b, q1f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA, NAN_RELU)
+                acc += _head_scores(q2a, q2b, q2f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA, NAN_RELU)
+                acc += _head_scores(q3a, q3b, q3f, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA, NAN_RELU)
                 if KEYS_MAJOR:
                     score = tl.where(page_ok[:, None], acc * factor[:, None], float("-inf"))
                 else:
                     score = tl.where(page_ok[None, :], acc * factor[None, :], float("-inf"))
             elif KEYS_MAJOR:
-                dots = _head_scores(qa, qb, qf, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA)
+                dots = _head_scores(qa, qb, qf, ka, kb, KV_KIND, KEYS_MAJOR, E4M3_MMA, SCALED_MMA, NAN_RELU)
                 acc = tl.sum(tl.reshape(dots, (BLOCK_N, NUM_HEADS, BLOCK_M)), axis=1)
                 score = tl.where(page_ok[:, None], acc * factor[:, None], float("-inf"))
             else:
@@ -245,6 +251,8 @@ class TiledSpec(ScorerSpec):
             FAST_DECODE=kind != KV_16BIT and platform.fast_decode, SCALAR_PAGES=bool(cfg.scalar_pages),
             KEYS_MAJOR=keys_major, E4M3_MMA=e4m3_mma, SCALED_MMA=scaled, HISTOGRAM=problem.histogram,
             **key_stride_constexprs(problem),
+            # AMD: the plain max (the NaN-keeping one spills the keys-major e4m3 tiles); elsewhere the default.
+            **({"NAN_RELU": False} if platform.backend == "hip" else {}),
         )
 
     def grid(self, problem, platform, cfg: TiledConfig) -> tuple[int, int]:

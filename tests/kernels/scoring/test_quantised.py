@@ -364,7 +364,7 @@ def test_fp4_mma_path_block_counts(monkeypatch, rng, head_dim):
 @triton.jit
 def _split_kernel(q_ptr, out_ptr, hi_ptr, ROWS: tl.constexpr, D: tl.constexpr):
     offs = tl.arange(0, ROWS)[:, None] * D + tl.arange(0, D)[None, :]
-    hi, lo, row_scale = split_query_e4m3(tl.load(q_ptr + offs).to(tl.float32))
+    hi, lo, row_scale = split_query_e4m3(tl.load(q_ptr + offs).to(tl.float32), True)
     tl.store(hi_ptr + offs, hi.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
     tl.store(out_ptr + offs, (hi.to(tl.float32) + lo.to(tl.float32)) * row_scale[:, None])
 
