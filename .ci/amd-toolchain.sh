@@ -58,7 +58,7 @@ mirror() {  # the Debian mirror of the machine's apt sources (deb822 or one-line
     for file in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
         [ -f "$file" ] || continue
         for uri in $(sed -n -e 's/^URIs:[[:space:]]*//p' \
-                            -e 's/^deb[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\{0,1\}\([^[:space:]]*\).*/\2/p' "$file"); do
+                 -e 's/^deb[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\{0,1\}\([^[:space:]]*\).*/\2/p' "$file"); do
             case "$uri" in */debian|*/debian/) echo "${uri%/}"; return 0 ;; esac
         done
     done
@@ -71,7 +71,8 @@ fetch_sdk() {
     rm -rf "$apt"
     mkdir -p "$apt/lists/partial" "$apt/archives/partial" "$apt/deb" "$apt/x"
     [ -f "$keyring" ] && signed="[signed-by=$keyring] "
-    printf 'deb %s%s unstable main\ndeb %s%s experimental main\n' "$signed" "$url" "$signed" "$url" > "$apt/sources.list"
+    printf 'deb %s%s unstable main\ndeb %s%s experimental main\n' "$signed" "$url" "$signed" "$url" \
+        > "$apt/sources.list"
     local opts=(-o "Dir::Etc::sourcelist=$apt/sources.list" -o "Dir::Etc::sourceparts=-"
                 -o "Dir::Etc::preferencesparts=-" -o "Dir::State::Lists=$apt/lists" -o "Dir::Cache=$apt"
                 -o "Dir::Cache::archives=$apt/archives" -o "APT::Architecture=amd64" -o "APT::Architectures=amd64"
@@ -98,7 +99,8 @@ fetch_sdk() {
         || die "$bitcode has no device bitcode for gfx942 and gfx950"
     local major
     major=$(sed -n 's/^#define HIP_VERSION_MAJOR \([0-9]*\).*/\1/p' "$apt/x/usr/include/hip/hip_version.h")
-    [ "${major:-0}" -ge 7 ] || die "libamdhip64-dev=$hip is HIP ${major:-?}: clang $LLVM needs the headers of HIP 7 or newer"
+    [ "${major:-0}" -ge 7 ] \
+        || die "libamdhip64-dev=$hip is HIP ${major:-?}: clang $LLVM needs the headers of HIP 7 or newer"
     rm -rf "$SDK.new"
     mkdir -p "$SDK.new/amdgcn"
     cp -r "$apt/x/usr/include" "$SDK.new/include"
