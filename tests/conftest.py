@@ -1,5 +1,5 @@
-"""Test setup: the Triton interpreter on CPU-only machines, the ``gpu``, ``nvrtc`` and ``slow`` markers and a clean
-environment per test.
+"""Test setup: the Triton interpreter on CPU-only machines, the ``gpu``, ``nvrtc``, ``amd`` and ``slow`` markers and a
+clean environment per test.
 
 ``TRITON_INTERPRET`` must be set before Triton is imported (``triton.jit`` decides at decoration time whether a kernel
 is interpreted), so it is set here before anything imports Triton or ``qsa_aiter``.
@@ -32,12 +32,18 @@ def pytest_addoption(parser):
     parser.addoption("--require-nvrtc", action="store_true",
                      help="run the tests marked nvrtc even where NVRTC is missing (they fail there) instead of "
                           "skipping them: .ci/run passes it after installing NVRTC")
+    parser.addoption("--require-amd", action="store_true",
+                     help="run the tests marked amd even where the offline AMD toolchain (clang-22 and the HIP "
+                          "headers) is missing (they fail there) instead of skipping them: .ci/run passes it after "
+                          ".ci/amd-toolchain.sh")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA/HIP GPU (run with `-m gpu`); skipped without one")
     config.addinivalue_line("markers", "nvrtc: compiles the native CUDA sources with NVRTC; skipped without NVRTC "
                                        "unless --require-nvrtc")
+    config.addinivalue_line("markers", "amd: compiles the native sources for gfx942 / gfx950 with clang and the HIP "
+                                       "headers; skipped without them unless --require-amd")
     config.addinivalue_line("markers", "slow: the long interpreted matrix beyond the default set's representative "
                                        "cases; deselect with -m 'not slow' (.ci/run runs it)")
     # Triton 3.6's interpreter converts 1-element arrays to scalars, which NumPy >= 1.25 deprecates (many lines).
@@ -52,12 +58,31 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "nvrtc" in item.keywords:
                 item.add_marker(skip_nvrtc)
+    amd = [item for item in items if "amd" in item.keywords]
+    if amd and not config.getoption("--require-amd"):
+        missing = amd_toolchain_missing()
+        if missing:
+            skip_amd = pytest.mark.skip(reason="needs the offline AMD toolchain (bash .ci/amd-toolchain.sh): "
+                                               f"{missing}")
+            for item in amd:
+                item.add_marker(skip_amd)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA/HIP GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def amd_toolchain_missing() -> str | None:
+    """Why the tests marked ``amd`` cannot run here (None: they can): a clang, the HIP headers, the device bitcode of
+    gfx942 and gfx950 or an llvm-readelf missing (``native_resources.toolchains``)."""
+    from qsa_aiter.kernels.native_spec import AMD_ARCHS
+    from qsa_aiter.runtime.settings import get_settings
+    from qsa_aiter.tools.native_resources import toolchains
+
+    found = toolchains(AMD_ARCHS, get_settings())
+    return found if isinstance(found, str) else None
 
 
 @pytest.fixture(autouse=True)

@@ -134,7 +134,7 @@ class QsaSettings(BaseSettings):
         "",
         alias="QSA_AITER_HIP_CLANG",
         description="The clang that builds AMD code objects of the native kernels offline (`warmup --arch gfx942` / "
-        "`gfx950` on a machine without the GPU); empty: `clang` in `llvm-config-22 --bindir`, else `clang-22` or "
+        "`gfx950`, `native-resources`, on a machine without the GPU); empty: `clang` in `llvm-config-22 --bindir`, else `clang-22` or "
         "`clang` on the PATH.",
     )
     hip_sdk: str = Field(
@@ -142,7 +142,7 @@ class QsaSettings(BaseSettings):
         alias="QSA_AITER_HIP_SDK",
         description="The directory with the HIP headers (`include/hip/hip_runtime.h`) and the AMDGPU device bitcode "
         "(`amdgcn/bitcode`) that offline clang builds use; empty: `${HIP_COMPILE_HOME:-${TMPDIR:-/tmp}/hip-compile}"
-        "/sdk` (what the project's hip-compile recipe unpacks), else `$ROCM_PATH`, else `/opt/rocm`.",
+        "/sdk` (where the project's `.ci/amd-toolchain.sh` unpacks them), else `$ROCM_PATH`, else `/opt/rocm`.",
     )
     logits_workspace_mb: int = Field(
         0,

@@ -6,10 +6,13 @@ a launch on a ROCm GPU loads them without compiling (``NativeStore.prebuilt``).
 
 What it needs (``toolchain``): a clang with the AMDGPU target (``QSA_AITER_HIP_CLANG``; default: Debian's clang-22,
 found through ``llvm-config-22``), and a HIP SDK directory with the HIP headers and the AMDGPU device bitcode
-(``QSA_AITER_HIP_SDK``; default: what the project's ``hip-compile.sh --setup-only`` recipe unpacks under
+(``QSA_AITER_HIP_SDK``; default: what the project's ``.ci/amd-toolchain.sh`` installs and unpacks under
 ``${HIP_COMPILE_HOME:-${TMPDIR:-/tmp}/hip-compile}/sdk``, else ``$ROCM_PATH``, else ``/opt/rocm``).
 ``unavailable_reason`` says what is missing. The compile's ``-Rpass-analysis=kernel-resource-usage`` remarks give
-each entry's VGPRs, scratch and spills (``amd_resources``).
+each kernel's registers, scratch, spills, LDS and waves per SIMD (``kernel_remarks``, ``AmdResources``; an entry
+records its VGPRs, scratch and spills: ``amd_resources``), and ``llvm-readelf --notes`` reads the same figures from
+the code object's AMDGPU metadata note (``ClangCompiler.code_object_notes``): ``python -m qsa_aiter
+native-resources`` (``tools/native_resources.py``) holds every variant to no scratch and no VGPR spills by both.
 """
 
 from __future__ import annotations
@@ -100,27 +103,126 @@ class ClangCompiler:
                            for line in log.splitlines() if "remark: " in line and "kernel-resource-usage" in line)
         return Compiled(binary, log, seconds, amd_resources(log, kernel), report)
 
+    def readelf(self) -> str | None:
+        """The ``llvm-readelf`` beside ``clang`` (the same LLVM), else ``llvm-readelf-22`` on the PATH; None:
+        neither."""
+        beside = Path(self.clang).parent / "llvm-readelf"
+        return str(beside) if beside.is_file() else shutil.which(f"llvm-readelf-{LLVM_VERSION}")
 
-_REMARK = re.compile(r"remark:\s+(?:Function Name: (\S+)|(VGPRs|ScratchSize \[bytes/lane\]|VGPRs Spill): (\d+))")
+    def code_object_notes(self, binary: bytes) -> dict[str, dict[str, int | bool]]:
+        """Each kernel's ``NOTE_FIELDS`` read from code object ``binary``'s AMDGPU metadata note (what the loader
+        allocates by); ``ClangError`` where no ``llvm-readelf`` reads it."""
+        readelf = self.readelf()
+        if readelf is None:
+            raise ClangError(f"no llvm-readelf beside {self.clang} or on the PATH to read the code object's metadata: "
+                             f"install llvm-{LLVM_VERSION}")
+        with tempfile.TemporaryDirectory(prefix="qsa_hip_") as tmp:
+            path = Path(tmp) / "kernel.hsaco"
+            path.write_bytes(binary)
+            done = subprocess.run([readelf, "--notes", str(path)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ClangError(f"{readelf} --notes failed (exit {done.returncode}): {done.stderr.strip()[:300]}")
+        return note_fields(done.stdout)
+
+
+#: clang's kernel-resource-usage remarks (``-Rpass-analysis=kernel-resource-usage``, clang 20+), by the name
+#: ``AmdResources`` gives each figure.
+REMARK_FIELDS = {"VGPRs": "vgprs", "AGPRs": "agprs", "TotalSGPRs": "sgprs", "ScratchSize [bytes/lane]": "scratch",
+                 "Dynamic Stack": "dynamic_stack", "VGPRs Spill": "vgpr_spills", "SGPRs Spill": "sgpr_spills",
+                 "LDS Size [bytes/block]": "lds", "Occupancy [waves/SIMD]": "waves"}
+#: A remark line of clang's log (``a.cu:1:2: remark:     VGPRs: 62 [-Rpass-analysis=...]``) or of a record's report
+#: (``    VGPRs: 62``, the log's remarks without their prefix).
+_REMARK = re.compile(r"(?:^|remark:)\s*(Function Name|" + "|".join(map(re.escape, REMARK_FIELDS)) + r"): (\S+)")
+#: The fields of the code object's AMDGPU metadata note (``llvm-readelf --notes``) that say the same as a remark.
+NOTE_FIELDS = {".agpr_count": "agprs", ".sgpr_count": "sgprs", ".private_segment_fixed_size": "scratch",
+               ".uses_dynamic_stack": "dynamic_stack", ".vgpr_spill_count": "vgpr_spills",
+               ".sgpr_spill_count": "sgpr_spills", ".group_segment_fixed_size": "lds"}
+_NOTE_LINE = re.compile(r"^(  - |    )(\.\w+):\s*(.*?)\s*$")
+
+
+@dataclass(frozen=True)
+class AmdResources:
+    """One AMD kernel's resources as its compiler reports them: architectural ``vgprs`` and accumulation ``agprs``
+    per lane (one file of 512 on gfx942 / gfx950), ``sgprs`` (all, VCC and flat scratch included), ``scratch`` bytes
+    per lane, a ``dynamic_stack`` (scratch of a size unknown at compile time), spilled VGPRs and SGPRs (SGPRs spill
+    into VGPR lanes, not memory), static ``lds`` bytes per workgroup (the dynamic part is set at launch) and the
+    ``waves`` per SIMD its registers and LDS allow."""
+
+    vgprs: int
+    agprs: int
+    sgprs: int
+    scratch: int
+    dynamic_stack: bool
+    vgpr_spills: int
+    sgpr_spills: int
+    lds: int
+    waves: int
+
+    @classmethod
+    def of(cls, fields: dict[str, int | bool], kernel: str) -> AmdResources:
+        """From ``kernel_remarks``' figures of one kernel; ``ValueError`` naming what clang did not report (AGPRs are
+        reported only where the arch has MFMAs: 0 otherwise)."""
+        fields = {"agprs": 0, **fields}
+        missing = [remark for remark, name in REMARK_FIELDS.items() if name not in fields]
+        if missing:
+            raise ValueError(f"clang reported no {', '.join(missing)} for {kernel}")
+        return cls(**{name: fields[name] for name in REMARK_FIELDS.values()})
+
+    @property
+    def spills(self) -> bool:
+        """Whether the kernel uses memory for what should be in registers: scratch, a dynamic stack or spilled
+        VGPRs."""
+        return self.scratch > 0 or self.dynamic_stack or self.vgpr_spills > 0
+
+    def resources(self) -> Resources:
+        """As a native entry records them (VGPRs as registers, spills at 4 bytes a VGPR, scratch as the stack)."""
+        return Resources(self.vgprs, 4 * self.vgpr_spills, None, self.scratch)
+
+
+def kernel_remarks(text: str) -> dict[str, dict[str, int | bool]]:
+    """Each function's figures from clang's kernel-resource-usage remarks in ``text`` (a compile's log, or a record's
+    report), by function name and ``REMARK_FIELDS`` name."""
+    found: dict[str, dict[str, int | bool]] = {}
+    current = None
+    for line in text.splitlines():
+        match = _REMARK.search(line)
+        if not match:
+            continue
+        remark, value = match.groups()
+        if remark == "Function Name":
+            current = found.setdefault(value, {})
+        elif current is not None:
+            current[REMARK_FIELDS[remark]] = value.lower() == "true" if remark == "Dynamic Stack" else int(value)
+    return found
 
 
 def amd_resources(log: str, kernel: str) -> Resources:
     """``kernel``'s VGPRs (``registers``), scratch bytes per lane (``stack_bytes``) and VGPR spills (4 bytes each,
-    ``spill_store_bytes``) from clang's kernel-resource-usage remarks in ``log``."""
-    current, values = None, {}
-    for line in log.splitlines():
-        match = _REMARK.search(line)
-        if not match:
-            continue
-        if match.group(1):
-            current = match.group(1)
-        elif current == kernel:
-            values[match.group(2)] = int(match.group(3))
+    ``spill_store_bytes``) from clang's kernel-resource-usage remarks in ``log``; None where it reports none."""
+    values = kernel_remarks(log).get(kernel)
     if not values:
         return Resources()
-    spills = values.get("VGPRs Spill")
-    return Resources(values.get("VGPRs"), None if spills is None else 4 * spills, None,
-                     values.get("ScratchSize [bytes/lane]"))
+    spills = values.get("vgpr_spills")
+    return Resources(values.get("vgprs"), None if spills is None else 4 * spills, None, values.get("scratch"))
+
+
+def note_fields(notes: str) -> dict[str, dict[str, int | bool]]:
+    """Each kernel's ``NOTE_FIELDS`` from ``llvm-readelf --notes`` of a code object, by kernel name."""
+    kernels, current = {}, None
+    for line in notes.splitlines():
+        match = _NOTE_LINE.match(line)
+        if not match:
+            continue
+        start, key, value = match.groups()
+        if start == "  - ":
+            current = {}
+        if current is None:
+            continue
+        if key == ".name":
+            kernels[value] = current
+        elif key in NOTE_FIELDS:
+            current[NOTE_FIELDS[key]] = value == "true" if key == ".uses_dynamic_stack" else int(value)
+    return kernels
 
 
 def _hip_version(sdk: Path) -> str:
@@ -138,13 +240,13 @@ def toolchain(settings: QsaSettings | None = None, arch: str = "gfx942") -> Clan
     if not clang or not Path(clang).is_file() and not shutil.which(clang):
         what = f"QSA_AITER_HIP_CLANG={settings.hip_clang} is not a file" if settings.hip_clang else \
             f"clang-{LLVM_VERSION} not found"
-        return (f"no clang with the AMDGPU target ({what}): install clang-{LLVM_VERSION} and lld-{LLVM_VERSION}, or "
-                "set QSA_AITER_HIP_CLANG")
+        return (f"no clang with the AMDGPU target ({what}): run the project's .ci/amd-toolchain.sh (it installs "
+                f"clang-{LLVM_VERSION}, lld-{LLVM_VERSION} and llvm-{LLVM_VERSION}), or set QSA_AITER_HIP_CLANG")
     sdk = next((p for p in sdk_candidates(settings) if _sdk_ok(p, arch)), None)
     if sdk is None:
         looked = ", ".join(str(p) for p in sdk_candidates(settings))
-        return (f"no HIP headers and {arch} device bitcode (looked in {looked}): run the project's hip-compile.sh "
-                "--setup-only, or set QSA_AITER_HIP_SDK to a directory with include/hip/hip_runtime.h and "
+        return (f"no HIP headers and {arch} device bitcode (looked in {looked}): run the project's "
+                ".ci/amd-toolchain.sh, or set QSA_AITER_HIP_SDK to a directory with include/hip/hip_runtime.h and "
                 "amdgcn/bitcode")
     done = subprocess.run([clang, "--version"], capture_output=True, text=True)
     match = re.search(r"clang version (\S+)", done.stdout)

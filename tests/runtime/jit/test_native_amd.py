@@ -1,7 +1,9 @@
 """The native kernels for AMD targets on a machine without an AMD GPU: ``warmup --arch gfx942`` / ``gfx950`` builds
 code objects into the JIT cache through clang and ``jit list`` shows them; a ROCm launch's lookup finds those offline
 entries (``NativeStore.prebuilt``); hipRTC's host-side logic against a stand-in library; the HIP module driver's
-calls against a stand-in; clang's resource remarks read per kernel; the toolchain's absence named."""
+calls against a stand-in; clang's resource remarks and the code object's metadata note read per kernel; the
+toolchain's absence named. The tests that compile are marked ``amd``: they run where ``.ci/amd-toolchain.sh`` has set
+the toolchain up."""
 
 from __future__ import annotations
 
@@ -17,11 +19,9 @@ from qsa_aiter.runtime.settings import get_settings
 from qsa_aiter.tools.cli import main
 
 AMD = ("gfx942", "gfx950")
-_TOOLCHAIN = hip_clang.toolchain()
-needs_clang = pytest.mark.skipif(isinstance(_TOOLCHAIN, str), reason=f"no offline AMD toolchain here: {_TOOLCHAIN}")
 
 
-@needs_clang
+@pytest.mark.amd
 @pytest.mark.parametrize("arch", AMD)
 def test_warmup_builds_amd_code_objects_and_jit_list_shows_them(arch, tmp_path, capsys):
     root = tmp_path / "jit"
@@ -192,18 +192,102 @@ def test_the_hip_driver_loads_on_the_device_and_launches(monkeypatch):
     assert args[1:8] == (4, 1, 1, 256, 1, 1, 70000) and args[8].value == 5
 
 
+#: clang 22.1.8's log of ``topk_rows_512`` for gfx950 (-Rpass-analysis=kernel-resource-usage) as captured, less most of
+#: the source lines and notes it prints after each remark; the second function, written here, spills.
+CAPTURED_LOG = """\
+native_topk.cu:1039:55: remark: Function Name: topk_rows_512 [-Rpass-analysis=kernel-resource-usage]
+ 1039 | extern "C" __global__ void TOPK_LAUNCH_BOUNDS(512, 2) topk_rows_512(TOPK_ROW_PARAMS) {
+      |                                                       ^
+native_topk.cu:1039:55: note: could not determine the original source location for native_topk.cu:1039:0
+native_topk.cu:1039:55: remark:     TotalSGPRs: 106 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:1039:55: remark:     VGPRs: 52 [-Rpass-analysis=kernel-resource-usage]
+ 1039 | extern "C" __global__ void TOPK_LAUNCH_BOUNDS(512, 2) topk_rows_512(TOPK_ROW_PARAMS) {
+native_topk.cu:1039:55: remark:     AGPRs: 0 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:1039:55: remark:     ScratchSize [bytes/lane]: 0 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:1039:55: remark:     Dynamic Stack: False [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:1039:55: remark:     Occupancy [waves/SIMD]: 7 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:1039:55: remark:     SGPRs Spill: 4 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:1039:55: remark:     VGPRs Spill: 0 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:1039:55: remark:     LDS Size [bytes/block]: 0 [-Rpass-analysis=kernel-resource-usage]
+ 1039 | extern "C" __global__ void TOPK_LAUNCH_BOUNDS(512, 2) topk_rows_512(TOPK_ROW_PARAMS) {
+native_topk.cu:9:1: remark: Function Name: spilling [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:9:1: remark:     TotalSGPRs: 40 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:9:1: remark:     VGPRs: 256 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:9:1: remark:     AGPRs: 12 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:9:1: remark:     ScratchSize [bytes/lane]: 16 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:9:1: remark:     Dynamic Stack: True [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:9:1: remark:     Occupancy [waves/SIMD]: 1 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:9:1: remark:     SGPRs Spill: 0 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:9:1: remark:     VGPRs Spill: 3 [-Rpass-analysis=kernel-resource-usage]
+native_topk.cu:9:1: remark:     LDS Size [bytes/block]: 1024 [-Rpass-analysis=kernel-resource-usage]
+"""
+#: ``llvm-readelf --notes`` of that code object, as captured (the kernel's arguments cut short).
+CAPTURED_NOTES = """\
+Displaying notes found in: .note
+  Owner                Data size 	Description
+  AMDGPU               0x00000648	NT_AMDGPU_METADATA (AMDGPU Metadata)
+    AMDGPU Metadata:
+        ---
+amdhsa.kernels:
+  - .agpr_count:     0
+    .args:
+      - .address_space:  global
+        .name:           logits
+        .offset:         0
+        .size:           8
+        .value_kind:     global_buffer
+    .group_segment_fixed_size: 0
+    .kernarg_segment_align: 8
+    .kernarg_segment_size: 116
+    .max_flat_workgroup_size: 512
+    .name:           topk_rows_512
+    .private_segment_fixed_size: 0
+    .sgpr_count:     106
+    .sgpr_spill_count: 4
+    .symbol:         topk_rows_512.kd
+    .uses_dynamic_stack: false
+    .vgpr_count:     52
+    .vgpr_spill_count: 0
+    .wavefront_size: 64
+amdhsa.target:   amdgcn-amd-amdhsa--gfx950
+amdhsa.version:
+  - 1
+  - 2
+...
+"""
+
+
 def test_clang_remarks_give_each_kernels_resources():
-    log = "\n".join([
-        "a.cu:1:1: remark: Function Name: other [-Rpass-analysis=kernel-resource-usage]",
-        "a.cu:1:1: remark:     VGPRs: 99 [-Rpass-analysis=kernel-resource-usage]",
-        "a.cu:2:1: remark: Function Name: topk_rows_256 [-Rpass-analysis=kernel-resource-usage]",
-        "a.cu:2:1: remark:     VGPRs: 62 [-Rpass-analysis=kernel-resource-usage]",
-        "a.cu:2:1: remark:     ScratchSize [bytes/lane]: 16 [-Rpass-analysis=kernel-resource-usage]",
-        "a.cu:2:1: remark:     VGPRs Spill: 3 [-Rpass-analysis=kernel-resource-usage]",
-    ])
-    found = hip_clang.amd_resources(log, "topk_rows_256")
-    assert (found.registers, found.stack_bytes, found.spill_store_bytes) == (62, 16, 12)
-    assert hip_clang.amd_resources(log, "missing").registers is None
+    remarks = hip_clang.kernel_remarks(CAPTURED_LOG)
+    assert sorted(remarks) == ["spilling", "topk_rows_512"]
+    found = hip_clang.AmdResources.of(remarks["topk_rows_512"], "topk_rows_512")
+    assert found == hip_clang.AmdResources(vgprs=52, agprs=0, sgprs=106, scratch=0, dynamic_stack=False,
+                                           vgpr_spills=0, sgpr_spills=4, lds=0, waves=7)
+    assert not found.spills  # SGPR spills go to VGPR lanes
+    spilling = hip_clang.AmdResources.of(remarks["spilling"], "spilling")
+    assert (spilling.agprs, spilling.scratch, spilling.dynamic_stack, spilling.vgpr_spills, spilling.lds,
+            spilling.waves) == (12, 16, True, 3, 1024, 1) and spilling.spills
+    # What an entry records: VGPRs, 4 bytes a spilled VGPR, scratch.
+    entry = hip_clang.amd_resources(CAPTURED_LOG, "spilling")
+    assert (entry.registers, entry.stack_bytes, entry.spill_store_bytes) == (256, 16, 12)
+    assert hip_clang.amd_resources(CAPTURED_LOG, "missing").registers is None
+    # A record's report (the remarks without their prefix) reads the same.
+    report = "\n".join(line.split("remark: ", 1)[1].split(" [-Rpass")[0] for line in CAPTURED_LOG.splitlines()
+                       if "remark: " in line)
+    assert hip_clang.kernel_remarks(report) == remarks
+    fields = dict(remarks["topk_rows_512"])
+    del fields["vgprs"], fields["agprs"]
+    with pytest.raises(ValueError, match="clang reported no VGPRs for topk_rows_512"):
+        hip_clang.AmdResources.of(fields, "topk_rows_512")
+    assert hip_clang.AmdResources.of({**remarks["topk_rows_512"], "agprs": 0}, "k") == found  # AGPRs: 0 unreported
+
+
+def test_the_code_objects_metadata_note_gives_the_same_figures():
+    notes = hip_clang.note_fields(CAPTURED_NOTES)
+    assert notes == {"topk_rows_512": {"agprs": 0, "lds": 0, "scratch": 0, "sgprs": 106, "sgpr_spills": 4,
+                                       "dynamic_stack": False, "vgpr_spills": 0}}
+    remarks = hip_clang.AmdResources.of(hip_clang.kernel_remarks(CAPTURED_LOG)["topk_rows_512"], "topk_rows_512")
+    assert all(getattr(remarks, name) == value for name, value in notes["topk_rows_512"].items())
 
 
 def test_a_missing_toolchain_is_named(monkeypatch, tmp_path, capsys):
@@ -211,7 +295,7 @@ def test_a_missing_toolchain_is_named(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("QSA_AITER_HIP_SDK", str(tmp_path / "nothing"))
     found = hip_clang.unavailable_reason(get_settings(), "gfx942")
     assert found == (f"no HIP headers and gfx942 device bitcode (looked in {tmp_path / 'nothing'}): run the project's "
-                     "hip-compile.sh --setup-only, or set QSA_AITER_HIP_SDK to a directory with "
+                     ".ci/amd-toolchain.sh, or set QSA_AITER_HIP_SDK to a directory with "
                      "include/hip/hip_runtime.h and amdgcn/bitcode")
     monkeypatch.setenv("QSA_AITER_HIP_CLANG", str(tmp_path / "no-clang"))
     reason = hip_clang.unavailable_reason(get_settings(), "gfx950")
