@@ -1,5 +1,5 @@
-"""Command line: ``python -m qsa_aiter {demo,bench,tune,fuzz,quality,explain,warmup,jit,isa,model-configs}`` (also
-installed as ``qsa-aiter``).
+"""Command line: ``python -m qsa_aiter {demo,bench,tune,fuzz,quality,explain,warmup,jit,isa,native-resources,
+model-configs}`` (also installed as ``qsa-aiter``).
 
 Exit status, every command: 0 done; 1 the command ran and found a problem, or did nothing (a warm-up that built
 nothing, a ``jit clear`` with nothing to remove); 2 bad arguments or configuration (an environment variable, named).
@@ -8,6 +8,7 @@ Multi-value options are comma lists (``cli_args``)."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -67,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"qsa_aiter {__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{demo,bench,tune,fuzz,quality,explain,warmup,jit,isa,"
-                                        "model-configs}")
+                                        "native-resources,model-configs}")
 
     sub.add_parser("demo", add_help=False,
                    help="score an MTP-verify batch and a prefill chunk on this machine, check and time them")
@@ -136,6 +137,30 @@ def _build_parser() -> argparse.ArgumentParser:
                          "~/.cache/qsa_aiter/jit)")
     wu.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    from ..kernels.native_spec import AMD_ARCHS
+
+    nr = sub.add_parser("native-resources",
+                        help="compile every native kernel variant for gfx942 / gfx950 with clang (no GPU) and print "
+                             "its VGPRs, AGPRs, SGPRs, scratch, spills, LDS and waves per SIMD",
+                        description="Compile every variant of every native kernel family that exists for each arch "
+                                    "(offline, with clang and the HIP headers: .ci/amd-toolchain.sh installs them), "
+                                    "read its resources from clang's kernel-resource-usage remarks, check them "
+                                    "against the code object's AMDGPU metadata note and print the table. Exit 1 "
+                                    "where a variant does not compile, the two disagree, --fail-on-spills and a "
+                                    "variant uses scratch or spills VGPRs, or the toolchain is missing (nothing "
+                                    "checked). See docs/selection.md.")
+    nr.add_argument("--arch", type=comma_subset(AMD_ARCHS), default=AMD_ARCHS,
+                    help=f"comma-separated subset of {','.join(AMD_ARCHS)} (default: both)")
+    nr.add_argument("--kernels", type=comma_subset(NATIVE_KERNELS), default=None,
+                    help=f"native kernel families, comma-separated subset of {','.join(NATIVE_KERNELS)} "
+                         "(default: all)")
+    nr.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
+                    help="compiles at a time (default: the CPU count)")
+    nr.add_argument("--fail-on-spills", action="store_true",
+                    help="exit 1 when a variant uses scratch, a dynamic stack or spills VGPRs, naming it")
+    nr.add_argument("--write-docs", action="store_true",
+                    help="rewrite the generated table in docs/selection.md (a source checkout's) with this one")
+
     jit = sub.add_parser("jit", help="list or clear the JIT cache")
     jit_sub = jit.add_subparsers(dest="jit_command", required=True, metavar="{list,clear}")
     ls = jit_sub.add_parser("list", help="every cached variant: kernel, specialisation, compile time, date, status; "
@@ -199,6 +224,36 @@ def _warmup(opts: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 1 if report.failed else 0
+
+
+def _native_resources(opts: argparse.Namespace) -> int:
+    from .native_resources import measure, table, write_docs
+
+    report = measure(tuple(dict.fromkeys(opts.arch)), opts.kernels, opts.jobs)
+    if isinstance(report, str):
+        print(f"error: nothing was compiled or checked: {report}", file=sys.stderr)
+        return 1
+    if report.builds:
+        print(table(report.builds))
+    print(f"{len(report.builds)} variants compiled in {report.seconds:.1f} s ({opts.jobs} at a time) by "
+          f"{report.compiler}; {len(report.failures)} failed")
+    for failure in report.failures:
+        print(f"error: {failure}", file=sys.stderr)
+    spilling = report.spilling
+    if spilling:
+        print(f"{len(spilling)} of {len(report.builds)} variants use scratch or spill VGPRs: "
+              + "; ".join(map(str, spilling)), file=sys.stderr)
+    if opts.write_docs:
+        if report.failures or not report.builds:
+            print("error: --write-docs: not written, a variant failed", file=sys.stderr)
+            return 1
+        try:
+            changed = write_docs(report)
+        except ValueError as err:
+            print(f"error: --write-docs: {err}", file=sys.stderr)
+            return 2
+        print("docs/selection.md: table " + ("rewritten" if changed else "unchanged"))
+    return 1 if report.failures or (opts.fail_on_spills and spilling) else 0
 
 
 def _jit(opts: argparse.Namespace) -> int:
@@ -273,6 +328,8 @@ def _run(argv: list[str]) -> int:
         return _warmup(opts)
     if opts.command == "jit":
         return _jit(opts)
+    if opts.command == "native-resources":
+        return _native_resources(opts)
     return _explain(opts)
 
 

@@ -1,5 +1,5 @@
 """argparse argument types, actions and options shared by the command-line entry points (``__main__``, demo, bench,
-tune, fuzz, quality, warmup, explain, isa, model-configs) and the scripts in ``benchmarks/``.
+tune, fuzz, quality, warmup, explain, isa, native-resources, model-configs) and the scripts in ``benchmarks/``.
 
 One vocabulary: a concept has one spelling in every command (``--page-size`` for one page size, ``--page-sizes``
 for several, ``--cache`` / ``--caches`` with the library's format names), and every multi-value option is a comma

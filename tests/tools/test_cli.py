@@ -237,7 +237,8 @@ def test_isa_refuses_a_native_kernel_and_an_unknown_index_dtype(capsys):
 ROOT = Path(__file__).resolve().parents[2]
 #: One cheap invocation of every subcommand (what runs after the environment check does not matter here).
 EVERY_COMMAND = [["explain"], ["demo"], ["bench"], ["tune"], ["fuzz"], ["quality"], ["isa", "--arch", "gfx950"],
-                 ["model-configs", "--csv", "rows.csv"], ["warmup"], ["jit", "list"], ["jit", "clear"]]
+                 ["model-configs", "--csv", "rows.csv"], ["warmup"], ["native-resources"], ["jit", "list"],
+                 ["jit", "clear"]]
 
 
 def _cli(argv: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
