@@ -161,15 +161,21 @@ class TopkRow(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    arch: str = Field(min_length=2)
+    arch: str = Field(min_length=2, description="`sm_90`, `gfx942`, `gfx950`, ... as in the scoring table "
+                      "(part of the exact key)")
     block_topk: int = Field(gt=0, description="groups kept per row (part of the exact key)")
-    rows: int = Field(gt=0, description="bucket: rows of logits per top-k launch")
-    columns: int = Field(gt=0, description="bucket: the logits' width")
-    candidate: str
-    plan: str = ""
-    measured: bool = Field(description="1: measured by the tuner on this arch; 0: a report from elsewhere, unused")
-    us: Optional[float] = Field(None, gt=0, validate_default=True, description="measured time, microseconds")
-    source: str = ""
+    rows: int = Field(gt=0, description="bucket: rows of logits per top-k launch (one chunk of "
+                      "`qsa_select_paged_tokens`)")
+    columns: int = Field(gt=0, description="bucket: the logits' width (`max_seq_len // R`, else the page table's "
+                         "capacity)")
+    candidate: str = Field(description="the top-k candidate timed, part of the exact key")
+    plan: str = Field("", validate_default=True, description="which of the candidate's plans was timed (part of "
+                      "the exact key); empty for a candidate with one")
+    us: Optional[float] = Field(None, gt=0, description="the measured time in µs, the expansion fused (as "
+                                "`qsa_select_paged_tokens` runs the step); required where `measured` is 1")
+    measured: bool = Field(description="1: measured by the tuner on that arch, and only then does the row decide "
+                           "anything; 0: a report from elsewhere, read and validated but unused")
+    source: str = Field("", description="where the row comes from (the tuner writes its command and work points)")
 
     @field_validator("candidate")
     @classmethod
@@ -189,19 +195,35 @@ class TopkRow(BaseModel):
         if not plans and value:
             raise ValueError(f"the {candidate} top-k has one plan: leave the cell empty (got {value!r})")
         if plans and value not in plans:
-            raise ValueError(f"{value!r} is not a plan of the {candidate} top-k (plans: {', '.join(plans)})")
+            raise ValueError((f"{value!r} is not a plan of the {candidate} top-k" if value else
+                              f"a {candidate} row names its plan") + f" (plans: {', '.join(plans)})")
         return value
 
-    @field_validator("us")
+    @field_validator("measured")
     @classmethod
-    def _measured_rows_have_a_time(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value is None and info.data.get("measured"):
-            raise ValueError("a measured row (measured=1) gives its time in microseconds")
+    def _measured_rows_have_a_time(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and "us" in info.data and info.data["us"] is None:  # (a bad us cell is reported as such)
+            raise ValueError("a measured row (measured=1) gives its time in the us column")
         return value
 
     def key(self) -> tuple:
         """What rows are grouped by for a lookup: arch, block_topk, candidate."""
         return self.arch, self.block_topk, self.candidate
+
+
+def topk_columns_table() -> str:
+    """Markdown rows of the top-k table's columns, from ``TopkRow`` (with the candidates and their plans that a row
+    may name): docs/jit_and_configs.md shows it (tests/runtime/test_tuned.py checks that it is there, as generated)."""
+    plans = topk_candidate_plans()
+    named = {
+        "candidate": ": " + ", ".join(f"`{name}`" for name in plans),
+        "plan": " (" + "; ".join(f"{name}: " + (", ".join(f"`{p}`" for p in names) if names else "empty")
+                                 for name, names in plans.items()) + ")",
+    }
+    rows = ["| column | meaning |", "|---|---|"]
+    for name, item in TopkRow.model_fields.items():
+        rows.append(f"| `{name}` | {item.description}{named.get(name, '')} |")
+    return "\n".join(rows)
 
 
 @dataclass(frozen=True)
