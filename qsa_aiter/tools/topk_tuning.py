@@ -214,7 +214,8 @@ def time_sweep(sweep: TopkSweep, candidates: tuple[str, ...], replays: int, devi
                 message = str(err).splitlines()[0][:200] if str(err) else ""
                 timing.error = f"{type(err).__name__}: {message}"
     heuristic = ""
-    if native_topk.CANDIDATE in candidates and native_topk.CANDIDATE not in skipped:
+    if (native_topk.CANDIDATE in candidates and native_topk.CANDIDATE not in skipped
+            and not native_topk.kernels.SPEC.reasons(problem, platform)):
         chosen = native_topk.kernels.choose_plan(sweep.rows, sweep.columns, sweep.block_topk, platform)
         plans = candidate_plans(native_topk.CANDIDATE, problem, platform)
         heuristic = next((n for n, p in plans.items() if p == chosen), chosen.variant.name)
