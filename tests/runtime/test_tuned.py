@@ -353,5 +353,10 @@ def test_a_bad_topk_file_in_the_variable_is_a_configuration_error(tmp_path, monk
 def test_the_topk_columns_table_in_the_docs_is_generated():
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "jit_and_configs.md").read_text()
-    assert tuned.topk_columns_table() in doc, "regenerate the top-k columns table in docs/jit_and_configs.md"
+    from qsa_aiter.kernels.selection.native_topk import PLAN_NAMES
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    assert tuned.topk_columns_table() in (docs / "jit_and_configs.md").read_text(), \
+        "regenerate the top-k columns table in docs/jit_and_configs.md"
+    # docs/selection.md lists the native plans a row may name.
+    assert ", ".join(f"`{name}`" for name in PLAN_NAMES) in " ".join((docs / "selection.md").read_text().split())
