@@ -95,7 +95,7 @@ def measured_plan(rows: int, columns: int, block_topk: int, platform: Platform,
         return None, None, (f"choose_plan's heuristic (no measured {CANDIDATE} row for arch {platform.arch}, "
                             f"block_topk {block_topk})")
     serving = kernels.plans_for(rows, columns, block_topk, platform)
-    passed = [f"{row.plan} {row.us:.2f} us" for row in measured if row.plan not in serving]
+    passed = []  # the measured plans faster than the one taken that do not serve the shape here
     bucket = f"{measured[0].rows} rows x {measured[0].columns} columns"
     for row in measured:  # fastest first
         if row.plan in serving:
@@ -103,6 +103,7 @@ def measured_plan(rows: int, columns: int, block_topk: int, platform: Platform,
                        if passed else "")
             return serving[row.plan], row, (f"measured plan {row.plan}: {row.us:.2f} us at {bucket} "
                                             f"({row.source or 'no source'}){skipped}")
+        passed.append(f"{row.plan} {row.us:.2f} us")
     return None, None, (f"choose_plan's heuristic: none of the plans measured at {bucket} ({', '.join(passed)}) "
                         f"serves {rows} x {columns} on {platform.arch} (those that do: "
                         f"{', '.join(serving) or 'none'})")
@@ -174,8 +175,9 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     ``logits [tokens, columns]`` (last dim contiguous, any row stride) and int32 ``visible [tokens]`` (read on the
     device, clamped to ``[0, columns]``), on CUDA tensors; ``expand_into`` (``TopkArgs.expand_into``) fuses the
     expansion into the launch, as the Triton top-k does; ``plan``: a ``kernels.Plan`` instead of ``plan_choice``'s
-    (the measured plan of the tuned top-k table, else ``choose_plan``'s; the tuner, tests, benchmarks); ``histogram``: the scorer's per-row histogram of these logits (int32
-    ``[tokens, HISTOGRAM_BINS]``, contiguous; ``kernels/scoring/histogram.py``), which the kernels start from
+    (the measured plan of the tuned top-k table, else ``choose_plan``'s; the tuner, tests, benchmarks);
+    ``histogram``: the scorer's per-row histogram of these logits (int32 ``[tokens, HISTOGRAM_BINS]``, contiguous;
+    ``kernels/scoring/histogram.py``), which the kernels start from
     instead of counting the row's top bits themselves; ``defines``: compile-time switches of the source
     (``NAME=VALUE``; benchmarks of its candidate changes); ``programmatic``: launch it as a programmatic dependent of
     the kernel before it on the stream (compute capability 9.0+; None: as ``QSA_AITER_TOPK_PDL`` says). One launch

@@ -29,7 +29,6 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator
 
-from . import replay
 from ..kernels.catalog import tunable_specs
 from .settings import ConfigurationError
 
@@ -395,7 +394,9 @@ def load_tables(extra: tuple[str, ...]) -> TunedTable:
 
 
 def reload() -> None:
-    """Forget the tables read and the lookups made from them (after a table file was rewritten), and the call plans
-    made with them."""
+    """Forget the tables read and the lookups made from them (after a table file was rewritten), and the dispatch
+    decisions and call plans made with them (a measured row may choose another candidate or plan)."""
+    from . import dispatch  # the dispatcher is built over this module: its memo is cleared, not imported at load
+
     load_tables.cache_clear()
-    replay.clear()
+    dispatch.clear_decisions()  # the call plans (replay) with them

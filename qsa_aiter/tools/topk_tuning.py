@@ -115,7 +115,9 @@ def topk_inputs(sweep: TopkSweep, device, max_sets: int = 8) -> TopkInputs:
     random fp32 logits ``[rows, columns]``, each row's visible count from its position (the last rows of each
     request) and its request's context, and the fused expansion's metadata and outputs."""
     point, ratio = sweep.point, sweep.ratio
-    gen = torch.Generator().manual_seed(zlib.crc32(f"topk/{point.name}".encode()))
+    device = torch.device(device)
+    # Drawn where they are used: a prefill point's logits are gigabytes.
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"topk/{point.name}".encode()))
     contexts = torch.tensor(point.context_lens, dtype=torch.int64)
     per_request = point.rows_per_request
     requests = torch.arange(point.requests).repeat_interleave(per_request)
@@ -128,7 +130,7 @@ def topk_inputs(sweep: TopkSweep, device, max_sets: int = 8) -> TopkInputs:
     sets = min(max_sets, max(2, math.ceil(L2_ROTATE_BYTES / max(set_bytes, 1))))
     launches = []
     for _ in range(sets):
-        logits = torch.randn(sweep.rows, sweep.columns, generator=gen).to(device)
+        logits = torch.randn(sweep.rows, sweep.columns, generator=gen, device=device)
         groups = torch.empty(sweep.rows, sweep.block_topk, dtype=torch.int32, device=device)
         tokens = torch.empty(sweep.rows, token_topk + ratio - 1, dtype=torch.int32, device=device)
         launches.append(registries.TopkArgs(logits, visible, groups, sweep.block_topk,

@@ -292,8 +292,8 @@ def test_without_topk_rows_the_table_order_and_the_heuristic_plan(monkeypatch):
 
 def test_the_triton_topk_measured_faster_runs_and_explain_says_why(monkeypatch, tmp_path):
     """The shape of 16x4 and 64x1 @ 32K: the Triton top-k measured faster than every native plan there."""
-    _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t", "sm_90,512,64,8192,native,rows_256,16.7,1,t",
-                "sm_90,512,64,8192,native,cluster4,17.4,1,t")
+    _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
+                "sm_90,512,64,8192,native,rows_256,16.7,1,t", "sm_90,512,64,8192,native,cluster4,17.4,1,t")
     _on(monkeypatch, Platform.named("sm_90"))
     assert registries.TOPK.select(WIDE).chosen == "triton"
     report = registries.TOPK.explain(WIDE)
@@ -386,14 +386,16 @@ def test_a_measured_plan_that_does_not_serve_the_shape_is_passed_over(monkeypatc
 def test_with_no_measured_plan_serving_the_heuristic_runs_and_explain_says_so(monkeypatch, tmp_path):
     """Only cluster plans measured, on a GPU without clusters: the native top-k runs choose_plan's plan, has no
     measurement to compare, and the table order stands."""
-    _topk_table(monkeypatch, tmp_path, "sm_80,512,64,8192,triton,,11.2,1,t", "sm_80,512,64,8192,native,cluster4,9.0,1,t")
+    _topk_table(monkeypatch, tmp_path, "sm_80,512,64,8192,triton,,11.2,1,t",
+                "sm_80,512,64,8192,native,cluster4,9.0,1,t")
     _on(monkeypatch, AMPERE)
     decision = registries.TOPK.select(WIDE)
     assert decision.chosen == "native" and decision.rule == "table order"
     choice = native_topk_runtime.plan_choice(64, 8192, 512, AMPERE)
     assert choice.row is None and choice.plan == native_topk_runtime.kernels.choose_plan(64, 8192, 512, AMPERE)
     assert ("choose_plan's heuristic: none of the plans measured at 64 rows x 8192 columns (cluster4 9.00 us) serves "
-            "64 x 8192 on sm_80 (those that do: rows_256, rows_512, rows_512_uncached)") in registries.TOPK.explain(WIDE)
+            "64 x 8192 on sm_80 (those that do: rows_256, rows_512, rows_512_uncached)"
+            ) in registries.TOPK.explain(WIDE)
 
 
 def test_rows_no_wider_than_block_topk_take_the_trivial_plan(monkeypatch, tmp_path):
@@ -430,3 +432,16 @@ def test_qsa_block_topk_runs_the_candidate_measured_faster(monkeypatch, tmp_path
         ran.clear()
         assert torch.equal(qsa_aiter.qsa_block_topk(logits, visible, 64), want)
         assert ran == expected
+
+
+def test_a_rewritten_table_takes_effect_after_reload(monkeypatch, tmp_path):
+    """``tuned.reload()`` (what the tuner calls after writing rows) forgets the decisions made from the old rows."""
+    _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
+                "sm_90,512,64,8192,native,rows_256,16.7,1,t")
+    _on(monkeypatch, Platform.named("sm_90"))
+    assert registries.TOPK.select(WIDE).chosen == "triton"
+    (tmp_path / "topk.csv").write_text(TOPK_HEADER + "sm_90,512,64,8192,triton,,11.2,1,t\n"
+                                       "sm_90,512,64,8192,native,rows_256,9.7,1,t\n")
+    assert registries.TOPK.select(WIDE).chosen == "triton"  # read once per process
+    tuned.reload()
+    assert registries.TOPK.select(WIDE).chosen == "native"
