@@ -7,9 +7,10 @@ the tuned tables measured fastest at the problem's shape bucket on this arch (``
 measured at the same bucket are compared), and otherwise the first serving candidate in the family's order; it
 returns a ``Decision`` that records the rule and why every other candidate was passed over; ``explain`` prints it
 with the chosen kernel's ``LaunchPlan``. A forced candidate (the family's environment variable: ``QSA_AITER_BACKEND``
-for scoring, ``QSA_AITER_TOPK_BACKEND`` for the top-k) goes through the same reasons. A candidate that raises while compiling or launching is marked broken for the problem's
-specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` or a forced candidate raises); a configuration
-error (``settings.ConfigurationError``: a bad variable or tuned-config file) is always raised.
+for scoring, ``QSA_AITER_TOPK_BACKEND`` for the top-k) goes through the same reasons. A candidate that raises while
+compiling or launching is marked broken for the problem's specialisation and the next candidate runs
+(``QSA_AITER_STRICT=1`` or a forced candidate raises); a configuration error (``settings.ConfigurationError``: a bad
+variable or tuned-config file) is always raised.
 """
 
 from __future__ import annotations
