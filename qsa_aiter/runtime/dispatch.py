@@ -2,14 +2,15 @@
 cache writer): a ``Registry`` of ``Candidate``s per family (``runtime/registries.py`` declares them).
 
 Each candidate answers "do you serve this problem?" with a list of human-readable reasons (empty = serves). ``select``
-takes, among the serving kernels of this project, the one the tuned tables measured fastest at the problem's shape
-bucket on this arch (``measured_choice``: only kernels measured at the same bucket are compared), and otherwise the
-first serving candidate in the family's order; it returns a ``Decision`` that records the rule and why every other
-candidate was passed over; ``explain`` prints it with the chosen kernel's ``LaunchPlan``. A forced candidate (the
-family's environment variable: ``QSA_AITER_BACKEND`` for scoring, ``QSA_AITER_TOPK_BACKEND`` for the top-k) goes
-through the same reasons. A candidate that raises while compiling or launching is marked broken for the problem's
-specialisation and the next candidate runs (``QSA_AITER_STRICT=1`` or a forced candidate raises); a configuration
-error (``settings.ConfigurationError``: a bad variable or tuned-config file) is always raised.
+takes, among the serving candidates with tuned rows (this project's kernels: a candidate's ``measurement``), the one
+the tuned tables measured fastest at the problem's shape bucket on this arch (``measured_choice``: only candidates
+measured at the same bucket are compared), and otherwise the first serving candidate in the family's order; it
+returns a ``Decision`` that records the rule and why every other candidate was passed over; ``explain`` prints it
+with the chosen kernel's ``LaunchPlan``. A forced candidate (the family's environment variable: ``QSA_AITER_BACKEND``
+for scoring, ``QSA_AITER_TOPK_BACKEND`` for the top-k) goes through the same reasons. A candidate that raises while
+compiling or launching is marked broken for the problem's specialisation and the next candidate runs
+(``QSA_AITER_STRICT=1`` or a forced candidate raises); a configuration error (``settings.ConfigurationError``: a bad
+variable or tuned-config file) is always raised.
 """
 
 from __future__ import annotations
@@ -34,6 +35,24 @@ NO_PLAN_HINT = ("the Triton kernels run on GPU tensors, or on CPU tensors in a p
 
 
 @dataclass(frozen=True)
+class Measurement:
+    """A candidate's measured time for a problem, from its tuned row: ``us`` at ``bucket`` (the row's buckets, in the
+    units ``bucket_text`` names them), ``distance`` from the problem's own (the nearest bucket's candidates are
+    compared) and ``plan``: which of the candidate's plans it is (empty: it has one)."""
+
+    us: float
+    bucket: tuple
+    distance: tuple
+    bucket_text: str
+    plan: str = ""
+
+
+def measured_name(name: str, measurement: Measurement | None) -> str:
+    """Candidate ``name`` as a measurement names it: with its plan where it has several (``native rows_256``)."""
+    return f"{name} {measurement.plan}" if measurement is not None and measurement.plan else name
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One way to serve an op family's call: a kernel of this project (``spec``), a ROCm library, or a torch path.
 
@@ -43,7 +62,11 @@ class Candidate:
     A candidate with a ``spec`` launches inside the JIT cache's scope, and its tuned rows may decide the choice.
     ``describe_plan(problem, platform)``: the plan ``explain`` prints for a chosen candidate that has no ``spec`` (a
     native kernel's). ``final``: its errors are raised, never marked broken (a candidate made of steps that dispatch
-    through registries of their own, which already fell back where they could: selection's ``composite``)."""
+    through registries of their own, which already fell back where they could: selection's ``composite``).
+    ``measurement(problem, platform, settings)``: its measured time for the problem from the tuned tables (None: no
+    measured row); a candidate without one has no tuned rows and stops the measured choice (a library the order
+    prefers wins). ``plan_names``: the plans its tuned rows may name (empty: one plan); ``plans(problem,
+    platform)``: those that serve a problem, by name, for the tuner (None: the one launch ``launch`` makes)."""
 
     name: str
     description: str
@@ -54,12 +77,35 @@ class Candidate:
     spec: KernelSpec | None = None
     describe_plan: Callable[[Any, Platform], str] | None = None
     final: bool = False
+    measurement: Callable[[Any, Platform, QsaSettings], Measurement | None] | None = None
+    plan_names: tuple[str, ...] = ()
+    plans: Callable[[Any, Platform], Mapping[str, Any]] | None = None
+
+
+def spec_measurement(spec: KernelSpec) -> Callable[[Any, Platform, QsaSettings], Measurement | None]:
+    """The ``measurement`` of a candidate that is this project's kernel ``spec``: the measured time of the tuned row
+    its own launch plan uses (``TunedTable.lookup``: exact key, nearest (rows, context) bucket), where that row is
+    measured (None for a kernel the tuner does not measure, one without a row, a row with ``measured=0``)."""
+
+    def measurement(problem, platform: Platform, settings: QsaSettings) -> Measurement | None:
+        if not spec.tune_grid:
+            return None
+        row = tuned.load_tables(tuple(settings.tuned_config)).lookup(platform.arch, spec.name, problem)
+        if row is None or not row.measured or row.us is None:
+            return None
+        return Measurement(row.us, (row.rows, row.context), tuned.bucket_distance(row.rows, row.context, problem),
+                           f"{row.rows} rows x {row.context} tokens")
+
+    return measurement
 
 
 def spec_candidate(spec: KernelSpec, launch: Callable[[Any, Any, QsaSettings], None], *, name: str | None = None,
-                   ranks: Mapping[str, int] | None = None, universal: bool | None = None) -> Candidate:
+                   ranks: Mapping[str, int] | None = None, universal: bool | None = None,
+                   measurement: Callable[[Any, Platform, QsaSettings], Measurement | None] | None = None,
+                   ) -> Candidate:
     """The candidate of this project's kernel ``spec``: its reasons (plus "disabled by <variable>=0" where the spec
-    names a settings switch that is off), ``launch``, and its ranks (the spec's own unless given)."""
+    names a settings switch that is off), ``launch``, its ranks (the spec's own unless given) and its
+    ``measurement`` (``spec_measurement`` unless given)."""
 
     def reasons(problem, platform, settings):
         found = spec.reasons(problem, platform)
@@ -70,7 +116,8 @@ def spec_candidate(spec: KernelSpec, launch: Callable[[Any, Any, QsaSettings], N
 
     return Candidate(name or spec.name, spec.description, reasons, launch,
                      ranks if ranks is not None else spec.ranks,
-                     universal if universal is not None else getattr(spec, "universal", False), spec)
+                     universal if universal is not None else getattr(spec, "universal", False), spec,
+                     measurement=measurement or spec_measurement(spec))
 
 
 def plan_for(spec: KernelSpec, problem, platform: Platform, settings: QsaSettings | None = None) -> LaunchPlan:
@@ -110,6 +157,11 @@ class Decision:
     table_note: str = ""
     rule: str = ""  # how the choice was made among the serving candidates
     compared: tuple[str, ...] = ()  # the kernels the measurement rule compared
+    measured: dict[str, Measurement] = field(default_factory=dict)  # their measurements, by name
+
+    def measured_text(self, name: str) -> str:
+        """``name`` as the measurement rule names it (``measured_name``)."""
+        return measured_name(name, self.measured.get(name))
 
     def report(self) -> str:
         p, candidates = self.problem, self.registry.candidates
@@ -128,7 +180,9 @@ class Decision:
             elif name in self.rejected:
                 lines.append(f"    - {name}: " + "; ".join(self.rejected[name]))
             elif name in self.compared:
-                lines.append(f"    - {name}: serves, but {self.chosen} measured faster")
+                lines.append(f"    - {name}: serves, but {self.chosen} measured faster ("
+                             f"{self.measured_text(name)} {self.measured[name].us:.2f} us against "
+                             f"{self.measured_text(self.chosen)} {self.measured[self.chosen].us:.2f} us)")
             else:
                 lines.append(f"    . {name}: serves, not chosen")
         if self.chosen is None:
@@ -204,30 +258,29 @@ class Registry:
         return found
 
     def measured_choice(self, problem, serving: list[str], platform: Platform,
-                        settings: QsaSettings) -> tuple[str, str, tuple[str, ...]] | None:
-        """``(kernel, rule, compared)``: the kernel of ``serving`` (this project's tunable kernels that serve
-        ``problem``, in order) the tuned tables measured fastest on ``platform``'s arch at the shape bucket nearest
-        ``problem``; None when the order's choice (``serving[0]``) or every other kernel lacks a measured row at that
-        bucket. Each kernel's row is the one its own launch plan uses (``TunedTable.lookup``); kernels whose nearest
-        row lies at another bucket are not compared."""
-        table = tuned.load_tables(tuple(settings.tuned_config))
+                        settings: QsaSettings) -> tuple[str, str, tuple[str, ...], dict[str, Measurement]] | None:
+        """``(candidate, rule, compared, measurements)``: the candidate of ``serving`` (the serving candidates with
+        tuned rows, in order) the tuned tables measured fastest on ``platform``'s arch at the shape bucket nearest
+        ``problem``; None when the order's choice (``serving[0]``) or every other candidate lacks a measured row at
+        that bucket. Each candidate's measurement is the one its own launch uses (its ``measurement``: a scoring
+        kernel's tuned row, the top-k's row of the plan it runs); candidates measured at another bucket are not
+        compared."""
         found = {}
         for name in serving:
-            spec = self.candidates[name].spec
-            row = table.lookup(platform.arch, spec.name, problem) if spec is not None and spec.tune_grid else None
-            if row is not None and row.measured and row.us is not None:
-                found[name] = row
+            measured = self.candidates[name].measurement(problem, platform, settings)
+            if measured is not None:
+                found[name] = measured
         if len(found) < 2:
             return None
-        nearest = min(((r.rows, r.context) for r in found.values()), key=lambda b: tuned.bucket_distance(*b, problem))
-        timed = [(row.us, serving.index(name), name) for name, row in found.items()
-                 if (row.rows, row.context) == nearest]
+        nearest = min(found.values(), key=lambda m: m.distance)
+        timed = [(m.us, serving.index(name), name) for name, m in found.items() if m.bucket == nearest.bucket]
         if len(timed) < 2 or serving[0] not in {name for _, _, name in timed}:
             return None
         timed.sort()  # equal times: the earlier in the order
-        times = " < ".join(f"{name} {us:.2f} us" for us, _, name in timed)
-        return timed[0][2], (f"measurement: {times} (tuned rows at {nearest[0]} rows x {nearest[1]} tokens, "
-                             f"arch {platform.arch})"), tuple(name for _, _, name in timed)
+        compared = {name: found[name] for _, _, name in timed}
+        times = " < ".join(f"{measured_name(name, found[name])} {us:.2f} us" for us, _, name in timed)
+        return timed[0][2], (f"measurement: {times} (tuned rows at {nearest.bucket_text}, arch {platform.arch})"), \
+            tuple(compared), compared
 
     def select(self, problem, *, skip: tuple[str, ...] = (), settings: QsaSettings | None = None) -> Decision:
         """Choose the candidate for ``problem`` (no device access). ``skip`` names candidates that failed this call.
@@ -252,11 +305,11 @@ class Registry:
                 serving.append(name)
         if serving:
             decision.chosen, decision.rule = serving[0], "" if forced else "table order"
-            # This project's kernels up to the first one that is not (a library preferred by the order wins).
-            ours = list(itertools.takewhile(lambda name: self.candidates[name].spec is not None, serving))
+            # The candidates with tuned rows up to the first one without (a library preferred by the order wins).
+            ours = list(itertools.takewhile(lambda name: self.candidates[name].measurement is not None, serving))
             measured = None if forced else self.measured_choice(problem, ours, platform_of(problem), settings)
             if measured:
-                decision.chosen, decision.rule, decision.compared = measured
+                decision.chosen, decision.rule, decision.compared, decision.measured = measured
         if not skip:
             if len(self._decisions) >= _MAX_DECISIONS:
                 self._decisions.pop(next(iter(self._decisions)))  # oldest first: bounded, not a cache of every shape
@@ -271,7 +324,8 @@ class Registry:
         settings = get_settings()
         decision = self.select(problem, settings=settings)
         full = Decision(self, problem, decision.chosen, decision.order, forced=decision.forced,
-                        table_note=decision.table_note, rule=decision.rule, compared=decision.compared)
+                        table_note=decision.table_note, rule=decision.rule, compared=decision.compared,
+                        measured=decision.measured)
         for name in decision.order:
             if name != decision.chosen and name not in decision.compared:
                 later = decision.chosen is None or decision.order.index(name) > decision.order.index(decision.chosen)

@@ -1,22 +1,31 @@
 """The native top-k at launch time: its reasons (``native_topk_reasons``, the ``native`` candidate's of the ``TOPK``
-registry), the marshalling of a call's tensors into its kernel's arguments (``native_topk_call``), the launch on a
-GPU (``native_block_topk``: compiled through NVRTC or hipRTC into the JIT cache, loaded and launched by
+registry), its plan (``plan_choice``: the measured one of the tuned top-k table, else ``choose_plan``'s), the
+marshalling of a call's tensors into its kernel's arguments (``native_topk_call``), the launch on a GPU
+(``native_block_topk``: compiled through NVRTC or hipRTC into the JIT cache, loaded and launched by
 ``runtime/jit/native.py``) and on the CPU through the CUDA emulator (``emulated_block_topk``). What the kernels are
 is declared once in ``kernels/selection/native_topk.py`` (``SPEC``)."""
 
 from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from ..kernels.platform import Platform
 from ..kernels.selection import native_topk as kernels
 from ..kernels.spec import record
+from . import tuned
 from .jit import emulated, native
-from .settings import get_settings
+from .log import log_once
+from .settings import QsaSettings, get_settings
 
 #: The names a native top-k launch is recorded under, without and with the fused expansion (``kernels.spec.record``;
 #: the selection replays match them).
 NATIVE_TOPK_LAUNCH, NATIVE_TOPK_EXPAND_LAUNCH = "native_topk", "native_topk+expand"
+#: The native top-k's name among the top-k candidates (``registries.TOPK``) and in the tuned top-k table.
+CANDIDATE = "native"
 
 def native_topk_reasons(problem, platform: Platform, settings) -> list[str]:
     """Why the native top-k does not serve ``problem`` (a ``registries.TopkProblem``; empty: it serves), from host
@@ -34,9 +43,82 @@ def native_topk_reasons(problem, platform: Platform, settings) -> list[str]:
     return found + native.unavailable_reasons("hip" if hip else "cuda")
 
 
+@dataclass(frozen=True)
+class PlanChoice:
+    """The native top-k's plan for a shape: ``plan``, ``row``: the measured row of the tuned top-k table it came from
+    (None: ``choose_plan``'s heuristic), and ``note``: how it was chosen (``explain`` prints it)."""
+
+    plan: kernels.Plan
+    row: tuned.TopkRow | None
+    note: str
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A top-k shape as ``kernels.SPEC`` and the tuned table read one."""
+
+    rows: int
+    columns: int
+    block_topk: int
+
+
+def plan_choice(rows: int, columns: int, block_topk: int, platform: Platform,
+                settings: QsaSettings | None = None) -> PlanChoice:
+    """The plan of a native top-k of ``rows`` rows of ``columns`` keeping ``block_topk`` on ``platform``, with the
+    tuned tables of ``settings`` (host facts only): of the plans measured at the bucket nearest the shape
+    (``TunedTable.measured_topk``), the fastest that serves the shape on the platform (``kernels.plans_for``: a
+    cluster plan needs compute capability 9.0, a cached row must fit the shared memory); where the table has none,
+    or none of them serves, ``choose_plan``'s, and the note says why."""
+    settings = settings or get_settings()
+    return _plan_choice(rows, columns, block_topk, platform, tuned.load_tables(tuple(settings.tuned_config)))
+
+
+@functools.lru_cache(maxsize=512)  # a launch asks for it every call; memoised per table (by identity)
+def _plan_choice(rows: int, columns: int, block_topk: int, platform: Platform, table: tuned.TunedTable) -> PlanChoice:
+    plan, row, note = measured_plan(rows, columns, block_topk, platform, table)
+    if plan is None:  # choose_plan's (made only here: measured_plan asks no more of the platform than plans_for)
+        plan = kernels.SPEC.plan(_Shape(rows, columns, block_topk), platform)
+    return PlanChoice(plan, row, note)
+
+
+def measured_plan(rows: int, columns: int, block_topk: int, platform: Platform,
+                  table: tuned.TunedTable) -> tuple[kernels.Plan | None, tuned.TopkRow | None, str]:
+    """``(plan, row, note)``: the measured plan ``plan_choice`` takes and its row, or ``(None, None, note)`` where it
+    takes ``choose_plan``'s; ``note`` says why."""
+    if columns <= block_topk:
+        return None, None, "the trivial plan (no row is wider than block_topk)"
+    measured = table.measured_topk(platform.arch, CANDIDATE, _Shape(rows, columns, block_topk))
+    if not measured:
+        log_once(logging.INFO, ("untuned", platform.arch, CANDIDATE, block_topk),
+                 f"no measured {CANDIDATE} top-k row for arch={platform.arch} block_topk={block_topk}: choose_plan's "
+                 "heuristic plans its launches (python -m qsa_aiter tune --op topk measures them)")
+        return None, None, (f"choose_plan's heuristic (no measured {CANDIDATE} row for arch {platform.arch}, "
+                            f"block_topk {block_topk})")
+    serving = kernels.plans_for(rows, columns, block_topk, platform)
+    passed = []  # the measured plans faster than the one taken that do not serve the shape here
+    bucket = f"{measured[0].rows} rows x {measured[0].columns} columns"
+    for row in measured:  # fastest first
+        if row.plan in serving:
+            skipped = (f"; faster but not serving {rows} x {columns} on {platform.arch}: {', '.join(passed)}"
+                       if passed else "")
+            return serving[row.plan], row, (f"measured plan {row.plan}: {row.us:.2f} us at {bucket} "
+                                            f"({row.source or 'no source'}){skipped}")
+        passed.append(f"{row.plan} {row.us:.2f} us")
+    return None, None, (f"choose_plan's heuristic: none of the plans measured at {bucket} ({', '.join(passed)}) "
+                        f"serves {rows} x {columns} on {platform.arch} (those that do: "
+                        f"{', '.join(serving) or 'none'})")
+
+
 def describe_plan(problem, platform: Platform) -> str:
-    """The native plan ``explain`` prints for ``problem`` on ``platform`` (on ROCm: why no cluster is planned)."""
-    return kernels.SPEC.describe_plan(problem, platform)
+    """The native plan ``explain`` prints for ``problem`` on ``platform``: the kernel and its layout, how the plan was
+    chosen (``plan_choice``), and on ROCm why no cluster is planned (``none``, with the reasons, where the platform
+    has no plan)."""
+    reasons = kernels.SPEC.reasons(problem, platform)
+    if reasons:
+        return f"none ({'; '.join(reasons)})"
+    choice = plan_choice(problem.rows, problem.columns, problem.block_topk, platform)
+    text = f"{choice.plan.describe()}; {choice.note}"
+    return f"{text}; {kernels.CLUSTERS_ON_ROCM}" if platform.backend == "hip" else text
 
 
 def _check_histogram(logits: torch.Tensor, histogram: torch.Tensor | None) -> None:
@@ -92,9 +174,10 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     """The native CUDA block top-k into ``out`` (int32 ``[tokens, block_topk]``, last dim contiguous) from fp32
     ``logits [tokens, columns]`` (last dim contiguous, any row stride) and int32 ``visible [tokens]`` (read on the
     device, clamped to ``[0, columns]``), on CUDA tensors; ``expand_into`` (``TopkArgs.expand_into``) fuses the
-    expansion into the launch, as the Triton top-k does; ``plan``: a ``kernels.Plan`` instead of the one
-    ``choose_plan`` makes (tests, benchmarks); ``histogram``: the scorer's per-row histogram of these logits (int32
-    ``[tokens, HISTOGRAM_BINS]``, contiguous; ``kernels/scoring/histogram.py``), which the kernels start from
+    expansion into the launch, as the Triton top-k does; ``plan``: a ``kernels.Plan`` instead of ``plan_choice``'s
+    (the measured plan of the tuned top-k table, else ``choose_plan``'s; the tuner, tests, benchmarks);
+    ``histogram``: the scorer's per-row histogram of these logits (int32 ``[tokens, HISTOGRAM_BINS]``, contiguous;
+    ``kernels/scoring/histogram.py``), which the kernels start from
     instead of counting the row's top bits themselves; ``defines``: compile-time switches of the source
     (``NAME=VALUE``; benchmarks of its candidate changes); ``programmatic``: launch it as a programmatic dependent of
     the kernel before it on the stream (compute capability 9.0+; None: as ``QSA_AITER_TOPK_PDL`` says). One launch
@@ -108,7 +191,7 @@ def native_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Te
     _check_histogram(logits, histogram)  # before any device work
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     platform = Platform.of(torch.device("cuda", device))
-    plan = plan or kernels.choose_plan(rows, columns, block_topk, platform)
+    plan = plan or plan_choice(rows, columns, block_topk, platform, settings).plan
     call, addresses, target, direct, _keep = native_topk_call(logits, visible, out, block_topk, plan, expand_into,
                                                                histogram)
     variant = plan.variant

@@ -6,7 +6,9 @@ how they are ordered, and the host-side problem each decides from.
   -> order``; page sizes outside it get the universal candidates. Forced by ``QSA_AITER_BACKEND``.
 - ``TOPK`` (the block top-k step of ``qsa_block_topk`` and ``qsa_select_paged_tokens``): AITER's HIP top-k on ROCm
   (where the AITER path is asked for), the Triton top-k, the native top-k (compiled by NVRTC or hipRTC, cached in the
-  JIT cache: ``runtime/native_topk.py``), the torch path. Forced by ``QSA_AITER_TOPK_BACKEND``.
+  JIT cache: ``runtime/native_topk.py``), the torch path. The Triton and native ones have tuned rows (the top-k
+  table, ``configs/topk.csv``): the one measured faster at the shape's bucket runs, the native one with its
+  measured plan. Forced by ``QSA_AITER_TOPK_BACKEND``.
 - ``EXPAND`` (``qsa_expand_block_indices``, and selection's expansion after a top-k that does not fuse it): the
   Triton expansion, the torch path.
 - ``WRITER`` (``qsa_write_index_cache``): the Triton writer, the torch reference writer.
@@ -31,9 +33,8 @@ from ..kernels.scoring.problem import PHASES, ScoreProblem
 from ..kernels.scoring.reference import reference_paged_mqa_logits
 from ..kernels.selection import expand, topk
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
-from . import rocm
-from . import native_topk
-from .dispatch import ANY_PHASE, Candidate, Registry, plan_for, register, spec_candidate
+from . import native_topk, rocm, tuned
+from .dispatch import ANY_PHASE, Candidate, Measurement, Registry, plan_for, register, spec_candidate
 from .settings import QsaSettings, get_settings
 
 BLOCK_SIZES = (16, 64)
@@ -136,13 +137,15 @@ class TopkProblem:
 class TopkArgs:
     """The tensors of a top-k step: fp32 ``logits [rows, columns]`` (last dim contiguous), int32 ``visible [rows]``,
     int32 ``groups [rows, block_topk]`` (the output); ``expand_into`` = (query_positions, context_lens,
-    token_to_request, tokens_out, compress_ratio, token_topk) where the expansion follows (``fused``)."""
+    token_to_request, tokens_out, compress_ratio, token_topk) where the expansion follows (``fused``); ``plan``: one
+    of the candidate's ``plans`` instead of the one it chooses (the tuner)."""
 
     logits: torch.Tensor
     visible: torch.Tensor
     groups: torch.Tensor
     block_topk: int
     expand_into: tuple | None = None
+    plan: object = None
 
     @property
     def device(self) -> torch.device:
@@ -174,18 +177,52 @@ def _launch_aiter_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
 
 
 def _launch_native_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
-    native_topk.native_block_topk(args.logits, args.visible, args.groups, args.block_topk, settings,
+    # Without a plan given, native_block_topk takes the measured plan of the tuned top-k table, else choose_plan's.
+    native_topk.native_block_topk(args.logits, args.visible, args.groups, args.block_topk, settings, plan=args.plan,
                                   expand_into=args.expand_into)
+
+
+#: The Triton top-k's name among the top-k candidates and in the tuned top-k table.
+TRITON_TOPK = "triton"
+
+
+def _topk_measurement(row: tuned.TopkRow | None, problem: TopkProblem) -> Measurement | None:
+    """The ``Measurement`` of a top-k candidate's measured row (None: no row)."""
+    if row is None:
+        return None
+    return Measurement(row.us, (row.rows, row.columns), tuned.topk_bucket_distance(row.rows, row.columns, problem),
+                       f"{row.rows} rows x {row.columns} columns", row.plan)
+
+
+def _triton_topk_measurement(problem: TopkProblem, platform: Platform, settings) -> Measurement | None:
+    """The Triton top-k's measured row at the bucket nearest ``problem`` (it has one plan)."""
+    rows = tuned.load_tables(tuple(settings.tuned_config)).measured_topk(platform.arch, TRITON_TOPK, problem)
+    return _topk_measurement(rows[0] if rows else None, problem)
+
+
+def _native_topk_measurement(problem: TopkProblem, platform: Platform, settings) -> Measurement | None:
+    """The measured row of the plan the native top-k runs for ``problem`` (``native_topk.measured_plan``; None where
+    it runs ``choose_plan``'s: that plan's time is not in the table)."""
+    _, row, _ = native_topk.measured_plan(problem.rows, problem.columns, problem.block_topk, platform,
+                                          tuned.load_tables(tuple(settings.tuned_config)))
+    return _topk_measurement(row, problem)
+
+
+def _native_topk_plans(problem: TopkProblem, platform: Platform) -> dict:
+    return native_topk.kernels.plans_for(problem.rows, problem.columns, problem.block_topk, platform)
 
 
 TOPK = register(Registry("topk", "block top-k", (
     Candidate("aiter", "AITER's HIP top-k (aiter.ops.topk, stable), its groups sorted",
               rocm.aiter_topk_candidate_reasons, _launch_aiter_topk, {ANY_PHASE: 10}),
-    spec_candidate(topk.SPEC, _launch_triton_topk, name="triton", ranks={ANY_PHASE: 20}),
-    # Ranked before Triton wherever it serves (faster at every work point of docs/selection.md); a failed compile or
-    # launch marks it broken and the Triton top-k serves.
-    Candidate("native", native_topk.kernels.SPEC.description, native_topk.native_topk_reasons, _launch_native_topk,
-              {ANY_PHASE: 15}, describe_plan=native_topk.describe_plan),
+    spec_candidate(topk.SPEC, _launch_triton_topk, name=TRITON_TOPK, ranks={ANY_PHASE: 20},
+                   measurement=_triton_topk_measurement),
+    # Ranked before Triton wherever it serves (faster at most work points of docs/selection.md): the order where the
+    # tuned top-k table has no measurement; a failed compile or launch marks it broken and the Triton top-k serves.
+    Candidate(native_topk.CANDIDATE, native_topk.kernels.SPEC.description, native_topk.native_topk_reasons,
+              _launch_native_topk, {ANY_PHASE: 15}, describe_plan=native_topk.describe_plan,
+              measurement=_native_topk_measurement, plan_names=native_topk.kernels.PLAN_NAMES,
+              plans=_native_topk_plans),
     Candidate("torch", "torch path (a stable sort; any device, graph-safe)", _serves_all, _launch_torch_topk,
               {ANY_PHASE: 90}),
 ), broken_key=lambda problem: (problem.device_type, problem.fused), forced_setting="topk_backend"))

@@ -69,9 +69,10 @@ class QsaSettings(BaseSettings):
         "auto",
         alias="QSA_AITER_TOPK_BACKEND",
         description="`auto`, or the name of one top-k candidate (`triton`, `native`, `aiter`, `torch`; "
-        "`qsa_aiter.explain_selection` lists them) forced for the top-k step of selection. `native` is the CUDA "
-        "top-k compiled at run time by NVRTC, which `auto` takes on NVIDIA GPUs. Checked at the first top-k call; "
-        "forcing a candidate that cannot serve the call is an error naming its reasons.",
+        "`qsa_aiter.explain_selection` lists them) forced for the top-k step of selection, whatever the tuned top-k "
+        "table measured. `native` is the CUDA top-k compiled at run time by NVRTC, which `auto` takes on NVIDIA GPUs "
+        "where no measured row says otherwise. Checked at the first top-k call; forcing a candidate that cannot "
+        "serve the call is an error naming its reasons.",
     )
     select_backend: str = Field(
         "auto",
@@ -107,9 +108,10 @@ class QsaSettings(BaseSettings):
     tuned_config: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
         alias="QSA_AITER_TUNED_CONFIG",
-        description="`:`-separated CSV files of tuned tile configs, read after the shipped `configs/` tables; their "
-        "rows replace shipped rows with the same key and buckets, and their measured times take part in choosing "
-        "the kernel (docs/jit_and_configs.md).",
+        description="`:`-separated CSV files of tuned tile configs, or of top-k rows (a header naming `candidate`), "
+        "read after the shipped `configs/` tables; their rows replace shipped rows with the same key and buckets, "
+        "and their measured times take part in choosing the kernel, the top-k and the native top-k's plan "
+        "(docs/jit_and_configs.md).",
     )
     log_level: Literal[LOG_LEVELS] = Field(
         "warning",

@@ -75,7 +75,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", add_help=False,
                    help="run the benchmark (arguments go to qsa_aiter.tools.bench; `bench --help` lists them)")
     sub.add_parser("tune", add_help=False,
-                   help="measure tile configs at the work points and write tuned rows (`tune --help` lists options)")
+                   help="measure tile configs (or, with --op topk, the top-k's candidates and plans) at the work "
+                        "points and write tuned rows (`tune --help` lists options)")
     sub.add_parser("fuzz", add_help=False,
                    help="fuzz the ops against the torch oracles over random metadata (`fuzz --help` lists options)")
     sub.add_parser("quality", add_help=False,

@@ -1,6 +1,6 @@
 """The tuner (``python -m qsa_aiter tune``): measures candidate tile configs of each scoring kernel at the benchmark's
 work points (docs/benchmarks.md) on the present GPU and writes the best one per point as a tuned-config row
-(``qsa_aiter.runtime.tuned``).
+(``qsa_aiter.runtime.tuned``); with ``--op topk``, the block top-k's candidates and native plans, one row each.
 
 A sweep is one (kernel, work point, cache format, page size): the kernels are those whose spec has a candidate grid
 (``KernelSpec.tune_grid``), at the work points their spec names (``tune_points``). Its candidates are the product of
@@ -16,6 +16,10 @@ what tuning gained (``default_us`` beside ``us``). Two stages:
 
 With ``--csv FILE`` the best config of each sweep replaces the row with the same key and buckets in FILE (other
 rows are kept), so re-tuning a point updates it in place. ``--results FILE`` writes every timing.
+
+``--op topk`` tunes the block top-k instead (``tools/topk_tuning.py``): each top-k candidate with tuned rows, and
+each plan of the native one, timed at the work points on random logits of the point's shape, one row per
+(candidate, plan) into a top-k table (``configs/topk.csv``), from which the dispatcher takes the fastest.
 """
 
 from __future__ import annotations
@@ -33,17 +37,24 @@ from tqdm import tqdm
 
 from ..kernels.catalog import spec_named, tunable_specs
 from ..kernels.quant.formats import CACHE_FORMATS
+from ..runtime import tuned
+from . import topk_tuning
 from .cli_args import RenamedOption, add_page_sizes, cache_formats, comma_subset, positive_int, run_command
 from .inputs import point_inputs
 from .testing import e4m3_mma_atol
 from .timing import time_launcher
-from .tuned_rows import merge_rows
+from .tuned_rows import check_kind, merge_rows
 from .work_points import point_named
 
 #: The kernels tuned, by name: every spec with a candidate grid.
 KERNELS = tuple(spec.name for spec in tunable_specs())
 #: The index-cache formats tuned by default: one of each kind the tuned tables key rows by (bf16, fp8, fp4).
 CACHES = ("bf16", "fp8", "fp4")
+#: What ``--op`` tunes: the scoring kernels' tiles, or the block top-k's candidates and plans.
+OPS = ("scoring", "topk")
+#: The options of one ``--op`` only (their destinations): giving one with the other op is an error.
+SCORING_ONLY = ("kernels", "caches", "page_sizes", "grid", "jobs")
+TOPK_ONLY = ("candidates", "block_topk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +287,9 @@ def _parse_grid(items: list[str]) -> dict[str, tuple[int, ...]]:
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python -m qsa_aiter tune``."""
     parser = argparse.ArgumentParser(prog="python -m qsa_aiter tune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--op", choices=OPS, default="scoring",
+                        help="what to tune: the scoring kernels' tile configs (default; rows of configs/scoring.csv) "
+                             "or the block top-k's candidates and native plans (rows of configs/topk.csv)")
     parser.add_argument("--kernels", type=comma_subset(KERNELS), default=KERNELS,
                         help=f"kernels to tune, comma-separated among {','.join(KERNELS)} (default: all)")
     parser.add_argument("--caches", type=cache_formats, default=CACHES,
@@ -283,7 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default {','.join(CACHES)})")
     parser.add_argument("--kv", dest="caches", type=cache_formats, action=RenamedOption, renamed_to="--caches")
     add_page_sizes(parser)
-    parser.add_argument("--points", default="", help="substrings of work-point names (default: the kernel's plan)")
+    parser.add_argument("--points", default="",
+                        help="substrings of work-point names, comma-separated (default: the kernel's plan; with "
+                             "--op topk every timed work point)")
+    candidates = topk_tuning.tuned_candidates()
+    parser.add_argument("--candidates", type=comma_subset(candidates), default=candidates,
+                        help=f"--op topk: top-k candidates to time, comma-separated among {','.join(candidates)} "
+                             "(default: all; every plan of each)")
+    parser.add_argument("--block-topk", type=positive_int, default=topk_tuning.BLOCK_TOPK,
+                        help=f"--op topk: groups kept per row (default {topk_tuning.BLOCK_TOPK}, the model's token "
+                             "top-k 2048 at R 4)")
     parser.add_argument("--grid", action="append", default=None, metavar="FIELD=V1,V2",
                         help="a candidate axis instead of the kernel's grid (one kernel at a time); repeat the option "
                              "for each axis: --grid block_n=64,128 --grid num_stages=2,3")
@@ -298,9 +321,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, set[str]]:
+    """``parser``'s arguments from ``argv``, and the destinations of the options it gave (the others keep their
+    defaults): an option of the other ``--op`` is an argparse error naming it."""
+    unset = object()
+    # Each destination starts unset (an appending option's as None, which it appends to): what is still unset, or
+    # None, after parsing was not given, and takes its default.
+    args = argparse.Namespace(**{a.dest: None if isinstance(a, argparse._AppendAction) else unset
+                                 for a in parser._actions if a.dest != argparse.SUPPRESS})
+    parser.parse_args(argv, namespace=args)
+    given = {dest for dest, value in vars(args).items() if value is not unset and value is not None}
+    for dest in set(vars(args)) - given:
+        setattr(args, dest, parser.get_default(dest))
+    other, other_op = (TOPK_ONLY, "topk") if args.op == "scoring" else (SCORING_ONLY, "scoring")
+    wrong = sorted({a.option_strings[0] for a in parser._actions
+                    if a.dest in other and a.dest in given and a.help != argparse.SUPPRESS})
+    if wrong:
+        parser.error(f"{', '.join(wrong)}: an option of --op {other_op} only (this run is --op {args.op})")
+    return args, given
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, _ = parse(parser, argv)
+    if args.op == "topk":
+        return tune_topk(args)
     kernels = list(args.kernels)
     if args.grid is not None and len(kernels) != 1:
         parser.error("--grid applies to one kernel: give --kernels with one name")
@@ -366,6 +411,58 @@ def main(argv: list[str] | None = None) -> int:
         if log:
             log.close()
     return 0 if all(r.best for r in results) else 1
+
+
+def tune_topk(args: argparse.Namespace, timer=time_launcher) -> int:
+    """``--op topk``: time the top-k candidates and plans at the work points (``topk_tuning``) and write their rows
+    into ``--csv`` (a top-k table) sweep by sweep; 0 where every sweep timed something, 1 where one did not, 2 for
+    bad arguments (no point matches, ``--csv`` a scoring table) or no GPU."""
+    sweeps = topk_tuning.plan_sweeps(args.points, args.block_topk)
+    if not sweeps:
+        print(f"error: --points {args.points!r} matches none of the work points whose rows are wider than "
+              f"--block-topk {args.block_topk}", file=sys.stderr)
+        return 2
+    if args.csv:
+        try:
+            check_kind(Path(args.csv), tuned.TOPK_TABLE)
+        except ValueError as err:
+            print(f"error: --csv: {err}", file=sys.stderr)
+            return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: the tuner needs a GPU (--op topk times the top-k kernels on it)", file=sys.stderr)
+        return 2
+    from ..kernels.platform import Platform
+    from ..runtime.settings import get_settings
+
+    device = torch.device("cuda")
+    arch = Platform.of(device).arch
+    settings = get_settings()
+    print(f"{torch.cuda.get_device_name()} ({arch}): {len(sweeps)} top-k sweeps of {', '.join(args.candidates)}")
+    results = []
+    log = open(args.results, "w", newline="") if args.results else None
+    writer = csv.DictWriter(log, fieldnames=["sweep", "candidate", "plan", "us", "error"]) if log else None
+    if writer:
+        writer.writeheader()
+    try:
+        for sweep in tqdm(sweeps, desc="time top-k", unit="sweep", disable=args.no_progress):
+            result = topk_tuning.time_sweep(sweep, tuple(args.candidates), args.replays, device, settings, timer)
+            results.append(result)
+            torch.cuda.empty_cache()
+            tqdm.write(topk_tuning.summary(result))
+            if writer:
+                writer.writerows(dict(sweep=sweep.name, candidate=t.candidate, plan=t.plan,
+                                      us="" if t.us is None else f"{t.us:.2f}", error=t.error)
+                                 for t in result.timings)
+                log.flush()
+            rows = topk_tuning.topk_rows(result, arch)
+            if args.csv and rows:  # sweep by sweep, so an interrupted run keeps what it measured
+                merge_rows(Path(args.csv), rows, tuned.TOPK_TABLE)
+    finally:
+        if log:
+            log.close()
+    return 0 if all(r.timed for r in results) else 1
 
 
 if __name__ == "__main__":  # as ``python -m qsa_aiter tune`` runs it (environment check, closed pipes)

@@ -402,7 +402,8 @@ def test_decode_takes_the_kernel_measured_fastest_at_its_bucket(monkeypatch, rng
     ordered = sorted(times, key=lambda k: (times[k], k != "rowwise"))
     assert ("chosen by measurement: " + " < ".join(f"{k} {times[k]:.2f} us" for k in ordered)) in text
     other = ordered[1]
-    assert f"- {other}: serves, but {expected} measured faster" in text
+    assert (f"- {other}: serves, but {expected} measured faster ({other} {times[other]:.2f} us against {expected} "
+            f"{times[expected]:.2f} us)") in text
     check_call(batch.args(), **hints)
 
 

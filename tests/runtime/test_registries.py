@@ -15,7 +15,7 @@ from qsa_aiter.kernels.cache import writer
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import expand, topk
 from qsa_aiter.kernels.selection.reference import reference_block_topk, reference_expand_block_indices
-from qsa_aiter.runtime import dispatch, registries
+from qsa_aiter.runtime import dispatch, registries, tuned
 from qsa_aiter.runtime import native_topk as native_topk_runtime
 from qsa_aiter.runtime.jit import cuda_driver, hiprtc, native
 from qsa_aiter.runtime.settings import ConfigurationError
@@ -251,3 +251,197 @@ def test_explain_prints_the_native_plan_and_that_rocm_has_no_clusters(monkeypatc
     assert report.endswith("clusters compiled out on ROCm (one workgroup per row)")
     monkeypatch.setattr(dispatch, "platform_of", lambda problem: Platform.named("sm_90"))
     assert "plan (arch sm_90): topk_cluster" in registries.TOPK.explain(problem)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The measured top-k: the tuned top-k table chooses the candidate and the native plan
+# ---------------------------------------------------------------------------------------------------------------
+
+TOPK_HEADER = "arch,block_topk,rows,columns,candidate,plan,us,measured,source\n"
+#: The shape of 16x4 @ 32K and 64x1 @ 32K: 64 rows of 8192 columns, 512 groups kept.
+WIDE = registries.TopkProblem("cuda", 64, 8192, 512, fused=True)
+
+
+def _topk_table(monkeypatch, tmp_path, *rows: str) -> None:
+    path = tmp_path / "topk.csv"
+    path.write_text(TOPK_HEADER + "".join(row + "\n" for row in rows))
+    monkeypatch.setenv("QSA_AITER_TUNED_CONFIG", str(path))
+    tuned.reload()  # the file may have been read before, with other rows
+    dispatch.clear_decisions()
+
+
+def _on(monkeypatch, platform: Platform) -> None:
+    """Decisions made as on ``platform`` (a GPU this machine does not have), the native top-k serving."""
+    _native_serving(monkeypatch)
+    monkeypatch.setattr(dispatch, "platform_of", lambda problem: platform)
+
+
+AMPERE = dataclasses.replace(Platform.named("sm_90"), arch="sm_80", capability=(8, 0))
+
+
+def test_without_topk_rows_the_table_order_and_the_heuristic_plan(monkeypatch):
+    _on(monkeypatch, Platform.named("sm_90"))
+    decision = registries.TOPK.select(WIDE)
+    assert decision.chosen == "native" and decision.rule == "table order"
+    choice = native_topk_runtime.plan_choice(64, 8192, 512, Platform.named("sm_90"))
+    assert choice.row is None and choice.plan == native_topk_runtime.kernels.choose_plan(64, 8192, 512,
+                                                                                            Platform.named("sm_90"))
+    assert "choose_plan's heuristic (no measured native row for arch sm_90, block_topk 512)" in \
+        registries.TOPK.explain(WIDE)
+
+
+def test_the_triton_topk_measured_faster_runs_and_explain_says_why(monkeypatch, tmp_path):
+    """The shape of 16x4 and 64x1 @ 32K: the Triton top-k measured faster than every native plan there."""
+    _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
+                "sm_90,512,64,8192,native,rows_256,16.7,1,t", "sm_90,512,64,8192,native,cluster4,17.4,1,t")
+    _on(monkeypatch, Platform.named("sm_90"))
+    assert registries.TOPK.select(WIDE).chosen == "triton"
+    report = registries.TOPK.explain(WIDE)
+    assert ("chosen by measurement: triton 11.20 us < native rows_256 16.70 us (tuned rows at 64 rows x 8192 columns, "
+            "arch sm_90)") in report
+    assert "- native: serves, but triton measured faster (native rows_256 16.70 us against triton 11.20 us)" in report
+    assert "* triton: serves" in report
+
+
+def test_the_native_topk_measured_faster_runs_its_measured_plan(monkeypatch, tmp_path):
+    _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
+                "sm_90,512,64,8192,native,rows_256,9.7,1,my sweep", "sm_90,512,64,8192,native,cluster4,17.4,1,t")
+    _on(monkeypatch, Platform.named("sm_90"))
+    assert registries.TOPK.select(WIDE).chosen == "native"
+    report = registries.TOPK.explain(WIDE)
+    assert "chosen by measurement: native rows_256 9.70 us < triton 11.20 us" in report
+    assert "- triton: serves, but native measured faster (triton 11.20 us against native rows_256 9.70 us)" in report
+    # The plan is the measured one, not the heuristic's cluster of four (which it would be here).
+    assert native_topk_runtime.kernels.choose_plan(64, 8192, 512, Platform.named("sm_90")).variant.cluster == 4
+    choice = native_topk_runtime.plan_choice(64, 8192, 512, Platform.named("sm_90"))
+    assert choice.plan == native_topk_runtime.kernels.plans_for(64, 8192, 512, Platform.named("sm_90"))["rows_256"]
+    assert ("plan (arch sm_90): topk_rows_256 (cached, " in report
+            and "measured plan rows_256: 9.70 us at 64 rows x 8192 columns (my sweep)" in report)
+
+
+def test_the_measured_plan_reaches_the_launch(monkeypatch, tmp_path):
+    """``native_block_topk`` without a plan launches ``plan_choice``'s (the launch is stopped where it would build
+    the call's arguments, on this machine without a GPU)."""
+    _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,native,rows_512,9.7,1,t")
+    seen = []
+
+    def stop(logits, visible, out, block_topk, plan, *rest):
+        seen.append(plan)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(native_topk_runtime, "native_topk_call", stop)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(Platform, "of", classmethod(lambda cls, device: Platform.named("sm_90")))
+    logits = torch.zeros(64, 8192)
+    with pytest.raises(RuntimeError, match="stop"):
+        native_topk_runtime.native_block_topk(logits, torch.zeros(64, dtype=torch.int32),
+                                              torch.empty(64, 512, dtype=torch.int32), 512)
+    assert seen[0].variant.name == "topk_rows_512" and seen[0].cached
+
+
+def test_a_forced_topk_beats_the_table(monkeypatch, tmp_path):
+    _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
+                "sm_90,512,64,8192,native,rows_256,16.7,1,t")
+    _on(monkeypatch, Platform.named("sm_90"))
+    monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", "native")
+    decision = registries.TOPK.select(WIDE)
+    assert decision.chosen == "native" and decision.forced and not decision.rule
+    report = registries.TOPK.explain(WIDE)
+    assert "forced by QSA_AITER_TOPK_BACKEND" in report and "chosen by measurement" not in report
+    assert "measured plan rows_256" in report  # forcing the candidate keeps its measured plan
+
+
+@pytest.mark.parametrize("case", ["other-bucket", "not-measured", "other-arch", "other-block-topk", "triton-only"])
+def test_topk_measurements_that_do_not_compare_leave_the_table_order(monkeypatch, tmp_path, case):
+    rows = {"triton": "sm_90,512,64,8192,triton,,11.2,1,t", "native": "sm_90,512,64,8192,native,rows_256,16.7,1,t"}
+    if case == "other-bucket":  # the native rows were measured at 16x the rows: not the bucket Triton was timed at
+        rows["native"] = "sm_90,512,1024,8192,native,rows_256,16.7,1,t"
+    elif case == "not-measured":
+        rows["native"] = "sm_90,512,64,8192,native,rows_256,16.7,0,not measured: a report"
+    elif case == "other-arch":
+        rows = {name: row.replace("sm_90", "sm_80") for name, row in rows.items()}
+    elif case == "other-block-topk":
+        rows = {name: row.replace(",512,", ",256,") for name, row in rows.items()}
+    elif case == "triton-only":
+        del rows["native"]
+    _topk_table(monkeypatch, tmp_path, *rows.values())
+    _on(monkeypatch, Platform.named("sm_90"))
+    decision = registries.TOPK.select(WIDE)
+    assert decision.chosen == "native" and decision.rule == "table order", decision.rule
+
+
+def test_a_measured_plan_that_does_not_serve_the_shape_is_passed_over(monkeypatch, tmp_path):
+    """On compute capability 8.0 no cluster plan exists: the fastest measured plan that serves runs, and explain
+    names the faster one passed over."""
+    _topk_table(monkeypatch, tmp_path, "sm_80,512,64,8192,triton,,11.2,1,t",
+                "sm_80,512,64,8192,native,cluster4,9.0,1,t", "sm_80,512,64,8192,native,rows_256,10.7,1,t")
+    _on(monkeypatch, AMPERE)
+    assert registries.TOPK.select(WIDE).chosen == "native"
+    report = registries.TOPK.explain(WIDE)
+    assert "chosen by measurement: native rows_256 10.70 us < triton 11.20 us" in report
+    assert ("measured plan rows_256: 10.70 us at 64 rows x 8192 columns (t); faster but not serving 64 x 8192 on "
+            "sm_80: cluster4 9.00 us") in report
+
+
+def test_with_no_measured_plan_serving_the_heuristic_runs_and_explain_says_so(monkeypatch, tmp_path):
+    """Only cluster plans measured, on a GPU without clusters: the native top-k runs choose_plan's plan, has no
+    measurement to compare, and the table order stands."""
+    _topk_table(monkeypatch, tmp_path, "sm_80,512,64,8192,triton,,11.2,1,t",
+                "sm_80,512,64,8192,native,cluster4,9.0,1,t")
+    _on(monkeypatch, AMPERE)
+    decision = registries.TOPK.select(WIDE)
+    assert decision.chosen == "native" and decision.rule == "table order"
+    choice = native_topk_runtime.plan_choice(64, 8192, 512, AMPERE)
+    assert choice.row is None and choice.plan == native_topk_runtime.kernels.choose_plan(64, 8192, 512, AMPERE)
+    assert ("choose_plan's heuristic: none of the plans measured at 64 rows x 8192 columns (cluster4 9.00 us) serves "
+            "64 x 8192 on sm_80 (those that do: rows_256, rows_512, rows_512_uncached)"
+            ) in registries.TOPK.explain(WIDE)
+
+
+def test_rows_no_wider_than_block_topk_take_the_trivial_plan(monkeypatch, tmp_path):
+    _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,native,rows_256,9.7,1,t")
+    choice = native_topk_runtime.plan_choice(64, 512, 512, Platform.named("sm_90"))
+    assert choice.row is None and choice.plan == native_topk_runtime.kernels.trivial_plan()
+    assert choice.note == "the trivial plan (no row is wider than block_topk)"
+
+
+def test_explain_selection_names_the_measured_topk(monkeypatch, tmp_path, rng):
+    """``explain_selection`` at 16 requests x 4 rows @ 32K (a chunk of 64 rows x 8192 columns)."""
+    batch = make_batch([32 * 1024] * 16, 4, page_size=64, head_dim=32, dtype=torch.bfloat16, generator=rng)
+    _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
+                "sm_90,512,64,8192,native,rows_256,16.7,1,t")
+    _on(monkeypatch, Platform.named("sm_90"))
+    report = qsa_aiter.explain_selection(*batch.args()[:6], 2048, 4)
+    assert "\nblock top-k: rows=64 columns=8192 block_topk=512" in report
+    assert "chosen by measurement: triton 11.20 us < native rows_256 16.70 us" in report
+
+
+def test_qsa_block_topk_runs_the_candidate_measured_faster(monkeypatch, tmp_path, rng):
+    """Dispatch itself (on CPU tensors, decisions as on an sm_90): the Triton top-k where it measured faster, the
+    native one (stood in for) where it did."""
+    logits = torch.randn(64, 1024, generator=rng)
+    visible = torch.full((64,), 1000, dtype=torch.int32)
+    ran = []
+    _native_serving(monkeypatch, launch=lambda problem, args, settings: (
+        ran.append("native"), registries.torch_block_topk(args.logits, args.visible, args.block_topk, args.groups)))
+    monkeypatch.setattr(dispatch, "platform_of", lambda problem: Platform.named("sm_90"))
+    want = reference_block_topk(logits, visible, 64)
+    for native_us, expected in ((16.7, []), (9.7, ["native"])):
+        _topk_table(monkeypatch, tmp_path, "sm_90,64,64,1024,triton,,11.2,1,t",
+                    f"sm_90,64,64,1024,native,rows_256,{native_us},1,t")
+        ran.clear()
+        assert torch.equal(qsa_aiter.qsa_block_topk(logits, visible, 64), want)
+        assert ran == expected
+
+
+def test_a_rewritten_table_takes_effect_after_reload(monkeypatch, tmp_path):
+    """``tuned.reload()`` (what the tuner calls after writing rows) forgets the decisions made from the old rows."""
+    _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
+                "sm_90,512,64,8192,native,rows_256,16.7,1,t")
+    _on(monkeypatch, Platform.named("sm_90"))
+    assert registries.TOPK.select(WIDE).chosen == "triton"
+    (tmp_path / "topk.csv").write_text(TOPK_HEADER + "sm_90,512,64,8192,triton,,11.2,1,t\n"
+                                       "sm_90,512,64,8192,native,rows_256,9.7,1,t\n")
+    assert registries.TOPK.select(WIDE).chosen == "triton"  # read once per process
+    tuned.reload()
+    assert registries.TOPK.select(WIDE).chosen == "native"

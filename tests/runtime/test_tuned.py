@@ -231,3 +231,132 @@ def test_every_amd_kernel_format_and_page_size_has_a_row_and_model_rows_say_so()
                     assert plan.config_source.startswith("tuned row"), plan.config_source
                     if all(r.source.startswith(MODEL_SOURCE) for r in rows):
                         assert "(model, not measured:" in plan.config_source, plan.config_source
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The block top-k's table (configs/topk.csv)
+# ---------------------------------------------------------------------------------------------------------------
+
+TOPK_HEADER = "arch,block_topk,rows,columns,candidate,plan,us,measured,source\n"
+
+
+def write_topk_table(tmp_path, name: str, *rows: str):
+    path = tmp_path / name
+    path.write_text(TOPK_HEADER + "".join(row + "\n" for row in rows))
+    return path
+
+
+def _topk(rows: int, columns: int, block_topk: int = 512):
+    from qsa_aiter.runtime.registries import TopkProblem
+
+    return TopkProblem("cuda", rows, columns, block_topk, fused=True)
+
+
+def test_the_shipped_topk_table_holds_no_invented_measurement():
+    """The shipped top-k table is read as one (its header names ``candidate``); a measured row in it is the tuner's,
+    any other says it was not measured."""
+    path = tuned.CONFIG_DIR / "topk.csv"
+    assert "topk.csv" in tuned.SHIPPED and path.is_file()
+    with open(path) as handle:
+        assert tuned.check_header(path, handle.readline().strip().split(",")) is tuned.TOPK_TABLE
+    for row in tuned.read_table(path):
+        if row.measured:
+            assert row.source.startswith("python -m qsa_aiter tune --op topk at "), row
+        else:
+            assert "not measured" in row.source, row
+
+
+@pytest.mark.parametrize("row,message", [
+    ("sm_90,512,64,8192,torch,,9.0,1,x", r"topk\.csv:3: candidate: .*unknown top-k candidate 'torch' \(candidates "
+                                         r"with tuned rows: native, triton\)|unknown top-k candidate 'torch'"),
+    ("sm_90,512,64,8192,native,cluster3,9.0,1,x", r"topk\.csv:3: plan: .*'cluster3' is not a plan of the native top-k "
+                                                  r"\(plans: rows_256, rows_512, rows_512_uncached, cluster2"),
+    ("sm_90,512,64,8192,native,,9.0,1,x", r"topk\.csv:3: plan: .*a native row names its plan"),
+    ("sm_90,512,64,8192,triton,rows_256,9.0,1,x", r"topk\.csv:3: plan: .*the triton top-k has one plan"),
+    ("sm_90,512,64,8192,triton,,,1,x", r"topk\.csv:3: measured: .*a measured row \(measured=1\) gives its time"),
+    ("sm_90,512,64,8192,triton,,-2,1,x", r"topk\.csv:3: us: "),
+    ("sm_90,512,0,8192,triton,,9.0,1,x", r"topk\.csv:3: rows: "),
+    ("sm_90,0,64,8192,triton,,9.0,1,x", r"topk\.csv:3: block_topk: "),
+    ("sm_90,512,64,8192,triton,,9.0,,x", r"topk\.csv:3: measured: "),
+    ("sm_90,512,64,8192,triton,,9.0,1,x,extra", r"topk\.csv:3: more cells"),
+])
+def test_a_malformed_topk_row_is_an_error_naming_file_line_and_column(tmp_path, row, message):
+    good = "sm_90,512,64,8192,native,rows_256,16.7,1,x"
+    path = write_topk_table(tmp_path, "topk.csv", good, row)
+    with pytest.raises(ValueError, match=message):
+        tuned.read_table(path)
+
+
+@pytest.mark.parametrize("header,message", [
+    ("arch,block_topk,rows,columns,candidate,kernel,measured\n",
+     r"t\.csv:1: not a top-k tuned-table header: unknown column\(s\) 'kernel' \(a top-k table's header names arch, "
+     r"block_topk, rows, columns, candidate, measured and any of plan, us, source\)"),
+    ("arch,rows,columns,candidate,measured\n", r"t\.csv:1: not a top-k tuned-table header: missing column\(s\) "
+                                               r"block_topk"),
+])
+def test_a_topk_header_is_checked_as_one(tmp_path, header, message):
+    path = tmp_path / "t.csv"
+    path.write_text(header)
+    with pytest.raises(ValueError, match=message):
+        tuned.read_table(path)
+
+
+def test_a_header_of_neither_kind_names_both(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("arch,rows,columns\n")
+    with pytest.raises(ValueError, match=r"not a tuned-table header: .*; a top-k table's names arch, block_topk"):
+        tuned.read_table(path)
+
+
+def test_tuned_config_files_of_both_kinds_merge_by_their_own_keys(tmp_path, monkeypatch):
+    scoring = write_table(tmp_path, "scoring.csv", "cpu,stacked,bf16,16,4,64,4,4096,,,32,,,,,,,10.0,1,small")
+    first = write_topk_table(tmp_path, "a.csv", "sm_90,512,64,8192,triton,,11.2,1,a",
+                             "sm_90,512,64,8192,native,rows_256,16.7,1,a")
+    second = write_topk_table(tmp_path, "b.csv", "sm_90,512,64,8192,native,rows_256,9.5,1,b",
+                              "sm_90,512,64,8192,native,cluster4,17.4,1,b")
+    use_tables(monkeypatch, scoring, first, second)
+    table = tuned.load_tables(tuple(get_settings().tuned_config))
+    assert lookup("cpu", "stacked", _problem()).source == "small"
+    native = table.measured_topk("sm_90", "native", _topk(64, 8192))
+    assert [(r.plan, r.us, r.source) for r in native] == [("rows_256", 9.5, "b"), ("cluster4", 17.4, "b")]
+    assert [r.us for r in table.measured_topk("sm_90", "triton", _topk(64, 8192))] == [11.2]
+
+
+def test_topk_rows_are_looked_up_at_the_nearest_measured_bucket(tmp_path, monkeypatch):
+    path = write_topk_table(tmp_path, "t.csv",
+                            "sm_90,512,64,8192,triton,,11.2,1,small", "sm_90,512,256,25088,triton,,20.0,1,large",
+                            "sm_90,512,36,32768,triton,,5.0,0,not measured: a report",
+                            "sm_90,256,64,8192,triton,,3.0,1,other block_topk")
+    use_tables(monkeypatch, path)
+    table = tuned.load_tables(tuple(get_settings().tuned_config))
+
+    def source(rows, columns, block_topk=512, arch="sm_90"):
+        found = table.measured_topk(arch, "triton", _topk(rows, columns, block_topk))
+        return found[0].source if found else None
+
+    assert source(64, 8192) == "small" and source(48, 6000) == "small"
+    assert source(256, 24000) == "large" and source(128, 20000) == "large"
+    assert source(36, 32768) == "small"  # the measured=0 row at this very bucket is not a measurement
+    assert source(64, 8192, block_topk=256) == "other block_topk"
+    assert source(64, 8192, block_topk=1024) is None and source(64, 8192, arch="sm_80") is None
+
+
+def test_a_bad_topk_file_in_the_variable_is_a_configuration_error(tmp_path, monkeypatch):
+    from qsa_aiter.runtime.settings import ConfigurationError
+
+    path = write_topk_table(tmp_path, "t.csv", "sm_90,512,64,8192,native,cluster3,9.0,1,x")
+    use_tables(monkeypatch, path)
+    with pytest.raises(ConfigurationError, match=r"QSA_AITER_TUNED_CONFIG=.* is invalid: .*t\.csv:2: plan: "):
+        tuned.load_tables(tuple(get_settings().tuned_config))
+
+
+def test_the_topk_columns_table_in_the_docs_is_generated():
+    from pathlib import Path
+
+    from qsa_aiter.kernels.selection.native_topk import PLAN_NAMES
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    assert tuned.topk_columns_table() in (docs / "jit_and_configs.md").read_text(), \
+        "regenerate the top-k columns table in docs/jit_and_configs.md"
+    # docs/selection.md lists the native plans a row may name.
+    assert ", ".join(f"`{name}`" for name in PLAN_NAMES) in " ".join((docs / "selection.md").read_text().split())

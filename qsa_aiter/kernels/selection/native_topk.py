@@ -14,7 +14,10 @@ top of the ``.cu`` file.
   gfx942 / gfx950 too (``variants_for``).
 - ``ROW_PARAMS`` / ``CLUSTER_PARAMS``: the kernels' parameters, the one declaration of them.
 - ``choose_plan(rows, columns, block_topk, platform)``: which kernel, and how its shared memory is laid out
-  (``Plan``), from the platform's multiprocessors, compute capability and shared-memory limits.
+  (``Plan``), from the platform's multiprocessors, compute capability and shared-memory limits: the plan where the
+  tuned top-k table has no measured one (``runtime/native_topk.py``).
+- ``PLAN_NAMES`` / ``plan_named`` / ``plans_for``: the plans by name (the tuned table's ``plan`` column), and those
+  that serve a shape on a platform.
 - ``launch_arguments(plan, ..., expansion)``: the launch (``NativeLaunch``): kernel name, grid, block, dynamic shared
   bytes and the kernel's arguments by name with their C types, in the kernel's parameter order; with an
   ``Expansion`` the launch also writes each row's token indices (the expansion fused as in the Triton top-k).
@@ -284,17 +287,33 @@ def choose_plan(rows: int, columns: int, block_topk: int, platform: Platform,
     return rows_plan(512, columns, platform, cached=False)
 
 
+#: The plan names of ``plan_named`` and ``plans_for`` (the tuned top-k table's ``plan`` column): each row kernel
+#: cached (``rows_<threads>``), the 512-thread one uncached, and one cluster per size of ``CLUSTER_SIZES``
+#: (``cluster<size>``), from the variants.
+PLAN_NAMES = (*(f"rows_{v.threads}" for v in VARIANTS if v.cluster == 1), "rows_512_uncached",
+              *(f"cluster{size}" for size in sorted(CLUSTER_SIZES)))
+
+
+def plan_named(name: str, columns: int, platform: Platform) -> Plan:
+    """The plan called ``name`` (one of ``PLAN_NAMES``) for rows of ``columns`` on ``platform``, whether or not it
+    fits there (``plans_for`` keeps those that do)."""
+    if name not in PLAN_NAMES:
+        raise ValueError(f"plan must be one of {', '.join(PLAN_NAMES)}; got {name!r}")
+    if name.startswith("cluster"):
+        return cluster_plan(int(name.removeprefix("cluster")), columns, platform)
+    return rows_plan(int(name.split("_")[1]), columns, platform, cached=not name.endswith("_uncached"))
+
+
 def plans_for(rows: int, columns: int, block_topk: int, platform: Platform) -> dict[str, Plan]:
     """Every plan that can serve ``rows`` rows of ``columns`` keeping ``block_topk`` on ``platform``, by name (for
-    benchmarks and fuzzing, which time or draw them beside ``choose_plan``'s): both row kernels cached, the
-    512-thread one uncached, and clusters of 2, 4 and 8 (compute capability 9.0+), those that fit; the trivial plan
-    alone where no row is wider than ``block_topk``."""
+    the tuner, benchmarks and fuzzing, which time or draw them beside ``choose_plan``'s, and for a tuned row's plan,
+    which must be one of them): ``PLAN_NAMES``, both row kernels cached, the 512-thread one uncached, and clusters of
+    2, 4 and 8 (compute capability 9.0+), those that fit; the trivial plan alone where no row is wider than
+    ``block_topk``."""
     if columns <= block_topk:
         return {"trivial": choose_plan(rows, columns, block_topk, platform)}
-    plans = {f"rows_{threads}": rows_plan(threads, columns, platform) for threads in (256, 512)}
-    plans["rows_512_uncached"] = rows_plan(512, columns, platform, cached=False)
-    if has_clusters(platform):
-        plans |= {f"cluster{size}": cluster_plan(size, columns, platform) for size in (2, 4, 8)}
+    names = [name for name in PLAN_NAMES if has_clusters(platform) or not name.startswith("cluster")]
+    plans = {name: plan_named(name, columns, platform) for name in names}
     return {name: plan for name, plan in plans.items() if _fits(plan, platform)}
 
 
