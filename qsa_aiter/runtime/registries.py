@@ -6,7 +6,8 @@ how they are ordered, and the host-side problem each decides from.
   -> order``; page sizes outside it get the universal candidates. Forced by ``QSA_AITER_BACKEND``.
 - ``TOPK`` (the block top-k step of ``qsa_block_topk`` and ``qsa_select_paged_tokens``): AITER's HIP top-k on ROCm
   (where the AITER path is asked for), the Triton top-k, the native top-k (compiled by NVRTC or hipRTC, cached in the
-  JIT cache: ``runtime/native_topk.py``), the torch path. Forced by ``QSA_AITER_TOPK_BACKEND``.
+  JIT cache: ``runtime/native_topk.py``), the grid select (``native_grid``: a row split across the CTAs of one
+  cooperative grid, ``runtime/grid_topk.py``), the torch path. Forced by ``QSA_AITER_TOPK_BACKEND``.
 - ``EXPAND`` (``qsa_expand_block_indices``, and selection's expansion after a top-k that does not fuse it): the
   Triton expansion, the torch path.
 - ``WRITER`` (``qsa_write_index_cache``): the Triton writer, the torch reference writer.
@@ -32,7 +33,7 @@ from ..kernels.scoring.reference import reference_paged_mqa_logits
 from ..kernels.selection import expand, topk
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from . import rocm
-from . import native_topk
+from . import grid_topk, native_topk
 from .dispatch import ANY_PHASE, Candidate, Registry, plan_for, register, spec_candidate
 from .settings import QsaSettings, get_settings
 
@@ -178,6 +179,11 @@ def _launch_native_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
                                   expand_into=args.expand_into)
 
 
+def _launch_grid_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
+    grid_topk.grid_block_topk(args.logits, args.visible, args.groups, args.block_topk, settings,
+                              expand_into=args.expand_into)
+
+
 TOPK = register(Registry("topk", "block top-k", (
     Candidate("aiter", "AITER's HIP top-k (aiter.ops.topk, stable), its groups sorted",
               rocm.aiter_topk_candidate_reasons, _launch_aiter_topk, {ANY_PHASE: 10}),
@@ -186,6 +192,10 @@ TOPK = register(Registry("topk", "block top-k", (
     # launch marks it broken and the Triton top-k serves.
     Candidate("native", native_topk.kernels.SPEC.description, native_topk.native_topk_reasons, _launch_native_topk,
               {ANY_PHASE: 15}, describe_plan=native_topk.describe_plan),
+    # The grid select (a row split across the CTAs of one cooperative grid): ranked right after the native top-k,
+    # which serves wherever it does, so the default does not change until it is measured faster somewhere.
+    Candidate("native_grid", grid_topk.kernels.SPEC.description, grid_topk.grid_topk_reasons, _launch_grid_topk,
+              {ANY_PHASE: 16}, describe_plan=grid_topk.describe_plan),
     Candidate("torch", "torch path (a stable sort; any device, graph-safe)", _serves_all, _launch_torch_topk,
               {ANY_PHASE: 90}),
 ), broken_key=lambda problem: (problem.device_type, problem.fused), forced_setting="topk_backend"))

@@ -1,7 +1,8 @@
 """The CUDA driver API through ctypes (``libcuda.so.1``): load a CUBIN into a device's primary context (the one torch
 uses) with ``cuModuleLoadData`` and get its function (``cuModuleGetFunction``); raise a function's dynamic
 shared-memory limit above 48 KB and allow a non-portable cluster size (``cuFuncSetAttribute``); launch
-(``cuLaunchKernel``, or ``cuLaunchKernelEx`` for a programmatic dependent launch: ``programmatic_config``). Every
+(``cuLaunchKernel``, or ``cuLaunchKernelEx`` for a programmatic dependent launch, ``programmatic_config``, or a
+cooperative one, ``cooperative_config``). Every
 call's result is checked (``check``) and a failure raises ``DriverError`` with the driver's name and text for it.
 ``native.PreparedLaunch`` launches through it; ``hip_driver.py`` is the AMD counterpart.
 """
@@ -19,6 +20,7 @@ import torch
 # CUDA driver API constants (cuda.h).
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 #: Dynamic shared memory a kernel may use without raising its limit.
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024
@@ -203,6 +205,18 @@ def programmatic_config(grid: tuple[int, int, int], block: tuple[int, int, int],
     the stream finishes, and waits for it where it executes ``griddepcontrol.wait``."""
     attribute = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
     attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, None,
+                          ctypes.pointer(attribute), 1)
+    return config, attribute
+
+
+def cooperative_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int
+                       ) -> tuple[LaunchConfig, LaunchAttribute]:
+    """The ``cuLaunchKernelEx`` configuration of a cooperative launch (its stream filled in per launch), and the
+    attribute it points to (keep both alive together): the driver launches the grid only if every CTA of it can be
+    resident at once (``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE`` otherwise), so CTAs may wait on each other."""
+    attribute = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_COOPERATIVE)
+    attribute.value[0] = 1  # cooperative
     config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, None,
                           ctypes.pointer(attribute), 1)
     return config, attribute
