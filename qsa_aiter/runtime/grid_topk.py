@@ -16,6 +16,7 @@ one of the buffers a replay lays out, so a repeated call takes the host path aga
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 
@@ -25,12 +26,14 @@ from ..kernels.platform import Platform
 from ..kernels.selection import grid_topk as kernels
 from ..kernels.selection.native_topk import Expansion
 from .jit import emulated, native
-from .jit.cuda_driver import current_stream
+from .jit.cuda_driver import current_stream, resident_blocks
 
 #: The names a grid-select launch goes under, without and with the fused expansion.
 GRID_TOPK_LAUNCH, GRID_TOPK_EXPAND_LAUNCH = "grid_topk", "grid_topk+expand"
 #: (device index, stream handle) -> the workspace of launches on that stream.
 _workspaces: dict[tuple[int, int], torch.Tensor] = {}
+#: (loaded kernel, threads, shared bytes) -> CTAs a multiprocessor holds, as the driver counts them.
+_resident: dict[tuple, int] = {}
 #: Prepared launches by (loaded kernel, launch): a repeated call converts no scalar again.
 _prepared: OrderedDict = OrderedDict()
 _MAX_PREPARED = 64
@@ -141,6 +144,21 @@ def _prepared_launch(name: str, kernel, call) -> native.PreparedLaunch:
     return found
 
 
+def resident_plan(plan: kernels.Plan, kernel, platform: Platform, rows: int) -> kernels.Plan:
+    """``plan`` with no more rows in flight than the driver's count of co-resident CTAs allows for the loaded
+    ``kernel`` (the plan counts on its launch bounds' promise; registers or the shared-memory carveout could give
+    fewer): the cooperative launch then never fails for its size. ``RuntimeError`` where not one row's CTAs fit."""
+    key = (id(kernel), kernel.function.value, plan.variant.threads, plan.shared_bytes)
+    per_multiprocessor = _resident.get(key)
+    if per_multiprocessor is None:
+        per_multiprocessor = _resident[key] = resident_blocks(kernel, plan.variant.threads, plan.shared_bytes)
+    most = min(max(rows, 1), platform.multiprocessors * per_multiprocessor // plan.split)
+    if most < 1:
+        raise RuntimeError(f"{plan.describe()}: the driver fits {per_multiprocessor} CTAs a multiprocessor, fewer than "
+                           f"one row's {plan.split} on {platform.multiprocessors} multiprocessors")
+    return plan if plan.slots <= most else dataclasses.replace(plan, slots=most)
+
+
 def grid_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, block_topk: int, settings=None,
                     plan: kernels.Plan | None = None, expand_into: tuple | None = None,
                     workspace: torch.Tensor | None = None) -> None:
@@ -149,21 +167,23 @@ def grid_block_topk(logits: torch.Tensor, visible: torch.Tensor, out: torch.Tens
     ``[0, columns]``), on CUDA tensors; ``expand_into`` (``TopkArgs.expand_into``) fuses the expansion; ``plan``: a
     ``kernels.Plan`` instead of ``choose_plan``'s (tests, benchmarks); ``workspace``: an int32 tensor of at least
     ``plan.workspace_words`` words, zeroed before its first launch and reused as the kernels leave it (default:
-    ``workspace_for``). One cooperative launch on the current stream (``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``
-    where the grid would not be co-resident); the kernel is compiled into the JIT cache, or loaded from it, at its
-    first use in a process (load it before capturing a graph)."""
+    ``workspace_for``). One cooperative launch on the current stream, with no more rows in flight than the driver
+    fits at once (``resident_plan``: the grid is co-resident, or the launch fails rather than wait forever); the
+    kernel is compiled into the JIT cache, or loaded from it, at its first use in a process (load it before
+    capturing a graph: the first launch also sets its shared-memory attributes)."""
     rows, columns = logits.shape
     if rows == 0:
         return
     device = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
     platform = Platform.of(torch.device("cuda", device))
     plan = plan or kernels.choose_plan(rows, columns, block_topk, platform)
-    if workspace is None:
-        workspace = workspace_for(logits.device, plan.workspace_words)
-    call, addresses, target, _keep = grid_topk_call(logits, visible, out, block_topk, plan, expand_into, workspace)
     variant = plan.variant
     kernel = native.kernel_for(kernels.source(), variant.name, kernels.SPEC.defines(variant, platform.arch), device,
                                platform.arch, settings)
+    plan = resident_plan(plan, kernel, platform, rows)
+    if workspace is None:
+        workspace = workspace_for(logits.device, plan.workspace_words)
+    call, addresses, target, _keep = grid_topk_call(logits, visible, out, block_topk, plan, expand_into, workspace)
     name = GRID_TOPK_LAUNCH if expand_into is None else GRID_TOPK_EXPAND_LAUNCH
     _prepared_launch(name, kernel, call)(*addresses)
     if target is not out:

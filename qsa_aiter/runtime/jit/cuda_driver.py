@@ -19,6 +19,9 @@ import torch
 
 # CUDA driver API constants (cuda.h).
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+#: The carveout that gives shared memory all it can take of the unified L1 / shared memory (percent).
+CARVEOUT_MAX_SHARED = 100
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -73,6 +76,8 @@ _DRIVER_FUNCTIONS = {
     "cuMemcpyDtoH_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t],
     "cuLaunchKernelEx": [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                          ctypes.c_void_p],
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int,
+                                                    ctypes.c_size_t],
 }
 DRIVER_LIBRARY = "libcuda.so.1"
 
@@ -220,6 +225,28 @@ def cooperative_config(grid: tuple[int, int, int], block: tuple[int, int, int], 
     config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, None,
                           ctypes.pointer(attribute), 1)
     return config, attribute
+
+
+def resident_blocks(kernel: LoadedKernel, threads: int, shared_bytes: int) -> int:
+    """CTAs of ``kernel`` (``threads`` each, ``shared_bytes`` of dynamic shared memory) that one multiprocessor holds
+    at once, as the driver counts them for a cooperative launch (``cuOccupancyMaxActiveBlocksPerMultiprocessor``),
+    with the kernel's shared-memory carveout set to the most shared memory first and its dynamic shared-memory limit
+    raised to ``shared_bytes`` where needed (a launch then needs no other set-up)."""
+    lib = driver()
+    with _in_context(kernel.device):
+        check(lib.cuFuncSetAttribute(kernel.function, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                     CARVEOUT_MAX_SHARED),
+              f"cuFuncSetAttribute({kernel.kernel}, PREFERRED_SHARED_MEMORY_CARVEOUT={CARVEOUT_MAX_SHARED})")
+        if shared_bytes > kernel.shared_limit:
+            check(lib.cuFuncSetAttribute(kernel.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         shared_bytes),
+                  f"cuFuncSetAttribute({kernel.kernel}, MAX_DYNAMIC_SHARED_SIZE_BYTES={shared_bytes})")
+            kernel.shared_limit = shared_bytes
+        blocks = ctypes.c_int()
+        check(lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), kernel.function, threads,
+                                                              shared_bytes),
+              f"cuOccupancyMaxActiveBlocksPerMultiprocessor({kernel.kernel}, {threads} threads, {shared_bytes} B)")
+    return blocks.value
 
 
 #: torch's C entry for the current stream's handle (what Triton's launcher reads too); the public API where it is gone.

@@ -210,6 +210,21 @@ def test_a_cooperative_launch_is_configured_with_the_attribute():
         native.PreparedLaunch("x", amd, (1, 1, 1), (64, 1, 1), 0, (), (), cooperative=True)
 
 
+def test_the_rows_in_flight_follow_the_drivers_count(monkeypatch):
+    """The driver's count of co-resident CTAs (here faked) caps the row slots, never the split; a count below one
+    row's CTAs is an error (the registry falls back) rather than a launch that would wait forever."""
+    plan = gt.split_plan(8, 100, 20000, H200)
+    assert (plan.slots, plan.variant.name) == (66, "grid_topk_256")  # 4 CTAs a multiprocessor, as promised
+    counts = iter([3, 0])
+    monkeypatch.setattr(runtime, "resident_blocks", lambda kernel, threads, shared: next(counts))
+    kernel = LoadedKernel("grid_topk_256", "entry", 0, ctypes.c_void_p(), ctypes.c_void_p(1))
+    assert runtime.resident_plan(plan, kernel, H200, 100) == dataclasses.replace(plan, slots=49)
+    assert runtime.resident_plan(plan, kernel, H200, 100).slots == 49  # asked once per kernel and size
+    other = LoadedKernel("grid_topk_256", "entry", 0, ctypes.c_void_p(), ctypes.c_void_p(2))
+    with pytest.raises(RuntimeError, match="the driver fits 0 CTAs a multiprocessor, fewer than one row's 8"):
+        runtime.resident_plan(plan, other, H200, 100)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # NVRTC
 # ---------------------------------------------------------------------------------------------------------------
