@@ -14,8 +14,8 @@
 // so the whole grid is co-resident or the launch fails: the waits below are only safe there).  CTA b is part
 // b % split of slot b / split; slot s takes rows s, s + slots, s + 2 * slots, ...; a row's `split` CTAs each own a
 // contiguous, GRID_TILE-aligned range of its columns: chunk = round_up(ceil(n / split), GRID_TILE) columns, part j
-// the columns [j * chunk, min((j + 1) * chunk, n)).  The score source is the `grid_load` step: here the logits; in a
-// fused kernel the scorer's tile of the same columns, written into the same shared-memory keys.
+// the columns [j * chunk, min((j + 1) * chunk, n)).  The score source is a type (phase A below: `tile_keys`): here
+// GridLogits, the logits; in a fused kernel the scorer's tile of the same columns, written into the same keys.
 //
 // Method (per long row, n > K), on order-preserving keys (grid_key) with digits of 11 + 11 + 10 bits:
 //   A  every CTA reads its columns once into shared memory as keys and histograms the top 11 bits there (2048 bins,
@@ -175,8 +175,24 @@ __device__ __forceinline__ void grid_tail(const GridTokens& t, long long total, 
 }
 
 // ---------------------------------------------------------------------------------------
-// Phase A: the CTA's columns g[0, len) into shared memory as keys, and the histogram of their top 11 bits in H (zero
-// before).  U quads a thread are loaded before any is used.  The fused kernel's scorer tile replaces this step.
+// Phase A: the score source.  A source is a type with
+//   template <int BLOCK> void tile_keys(int row, int col0, int len, unsigned* keys, unsigned* H) const
+// that, called by every thread of the CTA, writes the keys (grid_key) of columns col0 .. col0+len-1 of `row` into
+// keys[0, len) (whole quads: keys[4q .. 4q+3] for every quad q it touches, the padding past len any value) and adds
+// the top 11 bits of each of those len keys into H (2048 shared bins, zero before; shared atomics); col0 is a
+// multiple of GRID_TILE.  The selection never reads scores any other way.  GridLogits (below) reads fp32 logits; a
+// fused kernel's source scores the tile instead (no logits in HBM).
+struct GridLogits {
+    const float* __restrict__ logits;
+    int ld;       // the row stride (elements)
+    bool vec;     // every row starts 16-byte aligned: float4 loads
+
+    template <int BLOCK>
+    __device__ __forceinline__ void tile_keys(int row, int col0, int len, unsigned* keys, unsigned* H) const;
+};
+
+// The CTA's columns g[0, len) into shared memory as keys, and the histogram of their top 11 bits in H.  U quads a
+// thread are loaded before any is used.
 template <int BLOCK, int U>
 __device__ __forceinline__ void grid_load(const float* __restrict__ g, int len, bool vec, unsigned* keys,
                                           unsigned* H) {
@@ -209,6 +225,11 @@ __device__ __forceinline__ void grid_load(const float* __restrict__ g, int len, 
                 if (i < nv[j]) atomicAdd(&H[k[i] >> 21], 1u);
         }
     }
+}
+
+template <int BLOCK>
+__device__ __forceinline__ void GridLogits::tile_keys(int row, int col0, int len, unsigned* keys, unsigned* H) const {
+    grid_load<BLOCK, 4>(logits + (long long)row * ld + col0, len, vec, keys, H);
 }
 
 // A refinement round's local histogram: the keys with (key >> shift_hi) == want, by digit (key >> shift) & dmask.
@@ -374,12 +395,11 @@ __device__ __forceinline__ unsigned grid_emit(const unsigned* keys, int len, int
 }
 
 // ---------------------------------------------------------------------------------------
-// One row, part `part` of `split`.  Returns the slot's generation after the row's rounds.
-template <int BLOCK>
-__device__ __forceinline__ unsigned grid_row(int row, int part, const float* __restrict__ logits,
-                                             const int* __restrict__ visible, int* __restrict__ out,
-                                             const GridTokens& ts, unsigned* ws, int columns, int ld, int K,
-                                             int split, int width, bool vec_ok, unsigned gen, unsigned* smem) {
+// One row, part `part` of `split`, its scores from `source`.  Returns the slot's generation after the row's rounds.
+template <int BLOCK, class Source>
+__device__ __forceinline__ unsigned grid_row(int row, int part, const Source& source, const int* __restrict__ visible,
+                                             int* __restrict__ out, const GridTokens& ts, unsigned* ws, int columns,
+                                             int K, int split, int width, unsigned gen, unsigned* smem) {
     unsigned* H = smem;
     unsigned* s_scan = smem + GRID_SCAN_WORD;
     unsigned* s_res = smem + GRID_RES_WORD;
@@ -402,8 +422,7 @@ __device__ __forceinline__ unsigned grid_row(int row, int part, const float* __r
     const int chunk = ((n + split - 1) / split + GRID_TILE - 1) / GRID_TILE * GRID_TILE;
     const int col0 = part * chunk;
     const int len = n - col0 < 0 ? 0 : (n - col0 > chunk ? chunk : n - col0);
-    const float* g = logits + (long long)row * ld + col0;
-    grid_load<BLOCK, 4>(g, len, vec_ok, keys, H);
+    source.template tile_keys<BLOCK>(row, col0, len, keys, H);
     __syncthreads();
 
     // Rounds: 11 bits, then 11, then 10, until the threshold is exact or its bin is taken whole.
@@ -491,11 +510,11 @@ __device__ __forceinline__ void grid_kernel(GRID_PARAMS) {
     unsigned gen = smem[GRID_RES_WORD + 5];
     __syncthreads();
     (void)cap;  // the plan's bound on chunk (the keys' room); the chunk is recomputed per row
+    const GridLogits source = {logits, ld, vec_ok != 0};
     for (int row = slot; row < rows; row += slots) {
         const GridTokens ts = grid_tokens(row, positions, contexts, requests, tokens, num_requests, ratio, tok_ld,
                                           idx_wide);
-        gen = grid_row<BLOCK>(row, part, logits, visible, out, ts, ws, columns, ld, K, split, width, vec_ok != 0,
-                              gen, smem);
+        gen = grid_row<BLOCK>(row, part, source, visible, out, ts, ws, columns, K, split, width, gen, smem);
     }
 }
 
