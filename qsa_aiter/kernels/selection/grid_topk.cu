@@ -40,8 +40,8 @@
 //      otherwise each CTA publishes its token count in a second tagged word and the row's last CTA sums them.
 //
 // Time model (one long row, `split` CTAs; estimates from the native top-k's measured steps, not yet timed here):
-//   A   n * 4 bytes from HBM over `split` CTAs (one row: at most ~40 GB/s per SM, so split CTAs read it split
-//       times faster) plus a latency of ~1-2 us; the histogram is shared atomics on data in registers.
+//   A   n * 4 bytes from HBM over `split` CTAs (a CTA's read rate is bounded by the loads it keeps in flight, so
+//       split CTAs read a row about split times faster) plus a latency of ~1-2 us; the histogram is shared atomics.
 //   B   per round: the CTA's non-zero bins as fire-and-forget global reductions (<= 2048), one fence and one
 //       atomic round trip to L2 (~0.7 us), the last CTA's read of 2048 bins from L2 (~0.7 us) and its block scan
 //       (~0.3 us), the publish and the waiters' poll (~0.5-1 us): ~2.5-3 us a round, 1 to 3 rounds (3 for
