@@ -5,8 +5,9 @@ device code on a machine without a GPU.
 emulator force-included, into a shared library in a temporary directory (once per process and source); ``run(call,
 addresses)`` executes one ``NativeLaunch`` (``kernels/selection/native_topk.py``) on CPU memory: every CUDA thread a
 cooperative thread, thread-block clusters with their distributed shared memory, bulk copies done when issued
-(the header says what it does not model). A failure inside the emulated kernel (a deadlock, a shared-memory address
-out of range, a divergent warp collective) raises ``EmulationError``.
+(the header says what it does not model); a cooperative launch (``cooperative=True``) runs every CTA of its grid
+together, so CTAs may wait on each other's words (``cuda_emulator_grid.h``). A failure inside the emulated kernel (a
+deadlock, a shared-memory address out of range, a divergent warp collective) raises ``EmulationError``.
 
 The emulated warp width is a compile-time parameter of the build, the ``TOPK_WARP_SIZE=<32|64>`` among its defines
 (32 where it names none): 32 emulates an NVIDIA target (CUDA's warp collectives, thread-block clusters and bulk
