@@ -7,9 +7,10 @@ The default points are those of the selection targets (docs/selection.md).
 Each call is timed with the benchmark's CUDA-graph replay (``qsa_aiter.tools.timing.time_graph``: compilation before the
 capture, median over ``--replays``). Scoring reads the keys from HBM (the caches are larger than L2); the top-k
 steps read logits that scoring has just written, as they do inside ``qsa_select_paged_tokens``. Each candidate of the
-top-k registry that serves the point (``triton``, ``native``, ``torch``, ...; ``registries.TOPK``) is timed alone
-through its own launch and checked equal to ``torch_block_topk`` on the timed inputs; the candidates that do not
-serve are listed with their reasons. Ratios: selection / scoring, and (torch.topk + sort) / the fastest candidate.
+top-k registry that serves the point (``triton``, ``native``, ``native_grid``, ``torch``, ...; ``registries.TOPK``) is
+timed alone through its own launch and checked equal to ``torch_block_topk`` on the timed inputs; the candidates that
+do not serve are listed with their reasons. (``native_grid``'s time in a graph includes the zeroing of the workspace
+it allocates inside the capture, a memset of 8960 bytes per row slot: docs/selection.md.) Ratios: selection / scoring, and (torch.topk + sort) / the fastest candidate.
 ``selection_pdl_us``: the selection again with ``QSA_AITER_TOPK_PDL=1`` (the native top-k launched as a programmatic
 dependent of the scorer), its tokens checked equal to the default launch's.
 """

@@ -6,8 +6,9 @@ how they are ordered, and the host-side problem each decides from.
   -> order``; page sizes outside it get the universal candidates. Forced by ``QSA_AITER_BACKEND``.
 - ``TOPK`` (the block top-k step of ``qsa_block_topk`` and ``qsa_select_paged_tokens``): AITER's HIP top-k on ROCm
   (where the AITER path is asked for), the Triton top-k, the native top-k (compiled by NVRTC or hipRTC, cached in the
-  JIT cache: ``runtime/native_topk.py``), the torch path. The Triton and native ones have tuned rows (the top-k
-  table, ``configs/topk.csv``): the one measured faster at the shape's bucket runs, the native one with its
+  JIT cache: ``runtime/native_topk.py``), the grid select (``native_grid``: a row split across the CTAs of one
+  cooperative grid, ``runtime/grid_topk.py``), the torch path. The Triton, native and grid ones have tuned rows (the
+  top-k table, ``configs/topk.csv``): the one measured fastest at the shape's bucket runs, the native one with its
   measured plan. Forced by ``QSA_AITER_TOPK_BACKEND``.
 - ``EXPAND`` (``qsa_expand_block_indices``, and selection's expansion after a top-k that does not fuse it): the
   Triton expansion, the torch path.
@@ -33,7 +34,7 @@ from ..kernels.scoring.problem import PHASES, ScoreProblem
 from ..kernels.scoring.reference import reference_paged_mqa_logits
 from ..kernels.selection import expand, topk
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
-from . import native_topk, rocm, tuned
+from . import grid_topk, native_topk, rocm, tuned
 from .dispatch import ANY_PHASE, Candidate, Measurement, Registry, plan_for, register, spec_candidate
 from .settings import QsaSettings, get_settings
 
@@ -194,10 +195,14 @@ def _topk_measurement(row: tuned.TopkRow | None, problem: TopkProblem) -> Measur
                        f"{row.rows} rows x {row.columns} columns", row.plan)
 
 
-def _triton_topk_measurement(problem: TopkProblem, platform: Platform, settings) -> Measurement | None:
-    """The Triton top-k's measured row at the bucket nearest ``problem`` (it has one plan)."""
-    rows = tuned.load_tables(tuple(settings.tuned_config)).measured_topk(platform.arch, TRITON_TOPK, problem)
-    return _topk_measurement(rows[0] if rows else None, problem)
+def _one_plan_measurement(candidate: str):
+    """The ``measurement`` of a top-k candidate with one plan: its measured row at the bucket nearest a problem."""
+
+    def measurement(problem: TopkProblem, platform: Platform, settings) -> Measurement | None:
+        rows = tuned.load_tables(tuple(settings.tuned_config)).measured_topk(platform.arch, candidate, problem)
+        return _topk_measurement(rows[0] if rows else None, problem)
+
+    return measurement
 
 
 def _native_topk_measurement(problem: TopkProblem, platform: Platform, settings) -> Measurement | None:
@@ -212,17 +217,27 @@ def _native_topk_plans(problem: TopkProblem, platform: Platform) -> dict:
     return native_topk.kernels.plans_for(problem.rows, problem.columns, problem.block_topk, platform)
 
 
+def _launch_grid_topk(problem: TopkProblem, args: TopkArgs, settings) -> None:
+    grid_topk.grid_block_topk(args.logits, args.visible, args.groups, args.block_topk, settings,
+                              expand_into=args.expand_into)
+
+
 TOPK = register(Registry("topk", "block top-k", (
     Candidate("aiter", "AITER's HIP top-k (aiter.ops.topk, stable), its groups sorted",
               rocm.aiter_topk_candidate_reasons, _launch_aiter_topk, {ANY_PHASE: 10}),
     spec_candidate(topk.SPEC, _launch_triton_topk, name=TRITON_TOPK, ranks={ANY_PHASE: 20},
-                   measurement=_triton_topk_measurement),
+                   measurement=_one_plan_measurement(TRITON_TOPK)),
     # Ranked before Triton wherever it serves (faster at most work points of docs/selection.md): the order where the
     # tuned top-k table has no measurement; a failed compile or launch marks it broken and the Triton top-k serves.
     Candidate(native_topk.CANDIDATE, native_topk.kernels.SPEC.description, native_topk.native_topk_reasons,
               _launch_native_topk, {ANY_PHASE: 15}, describe_plan=native_topk.describe_plan,
               measurement=_native_topk_measurement, plan_names=native_topk.kernels.PLAN_NAMES,
               plans=_native_topk_plans),
+    # The grid select (a row split across the CTAs of one cooperative grid): ranked right after the native top-k,
+    # which serves wherever it does, so it runs where the tuned top-k table measured it fastest.
+    Candidate(grid_topk.CANDIDATE, grid_topk.kernels.SPEC.description, grid_topk.grid_topk_reasons,
+              _launch_grid_topk, {ANY_PHASE: 16}, describe_plan=grid_topk.describe_plan,
+              measurement=_one_plan_measurement(grid_topk.CANDIDATE)),
     Candidate("torch", "torch path (a stable sort; any device, graph-safe)", _serves_all, _launch_torch_topk,
               {ANY_PHASE: 90}),
 ), broken_key=lambda problem: (problem.device_type, problem.fused), forced_setting="topk_backend"))

@@ -68,11 +68,12 @@ class QsaSettings(BaseSettings):
     topk_backend: str = Field(
         "auto",
         alias="QSA_AITER_TOPK_BACKEND",
-        description="`auto`, or the name of one top-k candidate (`triton`, `native`, `aiter`, `torch`; "
-        "`qsa_aiter.explain_selection` lists them) forced for the top-k step of selection, whatever the tuned top-k "
-        "table measured. `native` is the CUDA top-k compiled at run time by NVRTC, which `auto` takes on NVIDIA GPUs "
-        "where no measured row says otherwise. Checked at the first top-k call; forcing a candidate that cannot "
-        "serve the call is an error naming its reasons.",
+        description="`auto`, or the name of one top-k candidate (`triton`, `native`, `native_grid`, `aiter`, "
+        "`torch`; `qsa_aiter.explain_selection` lists them) forced for the top-k step of selection, whatever the "
+        "tuned top-k table measured. `native` is the CUDA top-k compiled at run time by NVRTC, which `auto` takes on "
+        "NVIDIA GPUs where no measured row says otherwise; `native_grid` the grid select (a row split across the CTAs "
+        "of one cooperative grid). Checked at the first top-k call; forcing a candidate that cannot serve the call is "
+        "an error naming its reasons.",
     )
     select_backend: str = Field(
         "auto",

@@ -166,7 +166,7 @@ def test_scores_propagate_nan_on_the_gpu(monkeypatch, rng, cache, phase, backend
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ("native", "triton", "torch"))
+@pytest.mark.parametrize("backend", ("native", "native_grid", "triton", "torch"))
 @pytest.mark.parametrize("columns,budget", [(1400, 16), (40000, 512)])
 def test_selection_ranks_nan_above_inf_on_the_gpu(monkeypatch, rng, backend, columns, budget):
     monkeypatch.setenv("QSA_AITER_TOPK_BACKEND", backend)

@@ -157,7 +157,7 @@ def test_the_largest_budgets_run_and_a_larger_one_marks_no_kernel_broken(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ("auto", "triton", "native"))
+@pytest.mark.parametrize("backend", ("auto", "triton", "native", "native_grid"))
 def test_the_largest_budgets_compile_and_run_on_the_gpu(monkeypatch, rng, backend):
     """The bounds hold on the GPU's kernels too: the top-k at ``MAX_BLOCK_TOPK`` groups and the expansion at
     ``MAX_TOKEN_SLOTS`` slots compile, run (``QSA_AITER_STRICT=1``: no fallback hides a failure) and agree with the

@@ -35,7 +35,8 @@ def _scores(rng):
 def test_every_family_has_a_universal_last_resort():
     for registry in (registries.SCORING, registries.TOPK, registries.EXPAND, registries.WRITER):
         assert registry.candidates["torch"].ranks and registry.candidates["torch"].spec is None
-    assert registries.TOPK.order(registries.TopkProblem("cpu", 1, 8, 2))[0] == ("aiter", "native", "triton", "torch")
+    assert registries.TOPK.order(registries.TopkProblem("cpu", 1, 8, 2))[0] == (
+        "aiter", "native", "native_grid", "triton", "torch")
 
 
 def test_explain_selection_reports_scoring_and_topk(rng):
@@ -153,7 +154,7 @@ def _native_serving(monkeypatch, launch=None):
 def test_native_serving_is_ranked_before_triton(monkeypatch, rng):
     _native_serving(monkeypatch)
     report = qsa_aiter.explain_selection(*_batch(rng), 64, 4)
-    assert "order aiter > native > triton > torch" in report
+    assert "order aiter > native > native_grid > triton > torch" in report
     assert "* native: serves" in report and "- triton: serves, but an earlier candidate is preferred" in report
 
 

@@ -159,7 +159,7 @@ def test_the_command_writes_the_rows_of_every_sweep(monkeypatch, tmp_path, capsy
     (["--op", "topk", "--caches", "fp8"], "--caches: an option of --op scoring only"),
     (["--block-topk", "256"], "--block-topk: an option of --op topk only (this run is --op scoring)"),
     (["--op", "topk", "--candidates", "torch"], "argument --candidates: expected a comma-separated subset of "
-                                                "native,triton"),
+                                                "native,native_grid,triton"),
     (["--op", "sort"], "argument --op: invalid choice: 'sort'"),
 ])
 def test_bad_arguments_are_named(args, message, capsys):

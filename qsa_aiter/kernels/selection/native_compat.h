@@ -115,6 +115,34 @@ __device__ __forceinline__ int load_cg(const int* p) {
 #endif
 }
 
+// Words shared by the CTAs of one cooperative launch (grid_topk.cu), at device (GPU / agent) scope: a 64-bit load
+// with acquire semantics, a 64-bit store with release semantics, a full fence (release before an arrival, acquire
+// after one) and a pause between the polls of a spin wait.  Only a launch whose whole grid is co-resident (a
+// cooperative launch) may wait on another CTA.  Under TOPK_EMULATE the emulator defines them
+// (cuda_emulator_grid.h: its pause lets the other emulated threads run).
+#if !TOPK_EMULATE
+#if TOPK_HIP
+__device__ __forceinline__ unsigned long long grid_load_acquire(const unsigned long long* p) {
+    return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+}
+__device__ __forceinline__ void grid_store_release(unsigned long long* p, unsigned long long v) {
+    __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
+}
+__device__ __forceinline__ void grid_pause() { __builtin_amdgcn_s_sleep(1); }
+#else
+__device__ __forceinline__ unsigned long long grid_load_acquire(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void grid_store_release(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void grid_pause() { __nanosleep(32); }
+#endif
+__device__ __forceinline__ void grid_fence() { __threadfence(); }
+#endif
+
 // A programmatic dependent launch (CUDA sm_90+) may start while the kernel before it on the stream still runs: every
 // kernel waits for that one and its writes before its first global read.  A no-op in any other launch or target.
 __device__ __forceinline__ void wait_for_prior_grid() {

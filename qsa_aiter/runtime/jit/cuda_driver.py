@@ -1,7 +1,8 @@
 """The CUDA driver API through ctypes (``libcuda.so.1``): load a CUBIN into a device's primary context (the one torch
 uses) with ``cuModuleLoadData`` and get its function (``cuModuleGetFunction``); raise a function's dynamic
 shared-memory limit above 48 KB and allow a non-portable cluster size (``cuFuncSetAttribute``); launch
-(``cuLaunchKernel``, or ``cuLaunchKernelEx`` for a programmatic dependent launch: ``programmatic_config``). Every
+(``cuLaunchKernel``, or ``cuLaunchKernelEx`` for a programmatic dependent launch, ``programmatic_config``, or a
+cooperative one, ``cooperative_config``). Every
 call's result is checked (``check``) and a failure raises ``DriverError`` with the driver's name and text for it.
 ``native.PreparedLaunch`` launches through it; ``hip_driver.py`` is the AMD counterpart.
 """
@@ -18,7 +19,11 @@ import torch
 
 # CUDA driver API constants (cuda.h).
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+#: The carveout that gives shared memory all it can take of the unified L1 / shared memory (percent).
+CARVEOUT_MAX_SHARED = 100
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 #: Dynamic shared memory a kernel may use without raising its limit.
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024
@@ -71,6 +76,8 @@ _DRIVER_FUNCTIONS = {
     "cuMemcpyDtoH_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t],
     "cuLaunchKernelEx": [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                          ctypes.c_void_p],
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int,
+                                                    ctypes.c_size_t],
 }
 DRIVER_LIBRARY = "libcuda.so.1"
 
@@ -206,6 +213,40 @@ def programmatic_config(grid: tuple[int, int, int], block: tuple[int, int, int],
     config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, None,
                           ctypes.pointer(attribute), 1)
     return config, attribute
+
+
+def cooperative_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int
+                       ) -> tuple[LaunchConfig, LaunchAttribute]:
+    """The ``cuLaunchKernelEx`` configuration of a cooperative launch (its stream filled in per launch), and the
+    attribute it points to (keep both alive together): the driver launches the grid only if every CTA of it can be
+    resident at once (``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE`` otherwise), so CTAs may wait on each other."""
+    attribute = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_COOPERATIVE)
+    attribute.value[0] = 1  # cooperative
+    config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, None,
+                          ctypes.pointer(attribute), 1)
+    return config, attribute
+
+
+def resident_blocks(kernel: LoadedKernel, threads: int, shared_bytes: int) -> int:
+    """CTAs of ``kernel`` (``threads`` each, ``shared_bytes`` of dynamic shared memory) that one multiprocessor holds
+    at once, as the driver counts them for a cooperative launch (``cuOccupancyMaxActiveBlocksPerMultiprocessor``),
+    with the kernel's shared-memory carveout set to the most shared memory first and its dynamic shared-memory limit
+    raised to ``shared_bytes`` where needed (a launch then needs no other set-up)."""
+    lib = driver()
+    with _in_context(kernel.device):
+        check(lib.cuFuncSetAttribute(kernel.function, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                     CARVEOUT_MAX_SHARED),
+              f"cuFuncSetAttribute({kernel.kernel}, PREFERRED_SHARED_MEMORY_CARVEOUT={CARVEOUT_MAX_SHARED})")
+        if shared_bytes > kernel.shared_limit:
+            check(lib.cuFuncSetAttribute(kernel.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         shared_bytes),
+                  f"cuFuncSetAttribute({kernel.kernel}, MAX_DYNAMIC_SHARED_SIZE_BYTES={shared_bytes})")
+            kernel.shared_limit = shared_bytes
+        blocks = ctypes.c_int()
+        check(lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), kernel.function, threads,
+                                                              shared_bytes),
+              f"cuOccupancyMaxActiveBlocksPerMultiprocessor({kernel.kernel}, {threads} threads, {shared_bytes} B)")
+    return blocks.value
 
 
 #: torch's C entry for the current stream's handle (what Triton's launcher reads too); the public API where it is gone.

@@ -5,8 +5,9 @@ device code on a machine without a GPU.
 emulator force-included, into a shared library in a temporary directory (once per process and source); ``run(call,
 addresses)`` executes one ``NativeLaunch`` (``kernels/selection/native_topk.py``) on CPU memory: every CUDA thread a
 cooperative thread, thread-block clusters with their distributed shared memory, bulk copies done when issued
-(the header says what it does not model). A failure inside the emulated kernel (a deadlock, a shared-memory address
-out of range, a divergent warp collective) raises ``EmulationError``.
+(the header says what it does not model); a cooperative launch (``cooperative=True``) runs every CTA of its grid
+together, so CTAs may wait on each other's words (``cuda_emulator_grid.h``). A failure inside the emulated kernel (a
+deadlock, a shared-memory address out of range, a divergent warp collective) raises ``EmulationError``.
 
 The emulated warp width is a compile-time parameter of the build, the ``TOPK_WARP_SIZE=<32|64>`` among its defines
 (32 where it names none): 32 emulates an NVIDIA target (CUDA's warp collectives, thread-block clusters and bulk
@@ -26,6 +27,8 @@ from functools import lru_cache
 from pathlib import Path
 
 HEADER_PATH = Path(__file__).with_name("cuda_emulator.h")
+#: The cooperative-grid primitives (force-included after ``HEADER_PATH``).
+GRID_HEADER_PATH = Path(__file__).with_name("cuda_emulator_grid.h")
 #: The switches of an emulated build: the emulator's primitives, and at the warp width of 32 the sm_90 paths (clusters,
 #: bulk copies) that a CPU build would otherwise leave out.
 EMULATION_DEFINES = ("TOPK_EMULATE=1",)
@@ -33,6 +36,9 @@ NVIDIA_DEFINES = ("TOPK_CLUSTERS=1", "TOPK_BULK=1")
 #: The warp widths the emulator runs: an NVIDIA target's and an AMD wave64 target's.
 WARP_SIZES = (32, 64)
 MAX_POINTERS, MAX_SCALARS = 16, 32
+#: The most threads a cooperative launch may have (every CTA of its grid runs together, each thread with its own
+#: stack): the small grids of the tests.
+MAX_COOPERATIVE_THREADS = 8192
 
 
 class EmulationError(RuntimeError):
@@ -113,14 +119,15 @@ def build(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int], ..
     if reason:
         raise EmulationError(f"cannot emulate native kernels: {reason}")
     text = _wrapper(source_path.resolve(), kernels)
-    digest = hashlib.sha256((text + source_path.read_text() + HEADER_PATH.read_text() + repr(defines)).encode())
+    digest = hashlib.sha256((text + source_path.read_text() + HEADER_PATH.read_text() + GRID_HEADER_PATH.read_text()
+                             + repr(defines)).encode())
     directory = Path(tempfile.mkdtemp(prefix="qsa_emulated_"))
     wrapper = directory / "launch.cpp"
     wrapper.write_text(text)
     library = directory / f"emulated_{digest.hexdigest()[:16]}.so"
     # _FORTIFY_SOURCE's longjmp check refuses a jump to another stack, which is how the emulator switches threads.
     command = [compiler(), "-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-U_FORTIFY_SOURCE", "-D_FORTIFY_SOURCE=0",
-               "-include", str(HEADER_PATH),
+               "-include", str(HEADER_PATH), "-include", str(GRID_HEADER_PATH),
                *[f"-D{d}" for d in (*EMULATION_DEFINES, *(NVIDIA_DEFINES if warp == 32 else ()),
                                     *(() if any(d.startswith("TOPK_WARP_SIZE=") for d in defines) else
                                       (f"TOPK_WARP_SIZE={warp}",)), *defines)],
@@ -136,12 +143,22 @@ def build(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int], ..
     return lib
 
 
-def run(lib: ctypes.CDLL, call, addresses: list[int], cluster: int, order_seed: int = 0) -> None:
+def run(lib: ctypes.CDLL, call, addresses: list[int], cluster: int, order_seed: int = 0, *,
+        cooperative: bool = False) -> None:
     """Execute ``call`` (a ``NativeLaunch``: kernel, grid, block, shared bytes, pointers, scalars) with the pointer
     ``addresses`` (host memory) in ``lib`` (``build``), ``cluster`` CTAs a cluster. ``order_seed``: 0 resumes
-    waiting threads in thread order, another value in a shuffled order (other interleavings of the same launch)."""
+    waiting threads in thread order, another value in a shuffled order (other interleavings of the same launch).
+    ``cooperative``: a cooperative launch (the whole grid co-resident, as ``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``
+    promises): every CTA runs together, as one cluster of the grid (``cluster`` is then ignored), so a CTA may wait
+    on another's words (``cuda_emulator_grid.h``); at most ``MAX_COOPERATIVE_THREADS`` threads."""
     if len(addresses) != len(call.pointers):
         raise ValueError(f"{call.kernel} takes {len(call.pointers)} pointers, got {len(addresses)}")
+    if cooperative:
+        threads = call.grid[0] * call.block[0]
+        if threads > MAX_COOPERATIVE_THREADS:
+            raise EmulationError(f"{call.kernel}: a cooperative grid of {threads} threads is more than the emulator "
+                                 f"runs together ({MAX_COOPERATIVE_THREADS})")
+        cluster = call.grid[0]
     pointers = (ctypes.c_void_p * MAX_POINTERS)(*[ctypes.c_void_p(a or None) for a in addresses])
     scalars = (ctypes.c_int * MAX_SCALARS)(*[value for _, _, value in call.scalars])
     error = lib.emu_launch(call.kernel.encode(), call.grid[0], call.block[0], cluster, call.shared_bytes, pointers,
