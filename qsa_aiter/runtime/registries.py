@@ -2,8 +2,10 @@
 how they are ordered, and the host-side problem each decides from.
 
 - ``SCORING`` (``qsa_paged_mqa_logits``): every scoring kernel (``kernels.scoring.SPECS``, ranked per phase by their
-  specs), ATOM's FlyDSL and AITER's scorers on ROCm, the torch reference. The table ``(kv_dtype, page_size, phase)
-  -> order``; page sizes outside it get the universal candidates. Forced by ``QSA_AITER_BACKEND``.
+  specs), the native tensor-core scorer (``native``: CUDA C++ compiled by NVRTC, ``runtime/native_scorer.py``;
+  ranked after the Triton scorers), ATOM's FlyDSL and AITER's scorers on ROCm, the torch reference. The table
+  ``(kv_dtype, page_size, phase) -> order``; page sizes outside it get the universal candidates. Forced by
+  ``QSA_AITER_BACKEND``.
 - ``TOPK`` (the block top-k step of ``qsa_block_topk`` and ``qsa_select_paged_tokens``): AITER's HIP top-k on ROCm
   (where the AITER path is asked for), the Triton top-k, the native top-k (compiled by NVRTC or hipRTC, cached in the
   JIT cache: ``runtime/native_topk.py``), the torch path. Forced by ``QSA_AITER_TOPK_BACKEND``.
@@ -32,7 +34,7 @@ from ..kernels.scoring.reference import reference_paged_mqa_logits
 from ..kernels.selection import expand, topk
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from . import rocm
-from . import native_topk
+from . import native_scorer, native_topk
 from .dispatch import ANY_PHASE, Candidate, Registry, plan_for, register, spec_candidate
 from .settings import QsaSettings, get_settings
 
@@ -63,7 +65,17 @@ def _launch_torch_scorer(problem: ScoreProblem, args, settings) -> None:
     args.visible.copy_(visible)
 
 
+def _launch_native_scorer(problem: ScoreProblem, args, settings) -> None:
+    native_scorer.native_score(problem, args, settings)
+
+
+#: The native scorer's ranks: after every Triton scorer of the phase (it is chosen first only where forced, or where
+#: the others do not serve), before the ROCm libraries and the torch reference.
+NATIVE_SCORER_RANKS = {"verify": 36, "draft": 36, "decode": 36}
+
 _SCORING_CANDIDATES = tuple(spec_candidate(spec, _launch_scorer(spec)) for spec in SCORING_SPECS) + (
+    Candidate("native", native_scorer.kernels.SPEC.description, native_scorer.native_scorer_reasons,
+              _launch_native_scorer, NATIVE_SCORER_RANKS, describe_plan=native_scorer.describe_plan),
     Candidate("torch", "torch reference (CPU, or last resort)", _serves_all, _launch_torch_scorer,
               dict.fromkeys(PHASES, 90), universal=True),
     rocm.AITER_SCORING,
