@@ -37,5 +37,11 @@ def family_names(family: str) -> tuple[str, ...]:
 
 
 def tunable_specs() -> tuple[KernelSpec, ...]:
-    """The kernels the tuner measures (those with a candidate grid): the kernels a tuned row may name."""
+    """The kernels the tuner measures (those with a candidate grid): the Triton kernels a tuned row may name."""
     return tuple(spec for spec in SPECS if spec.tune_grid)
+
+
+def timed_native_specs() -> tuple[NativeKernelSpec, ...]:
+    """The native kernel families a tuned row may name too (those with a ``Config``): rows of measured times that
+    measured dispatch compares with the Triton kernels' (``registry.measured_choice``)."""
+    return tuple(spec for spec in NATIVE_SPECS if getattr(spec, "Config", None) is not None)

@@ -43,7 +43,9 @@ class Candidate:
     A candidate with a ``spec`` launches inside the JIT cache's scope, and its tuned rows may decide the choice.
     ``describe_plan(problem, platform)``: the plan ``explain`` prints for a chosen candidate that has no ``spec`` (a
     native kernel's). ``final``: its errors are raised, never marked broken (a candidate made of steps that dispatch
-    through registries of their own, which already fell back where they could: selection's ``composite``)."""
+    through registries of their own, which already fell back where they could: selection's ``composite``).
+    ``measured_as``: the kernel name of its tuned rows where it has no tunable spec (a native kernel family,
+    ``catalog.timed_native_specs``), so that measured dispatch compares it too."""
 
     name: str
     description: str
@@ -54,6 +56,20 @@ class Candidate:
     spec: KernelSpec | None = None
     describe_plan: Callable[[Any, Platform], str] | None = None
     final: bool = False
+    measured_as: str | None = None
+
+    @property
+    def timed_kernel(self) -> str | None:
+        """The kernel name its rows in the tuned tables have (measured dispatch compares their times): a tunable
+        spec's name, or ``measured_as`` (a native kernel family's); None: it has none."""
+        if self.spec is not None and self.spec.tune_grid:
+            return self.spec.name
+        return self.measured_as
+
+    @property
+    def ours(self) -> bool:
+        """One of this project's kernels (a Triton spec, or a native kernel family with tuned rows)."""
+        return self.spec is not None or self.measured_as is not None
 
 
 def spec_candidate(spec: KernelSpec, launch: Callable[[Any, Any, QsaSettings], None], *, name: str | None = None,
@@ -205,16 +221,16 @@ class Registry:
 
     def measured_choice(self, problem, serving: list[str], platform: Platform,
                         settings: QsaSettings) -> tuple[str, str, tuple[str, ...]] | None:
-        """``(kernel, rule, compared)``: the kernel of ``serving`` (this project's tunable kernels that serve
-        ``problem``, in order) the tuned tables measured fastest on ``platform``'s arch at the shape bucket nearest
-        ``problem``; None when the order's choice (``serving[0]``) or every other kernel lacks a measured row at that
-        bucket. Each kernel's row is the one its own launch plan uses (``TunedTable.lookup``); kernels whose nearest
+        """``(kernel, rule, compared)``: the kernel of ``serving`` (this project's kernels that serve ``problem``, in
+        order: those with tuned rows are compared) the tuned tables measured fastest on ``platform``'s arch at the
+        shape bucket nearest ``problem``; None when the order's choice (``serving[0]``) or every other kernel lacks a
+        measured row at that bucket. Each kernel's row is the one its own launch plan uses (``TunedTable.lookup``); kernels whose nearest
         row lies at another bucket are not compared."""
         table = tuned.load_tables(tuple(settings.tuned_config))
         found = {}
         for name in serving:
-            spec = self.candidates[name].spec
-            row = table.lookup(platform.arch, spec.name, problem) if spec is not None and spec.tune_grid else None
+            kernel = self.candidates[name].timed_kernel
+            row = table.lookup(platform.arch, kernel, problem) if kernel is not None else None
             if row is not None and row.measured and row.us is not None:
                 found[name] = row
         if len(found) < 2:
@@ -253,7 +269,7 @@ class Registry:
         if serving:
             decision.chosen, decision.rule = serving[0], "" if forced else "table order"
             # This project's kernels up to the first one that is not (a library preferred by the order wins).
-            ours = list(itertools.takewhile(lambda name: self.candidates[name].spec is not None, serving))
+            ours = list(itertools.takewhile(lambda name: self.candidates[name].ours, serving))
             measured = None if forced else self.measured_choice(problem, ours, platform_of(problem), settings)
             if measured:
                 decision.chosen, decision.rule, decision.compared = measured

@@ -69,13 +69,15 @@ def _launch_native_scorer(problem: ScoreProblem, args, settings) -> None:
     native_scorer.native_score(problem, args, settings)
 
 
-#: The native scorer's ranks: after every Triton scorer of the phase (it is chosen first only where forced, or where
-#: the others do not serve), before the ROCm libraries and the torch reference.
+#: The native scorer's ranks: after every Triton scorer of the phase, before the ROCm libraries and the torch
+#: reference. It runs where forced, where the others do not serve, or where tuned rows of ``native_scorer`` time it
+#: faster than the order's first kernel at the call's bucket (measured dispatch).
 NATIVE_SCORER_RANKS = {"verify": 36, "draft": 36, "decode": 36}
 
 _SCORING_CANDIDATES = tuple(spec_candidate(spec, _launch_scorer(spec)) for spec in SCORING_SPECS) + (
     Candidate("native", native_scorer.kernels.SPEC.description, native_scorer.native_scorer_reasons,
-              _launch_native_scorer, NATIVE_SCORER_RANKS, describe_plan=native_scorer.describe_plan),
+              _launch_native_scorer, NATIVE_SCORER_RANKS, describe_plan=native_scorer.describe_plan,
+              measured_as=native_scorer.kernels.SPEC.name),
     Candidate("torch", "torch reference (CPU, or last resort)", _serves_all, _launch_torch_scorer,
               dict.fromkeys(PHASES, 90), universal=True),
     rocm.AITER_SCORING,

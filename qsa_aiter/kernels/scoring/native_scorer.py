@@ -216,6 +216,13 @@ def shape_reasons(problem) -> list[str]:
     return found
 
 
+@dataclass(frozen=True)
+class NativeScorerConfig:
+    """The native scorer's tile settings in a tuned row: none yet (its tile, stages and CTAs per SM are the source's
+    constants). Its tuned rows carry measured times (``us``, ``measured``) that measured dispatch compares with the
+    Triton scorers' at the same bucket (``registry.measured_choice``): where they time it faster, it is chosen."""
+
+
 class NativeScorerSpec(NativeKernelSpec):
     """The native tensor-core scorer, declared once: its variants, source (``native_scorer.cu`` with
     ``native_compat.h`` and ``native_mma.h`` spliced in), parameters (``PARAMS``), reasons and plans. A problem is a
@@ -227,6 +234,7 @@ class NativeScorerSpec(NativeKernelSpec):
                    "keys staged by cp.async; 16-bit caches, 4 heads, head_dim 128)")
     source_path = SOURCE_PATH
     variants = VARIANTS
+    Config = NativeScorerConfig
 
     def params_of(self, variant: Variant) -> tuple[Param, ...]:
         return PARAMS

@@ -34,6 +34,7 @@ from qsa_aiter.ops.scoring import describe_call
 from qsa_aiter.runtime import registries
 from qsa_aiter.runtime.jit import emulated
 from qsa_aiter.runtime.native_scorer import emulated_score, native_scorer_reasons
+from qsa_aiter.runtime.settings import ConfigurationError, get_settings
 from qsa_aiter.tools.workloads import ScoringBatch, make_batch
 
 from helpers import assert_matches_reference, force_backend, phase_batch, poisoned_logits, run_poisoned, visible_bits
@@ -158,6 +159,28 @@ def test_the_registry_ranks_it_after_the_triton_scorers_and_forcing_it_names_its
     force_backend(monkeypatch, "native")
     with pytest.raises(ValueError, match="native: needs CUDA GPU tensors"):
         qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **hints)
+
+
+def test_tuned_rows_can_time_it_faster_than_the_triton_scorers(monkeypatch, tmp_path):
+    """Rows of ``native_scorer`` in a tuned table (measured times, no tile settings) take part in measured dispatch:
+    timed faster than the order's first kernel at the call's bucket, it is chosen; a tile setting on its row is
+    refused naming the file."""
+    problem = example_problem()
+    rows, context = problem.num_tokens, problem.num_columns * problem.compress_ratio
+    header = "arch,kernel,kv_dtype,page_size,heads,head_dim,rows,context,us,measured,source"
+    table = tmp_path / "native.csv"
+    table.write_text(f"{header}\nsm_90,stacked,bf16,64,4,128,{rows},{context},20.0,1,test\n"
+                     f"sm_90,native_scorer,bf16,64,4,128,{rows},{context},1.5,1,test\n")
+    monkeypatch.setenv("QSA_AITER_TUNED_CONFIG", str(table))
+    serving = ["stacked", "keys_major", "rowwise", "native"]
+    chosen = registries.SCORING.measured_choice(problem, serving, SM90, get_settings())
+    assert chosen[0] == "native" and chosen[1].startswith("measurement: native 1.50 us < ") and "native" in chosen[2]
+    assert registries.SCORING.candidates["native"].timed_kernel == "native_scorer"
+    tiled = tmp_path / "tile.csv"  # (tables are read once per file list)
+    tiled.write_text(f"{header},block_n\nsm_90,native_scorer,bf16,64,4,128,{rows},{context},1.5,1,test,64\n")
+    monkeypatch.setenv("QSA_AITER_TUNED_CONFIG", str(tiled))
+    with pytest.raises(ConfigurationError, match="block_n is not a setting of the native_scorer kernel"):
+        registries.SCORING.measured_choice(problem, serving, SM90, get_settings())
 
 
 # ---------------------------------------------------------------------------------------------------------------
