@@ -12,7 +12,8 @@
 - NVRTC (marked ``nvrtc``): every variant compiles for sm_90 (and sm_80) without spills, warm-up builds them into the
   JIT cache and ``jit list`` lists them.
 - On a GPU (marked ``gpu``): the same cases through the public op with ``QSA_AITER_BACKEND=native``, a work-point
-  shape, a row alone against its batch, and the replayed second call.
+  shape, a row alone against its batch, the replayed second call, and a CUDA-graph capture replayed over new
+  positions.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.scoring import native_scorer as ns
 from qsa_aiter.kernels.scoring.base import ScoreArgs, example_problem
 from qsa_aiter.kernels.scoring.reference import reference_paged_mqa_logits
-from qsa_aiter.ops.scoring import describe_call
+from qsa_aiter.ops.scoring import ScoringPlan, describe_call
 from qsa_aiter.runtime import registries
 from qsa_aiter.runtime.jit import emulated
-from qsa_aiter.runtime.native_scorer import emulated_score, native_scorer_reasons
+from qsa_aiter.runtime.native_scorer import NATIVE_SCORER_LAUNCH, emulated_score, native_scorer_reasons
 from qsa_aiter.runtime.settings import ConfigurationError, get_settings
+from qsa_aiter.tools.timing import capture_graph
 from qsa_aiter.tools.workloads import ScoringBatch, make_batch
 
 from helpers import assert_matches_reference, force_backend, phase_batch, poisoned_logits, run_poisoned, visible_bits
@@ -159,6 +161,30 @@ def test_the_registry_ranks_it_after_the_triton_scorers_and_forcing_it_names_its
     force_backend(monkeypatch, "native")
     with pytest.raises(ValueError, match="native: needs CUDA GPU tensors"):
         qsa_aiter.qsa_paged_mqa_logits(*batch.args(), **hints)
+
+
+def test_a_recorded_native_launch_replays_with_the_scorers_addresses():
+    """``ScoringPlan.of`` keeps the native scorer's recorded launch (a ``PreparedLaunch``, named
+    ``native_scorer``) and replays it with the Triton scorers' ten addresses, passing its own eight by name."""
+
+    class Recorded:
+        name = NATIVE_SCORER_LAUNCH
+        pointer_names = tuple(name for name, _ in ns.POINTERS)
+        calls: list = []
+
+        def __call__(self, *addresses):
+            self.calls.append(addresses)
+
+        def taking(self, *names):
+            order = [names.index(n) for n in self.pointer_names]
+            return lambda *addresses: self(*(addresses[i] for i in order))
+
+    recorded = Recorded()
+    plan = ScoringPlan.of(example_problem(), [recorded])
+    plan.launch(*range(100, 110))  # q, k, ks, pt, t2r, pos, ctx, out, vis, hist
+    assert recorded.calls == [(100, 101, 103, 104, 105, 106, 107, 108)]
+    recorded.name = "other"
+    assert ScoringPlan.of(example_problem(), [recorded]) is None
 
 
 def test_tuned_rows_can_time_it_faster_than_the_triton_scorers(monkeypatch, tmp_path):
@@ -412,3 +438,28 @@ def test_gpu_a_row_alone_equals_it_in_its_batch_and_identical_keys_tie(monkeypat
                 batch.context_lens, batch.compress_ratio)
         alone, seen = run_poisoned(args, phase="decode", max_query_len=1)
         assert torch.equal(visible_bits(alone, seen), visible_bits(logits[t:t + 1], visible[t:t + 1])), t
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_captured_call_replays_with_new_positions(monkeypatch, rng):
+    """The op forced to the native scorer inside a CUDA graph: each replay scores the queries, positions and context
+    lengths the tensors hold then (read on the device), like an eager call."""
+    batch = make_batch([9000, 5000, 12000], 4, page_size=64, generator=rng, device="cuda", padded_rows=2)
+    force_backend(monkeypatch, "native")
+    q, cache, table, t2r, pos, ctx, _ = batch.args()
+    out = poisoned_logits(batch.args())
+    graph, (logits, visible) = capture_graph(
+        lambda: qsa_aiter.qsa_paged_mqa_logits(q, cache, table, t2r, pos, ctx, out=out, max_query_len=4), warmups=2)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for step in range(2):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=gen).to(q.dtype))
+        if step:
+            pos[:12].add_(1)
+            ctx.add_(1)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_logits, ref_visible = reference_paged_mqa_logits(q, cache, table, t2r, pos, ctx)
+        assert_matches_reference(out, visible, ref_logits, ref_visible, rtol=GPU_TOL, atol=GPU_TOL,
+                                 label=f"native/graph replay {step}")
