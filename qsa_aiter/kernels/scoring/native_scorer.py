@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -160,6 +161,7 @@ class Plan:
                 f"through {STAGES} cp.async stages, {SHARED_BYTES} B shared memory per CTA")
 
 
+@lru_cache(maxsize=512)  # a launch asks for it every call; it depends on these arguments only
 def choose_plan(problem, platform: Platform, splits: int | None = None) -> Plan:
     """The plan of ``problem`` (a ``ScoreProblem``) on ``platform``: the variant of its cache dtype and page size, its
     row groups (``group_rows_of``), and ``splits`` column splits per group (default: as many as fill the platform
