@@ -116,8 +116,9 @@ def main() -> None:
                 raise SystemExit(f"{point.name}: the {name} top-k differs from torch_block_topk")
         fastest = min(times.values()) if times else float("nan")
         for name, us in times.items():
-            print(f"{point.name},{a.cache},{a.page},{scoring:.2f},{native_text},{selection:.2f},{selection / scoring:.2f},"
-                  f"{selection_pdl:.2f},{name},{us:.2f},{torch_topk:.2f},{torch_topk / fastest:.2f}")
+            print(f"{point.name},{a.cache},{a.page},{scoring:.2f},{native_text},{selection:.2f},"
+                  f"{selection / scoring:.2f},{selection_pdl:.2f},{name},{us:.2f},{torch_topk:.2f},"
+                  f"{torch_topk / fastest:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -224,8 +224,8 @@ class Registry:
         """``(kernel, rule, compared)``: the kernel of ``serving`` (this project's kernels that serve ``problem``, in
         order: those with tuned rows are compared) the tuned tables measured fastest on ``platform``'s arch at the
         shape bucket nearest ``problem``; None when the order's choice (``serving[0]``) or every other kernel lacks a
-        measured row at that bucket. Each kernel's row is the one its own launch plan uses (``TunedTable.lookup``); kernels whose nearest
-        row lies at another bucket are not compared."""
+        measured row at that bucket. Each kernel's row is the one its own launch plan uses (``TunedTable.lookup``);
+        kernels whose nearest row lies at another bucket are not compared."""
         table = tuned.load_tables(tuple(settings.tuned_config))
         found = {}
         for name in serving:

@@ -19,7 +19,8 @@
 #define QSA_NATIVE_MMA_H
 
 #if TOPK_HIP
-#error "native_mma.h: the native scorer's matrix primitives are written for NVIDIA (cp.async, ldmatrix, mma.sync) only; the AMD MFMA versions are not written yet"
+// The AMD versions (MFMA) are not written yet: the spec offers no variant for gfx targets.
+#error "native_mma.h: the matrix primitives are NVIDIA's (cp.async, ldmatrix, mma.sync); no AMD MFMA version yet"
 #endif
 
 #if !TOPK_EMULATE

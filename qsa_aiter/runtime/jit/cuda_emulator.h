@@ -1,10 +1,11 @@
 // cuda_emulator.h -- runs the native kernels' CUDA C++ (the top-k, the scorer) on the CPU, for tests on machines
 // without a GPU.
 //
-// g++ compiles a native source (native_topk.cu, native_scorer.cu) with -DTOPK_EMULATE and this header force-included (runtime/jit/emulated.py). Every
-// CUDA thread of a launch becomes a cooperative thread of one OS thread (its own stack, entered once through a
-// ucontext, then switched with _setjmp/_longjmp, which save no signal mask); a thread runs until it must wait
-// (__syncthreads, a warp collective, a cluster barrier, an unfinished mbarrier), then the next one runs. The CTAs of a thread-block cluster run together, so their barriers and distributed shared memory
+// g++ compiles a native source (native_topk.cu, native_scorer.cu) with -DTOPK_EMULATE and this header force-included
+// (runtime/jit/emulated.py). Every CUDA thread of a launch becomes a cooperative thread of one OS thread (its own
+// stack, entered once through a ucontext, then switched with _setjmp/_longjmp, which save no signal mask); a thread
+// runs until it must wait (__syncthreads, a warp collective, a cluster barrier, an unfinished mbarrier), then the next
+// one runs. The CTAs of a thread-block cluster run together, so their barriers and distributed shared memory
 // (mapa + red.shared::cluster) behave as on sm_90; clusters (or CTAs) run one after another. Bulk copies complete
 // when issued. Atomics are plain read-modify-writes: one thread runs at a time. The scorer's matrix primitives
 // (native_mma.h) are warp collectives here too: ldmatrix reads the rows its lanes address, mma.sync m16n8k16 gathers
@@ -456,7 +457,8 @@ inline void cp_async_16(void* dst, const void* src, unsigned src_bytes) {
     if (emu::smem_offset(dst) % 16) emu::fail("a cp.async to shared memory that is not 16-byte aligned");
     emu::smem_offset(static_cast<char*>(dst) + 15);
     if (src_bytes > 16) emu::fail("a cp.async of more than 16 bytes");
-    if (src_bytes && reinterpret_cast<uintptr_t>(src) % 16) emu::fail("a cp.async from a global address that is not 16-byte aligned");
+    if (src_bytes && reinterpret_cast<uintptr_t>(src) % 16)
+        emu::fail("a cp.async from a global address that is not 16-byte aligned");
     memset(dst, 0, 16);
     if (src_bytes) memcpy(dst, src, src_bytes);
 }
