@@ -12,7 +12,8 @@ timed alone through its own launch and checked equal to ``torch_block_topk`` on 
 do not serve are listed with their reasons. (``native_grid``'s time in a graph includes the zeroing of the workspace
 it allocates inside the capture, a memset of 8960 bytes per row slot: docs/selection.md.) Ratios: selection / scoring, and (torch.topk + sort) / the fastest candidate.
 ``selection_pdl_us``: the selection again with ``QSA_AITER_TOPK_PDL=1`` (the native top-k launched as a programmatic
-dependent of the scorer), its tokens checked equal to the default launch's.
+dependent of the scorer), its tokens checked equal to the default launch's. ``scoring_native_us``: scoring alone
+again with ``QSA_AITER_BACKEND=native`` (the native tensor-core scorer; empty where it does not serve the point).
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ def time_graph_with_pdl(select, replays: int) -> float:
             os.environ["QSA_AITER_TOPK_PDL"] = before
 
 
+def time_graph_with_backend(calls, replays: int, backend: str) -> float | None:
+    """``calls`` timed as ``time_graph`` times it with ``QSA_AITER_BACKEND=<backend>`` (the variable restored after);
+    None where the forced scorer does not serve the call (the op raises, naming its reasons)."""
+    before = os.environ.get("QSA_AITER_BACKEND")
+    os.environ["QSA_AITER_BACKEND"] = backend
+    try:
+        return time_graph(calls, 1, replays)
+    except ValueError as err:
+        print(f"# {backend} scorer does not serve: {str(err).splitlines()[-1].strip()[:200]}")
+        return None
+    finally:
+        if before is None:
+            del os.environ["QSA_AITER_BACKEND"]
+        else:
+            os.environ["QSA_AITER_BACKEND"] = before
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python benchmarks/selection.py``."""
     ap = argparse.ArgumentParser()
@@ -61,14 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     a = build_parser().parse_args()
-    print("point,cache,page,scoring_us,selection_us,selection_over_scoring,selection_pdl_us,topk_candidate,topk_us,"
-          "torch_topk_sort_us,topk_speedup")
+    print("point,cache,page,scoring_us,scoring_native_us,selection_us,selection_over_scoring,selection_pdl_us,"
+          "topk_candidate,topk_us,torch_topk_sort_us,topk_speedup")
     settings = get_settings()
     for point in a.points:
         inputs = selection_inputs(point, a.page, a.cache)
         logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
         block_topk = groups.shape[1]
         scoring = time_graph(inputs.score, 1, a.replays)
+        scoring_native = time_graph_with_backend(inputs.score, a.replays, "native")
+        native_text = "" if scoring_native is None else f"{scoring_native:.2f}"
         selection = time_graph(inputs.select, 1, a.replays)
         picked = inputs.picked.clone()
         selection_pdl = time_graph_with_pdl(inputs.select, a.replays)
@@ -97,8 +117,9 @@ def main() -> None:
                 raise SystemExit(f"{point.name}: the {name} top-k differs from torch_block_topk")
         fastest = min(times.values()) if times else float("nan")
         for name, us in times.items():
-            print(f"{point.name},{a.cache},{a.page},{scoring:.2f},{selection:.2f},{selection / scoring:.2f},"
-                  f"{selection_pdl:.2f},{name},{us:.2f},{torch_topk:.2f},{torch_topk / fastest:.2f}")
+            print(f"{point.name},{a.cache},{a.page},{scoring:.2f},{native_text},{selection:.2f},"
+                  f"{selection / scoring:.2f},{selection_pdl:.2f},{name},{us:.2f},{torch_topk:.2f},"
+                  f"{torch_topk / fastest:.2f}")
 
 if __name__ == "__main__":
     main()

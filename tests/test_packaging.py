@@ -41,6 +41,7 @@ def test_a_built_wheel_ships_the_tuned_tables_and_stays_unwritten(tmp_path):
                     str(wheel)], check=True)
     installed = _files(site)
     assert "qsa_aiter/kernels/selection/native_topk.cu" in installed  # the native kernels compile from it at run time
+    assert {"qsa_aiter/kernels/scoring/native_scorer.cu", "qsa_aiter/kernels/scoring/native_mma.h"} <= installed
     assert "qsa_aiter/py.typed" in installed  # type checkers read the package's hints
     # The changelog travels with the package (qsa_aiter/CHANGELOG.md links to the top-level one): its text, not a link.
     changelog = site / "qsa_aiter" / "CHANGELOG.md"

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from . import cache, scoring, selection
 from .native_spec import NativeKernelSpec
+from .scoring import native_scorer
 from .selection import grid_topk, native_topk
 from .spec import KernelSpec
 
 SPECS: tuple[KernelSpec, ...] = scoring.SPECS + selection.SPECS + cache.SPECS
 BY_NAME: dict[str, KernelSpec] = {spec.name: spec for spec in SPECS}
-NATIVE_SPECS: tuple[NativeKernelSpec, ...] = (native_topk.SPEC, grid_topk.SPEC)
+NATIVE_SPECS: tuple[NativeKernelSpec, ...] = (native_topk.SPEC, grid_topk.SPEC, native_scorer.SPEC)
 NATIVE_BY_NAME: dict[str, NativeKernelSpec] = {spec.name: spec for spec in NATIVE_SPECS}
 
 
@@ -36,5 +37,11 @@ def family_names(family: str) -> tuple[str, ...]:
 
 
 def tunable_specs() -> tuple[KernelSpec, ...]:
-    """The kernels the tuner measures (those with a candidate grid): the kernels a tuned row may name."""
+    """The kernels the tuner measures (those with a candidate grid): the Triton kernels a tuned row may name."""
     return tuple(spec for spec in SPECS if spec.tune_grid)
+
+
+def timed_native_specs() -> tuple[NativeKernelSpec, ...]:
+    """The native kernel families a tuned row may name too (those with a ``Config``): rows of measured times that
+    measured dispatch compares with the Triton kernels' (``registry.measured_choice``)."""
+    return tuple(spec for spec in NATIVE_SPECS if getattr(spec, "Config", None) is not None)

@@ -140,6 +140,31 @@ def _read(path: Path) -> str:
     return Path(path).read_text()
 
 
+@lru_cache(maxsize=8)
+def spliced_source(source_path: Path, headers: tuple[Path, ...]) -> str:
+    """The text of ``source_path`` with each of ``headers``, in order, spliced in where it is included (``#include
+    "<file name>"`` on a line of its own, in the source or in a header spliced before it), framed by ``#line``
+    directives so that compile errors name the right file and line: NVRTC and hipRTC compile one text with no include
+    path, and its hash (the JIT key's) covers every file. ``ValueError`` naming a header nobody includes."""
+    text = Path(source_path).read_text()
+    for header in map(Path, headers):
+        include = f'#include "{header.name}"\n'
+        at = text.find(include)
+        if at < 0:
+            raise ValueError(f"headers: {header.name} is not included by {Path(source_path).name}")
+        # Where the include is: after the last #line directive before it (a spliced header's end), or in the source.
+        mark = text.rfind("#line ", 0, at)
+        if mark < 0:
+            host, line = Path(source_path).name, text.count("\n", 0, at) + 1
+        else:
+            words = text[mark:text.index("\n", mark)].split()
+            host = words[2].strip('"')
+            line = int(words[1]) + text.count("\n", text.index("\n", mark) + 1, at)
+        text = (f'{text[:at]}#line 1 "{header.name}"\n{header.read_text()}#line {line + 1} "{host}"\n'
+                f"{text[at + len(include):]}")
+    return text
+
+
 _MACRO_LINE = re.compile(r"#define\s+(\w+)((?:[^\n]*\\\n)*[^\n]*)")
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ..kernels.scoring.base import ScoreArgs
 from ..kernels.scoring.problem import ScoreProblem
-from ..runtime import registries, replay
+from ..runtime import native_scorer, registries, replay
 from ..runtime.arguments import validate_scoring_call
 from ..runtime.settings import get_settings
 from .declarations import Call, taking_arguments_of
@@ -100,6 +100,10 @@ def qsa_paged_mqa_logits(
 #: The pointer parameters of every scoring kernel, in the order a replay passes their addresses.
 SCORER_POINTERS = ("q_ptr", "k_ptr", "ks_ptr", "pt_ptr", "t2r_ptr", "pos_ptr", "ctx_ptr", "out_ptr", "vis_ptr",
                    "hist_ptr")
+#: The native scorer's pointer parameters (``kernels.scoring.native_scorer.PARAMS``), in the order its replay passes
+#: them.
+NATIVE_SCORER_POINTERS = ("q", "keys", "page_table", "token_to_request", "query_positions", "context_lens", "logits",
+                          "visible")
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,14 @@ class ScoringPlan:
 
     @classmethod
     def of(cls, problem: ScoreProblem, launches: list) -> "ScoringPlan | None":
-        """The plan of a call that made ``launches`` (None unless it was one scoring kernel's launch)."""
-        if problem.num_tokens == 0 or len(launches) != 1 or launches[0].plan.kernel not in registries.SCORER_KERNELS:
+        """The plan of a call that made ``launches`` (None unless it was one scoring kernel's launch: a Triton
+        scorer's, or the native scorer's)."""
+        if problem.num_tokens == 0 or len(launches) != 1:
+            return None
+        if not replay.is_recorded(launches[0]):
+            launch = _native_scoring_launch(launches)
+            return None if launch is None else cls(problem, launch)
+        if launches[0].plan.kernel not in registries.SCORER_KERNELS:
             return None
         direct = replay.direct_launches(launches, (launches[0].plan.kernel,))
         launch = direct[0].taking(*SCORER_POINTERS) if direct else None
@@ -132,6 +142,24 @@ class ScoringPlan:
         self.launch(q_at, cache_at, scale_at if has_scale else cache_at, table_at, request_at, position_at, lens_at,
                     logits.data_ptr(), visible.data_ptr(), visible.data_ptr())
         return logits, visible
+
+
+def _native_scoring_launch(launches: list) -> Callable | None:
+    """The native scorer's recorded launch (``runtime.native_scorer.native_score``) as a function of the
+    ``SCORER_POINTERS`` addresses (it reads no scale tensor and counts no histogram), or None where ``launches`` are
+    not that one launch."""
+    direct = replay.direct_launches(launches, (native_scorer.NATIVE_SCORER_LAUNCH,))
+    if not direct:
+        return None
+    launch = direct[0].taking(*NATIVE_SCORER_POINTERS)
+    if launch is None:
+        return None
+
+    def scoring(q_at, cache_at, _scale_at, table_at, request_at, position_at, lens_at, logits_at, visible_at,
+                _histogram_at):
+        launch(q_at, cache_at, table_at, request_at, position_at, lens_at, logits_at, visible_at)
+
+    return scoring
 
 
 def score_validated(problem: ScoreProblem, divisor: float, q, compressed_k_cache, page_table, token_to_request,

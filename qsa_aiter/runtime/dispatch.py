@@ -83,14 +83,21 @@ class Candidate:
 
 
 def spec_measurement(spec: KernelSpec) -> Callable[[Any, Platform, QsaSettings], Measurement | None]:
-    """The ``measurement`` of a candidate that is this project's kernel ``spec``: the measured time of the tuned row
-    its own launch plan uses (``TunedTable.lookup``: exact key, nearest (rows, context) bucket), where that row is
-    measured (None for a kernel the tuner does not measure, one without a row, a row with ``measured=0``)."""
+    """The ``measurement`` of a candidate that is this project's kernel ``spec``: ``table_measurement`` of its name
+    where the tuner measures it (a spec with a candidate grid), else always None."""
+    return table_measurement(spec.name if spec.tune_grid else None)
+
+
+def table_measurement(kernel: str | None) -> Callable[[Any, Platform, QsaSettings], Measurement | None]:
+    """The ``measurement`` of a candidate whose tuned rows in the scoring table name ``kernel`` (a tunable Triton
+    spec, or a native family of ``catalog.timed_native_specs``): the measured time of the row its launch uses
+    (``TunedTable.lookup``: exact key, nearest (rows, context) bucket), where that row is measured (None without a
+    row, for a row with ``measured=0``, and for every problem where ``kernel`` is None)."""
 
     def measurement(problem, platform: Platform, settings: QsaSettings) -> Measurement | None:
-        if not spec.tune_grid:
+        if kernel is None:
             return None
-        row = tuned.load_tables(tuple(settings.tuned_config)).lookup(platform.arch, spec.name, problem)
+        row = tuned.load_tables(tuple(settings.tuned_config)).lookup(platform.arch, kernel, problem)
         if row is None or not row.measured or row.us is None:
             return None
         return Measurement(row.us, (row.rows, row.context), tuned.bucket_distance(row.rows, row.context, problem),

@@ -2,8 +2,10 @@
 how they are ordered, and the host-side problem each decides from.
 
 - ``SCORING`` (``qsa_paged_mqa_logits``): every scoring kernel (``kernels.scoring.SPECS``, ranked per phase by their
-  specs), ATOM's FlyDSL and AITER's scorers on ROCm, the torch reference. The table ``(kv_dtype, page_size, phase)
-  -> order``; page sizes outside it get the universal candidates. Forced by ``QSA_AITER_BACKEND``.
+  specs), the native tensor-core scorer (``native``: CUDA C++ compiled by NVRTC, ``runtime/native_scorer.py``;
+  ranked after the Triton scorers), ATOM's FlyDSL and AITER's scorers on ROCm, the torch reference. The table
+  ``(kv_dtype, page_size, phase) -> order``; page sizes outside it get the universal candidates. Forced by
+  ``QSA_AITER_BACKEND``.
 - ``TOPK`` (the block top-k step of ``qsa_block_topk`` and ``qsa_select_paged_tokens``): AITER's HIP top-k on ROCm
   (where the AITER path is asked for), the Triton top-k, the native top-k (compiled by NVRTC or hipRTC, cached in the
   JIT cache: ``runtime/native_topk.py``), the grid select (``native_grid``: a row split across the CTAs of one
@@ -34,8 +36,9 @@ from ..kernels.scoring.problem import PHASES, ScoreProblem
 from ..kernels.scoring.reference import reference_paged_mqa_logits
 from ..kernels.selection import expand, topk
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
-from . import grid_topk, native_topk, rocm, tuned
-from .dispatch import ANY_PHASE, Candidate, Measurement, Registry, plan_for, register, spec_candidate
+from . import grid_topk, native_scorer, native_topk, rocm, tuned
+from .dispatch import (ANY_PHASE, Candidate, Measurement, Registry, plan_for, register, spec_candidate,
+                       table_measurement)
 from .settings import QsaSettings, get_settings
 
 BLOCK_SIZES = (16, 64)
@@ -65,7 +68,19 @@ def _launch_torch_scorer(problem: ScoreProblem, args, settings) -> None:
     args.visible.copy_(visible)
 
 
+def _launch_native_scorer(problem: ScoreProblem, args, settings) -> None:
+    native_scorer.native_score(problem, args, settings)
+
+
+#: The native scorer's ranks: after every Triton scorer of the phase, before the ROCm libraries and the torch
+#: reference. It runs where forced, where the others do not serve, or where tuned rows of ``native_scorer`` time it
+#: faster than the order's first kernel at the call's bucket (measured dispatch).
+NATIVE_SCORER_RANKS = {"verify": 36, "draft": 36, "decode": 36}
+
 _SCORING_CANDIDATES = tuple(spec_candidate(spec, _launch_scorer(spec)) for spec in SCORING_SPECS) + (
+    Candidate("native", native_scorer.kernels.SPEC.description, native_scorer.native_scorer_reasons,
+              _launch_native_scorer, NATIVE_SCORER_RANKS, describe_plan=native_scorer.describe_plan,
+              measurement=table_measurement(native_scorer.kernels.SPEC.name)),
     Candidate("torch", "torch reference (CPU, or last resort)", _serves_all, _launch_torch_scorer,
               dict.fromkeys(PHASES, 90), universal=True),
     rocm.AITER_SCORING,

@@ -29,7 +29,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator
 
-from ..kernels.catalog import tunable_specs
+from ..kernels.catalog import timed_native_specs, tunable_specs
 from .settings import ConfigurationError
 
 #: The shipped tables: the package's ``configs`` (in a source checkout a link to the top-level ``configs/``, their
@@ -106,8 +106,9 @@ def _config_fields(kernel: str) -> tuple[str, ...]:
 
 
 def _config_classes() -> dict[str, type]:
-    """Tile-config dataclass of every kernel with tuned rows, by name (from the kernels' specs)."""
-    return {spec.name: spec.Config for spec in tunable_specs()}
+    """Tile-config dataclass of every kernel with tuned rows, by name (from the kernels' specs; a native kernel
+    family's rows carry measured times, its config no fields yet)."""
+    return {spec.name: spec.Config for spec in (*tunable_specs(), *timed_native_specs())}
 
 
 #: The exact key of a row, then its two buckets (a row replaces another with the same key and buckets).

@@ -1,6 +1,7 @@
 """Benchmark of every scoring kernel at the work points of docs/benchmarks.md (``python -m qsa_aiter bench``).
 
-Method: every scoring kernel that serves a work point (``scoring.SPECS``) runs its registry plan; the call is
+Method: every scoring kernel that serves a work point (``scoring.SPECS``, and the native tensor-core scorer,
+``native``, where it serves: a CUDA GPU with NVRTC) runs its registry plan; the call is
 captured in a CUDA graph over several input sets (rotated so that the working set exceeds L2: ``inputs.point_inputs``),
 the graph is replayed many times between CUDA events and the median per call is kept (``timing.time_launcher``).
 Bytes moved are the physical floor (visible keys read once per request plus logits written); they are compared to a
@@ -100,6 +101,12 @@ def _target_text(point: WorkPoint, page_size: int, row: Row) -> str:
     return "; ".join(parts)
 
 
+#: The native tensor-core scorer's registry candidate (CUDA C++ compiled by NVRTC), timed beside the Triton kernels.
+NATIVE = "native"
+#: Every kernel the benchmark can time, in its columns' order.
+BENCH_KERNELS = tuple(spec.name for spec in SPECS) + (NATIVE,)
+
+
 def bench_point(point: WorkPoint, page_size: int, copy_bps: float, device, replays: int, kernels=None,
                 cache: str = "bf16") -> list[Row]:
     inputs = point_inputs(point, page_size, device, cache)
@@ -114,6 +121,11 @@ def bench_point(point: WorkPoint, page_size: int, copy_bps: float, device, repla
             *a.kernel_args()), replays)
         name = spec.name
         rows.append(Row(point.name, cache, page_size, name, inputs.rows, len(point.context_lens), us, inputs.nbytes,
+                        inputs.flops, copy_bps / 1e9))
+    candidate = registries.SCORING.candidates[NATIVE]
+    if (not kernels or NATIVE in kernels) and not candidate.reasons(inputs.problems[0], platform, settings):
+        us = time_launcher(inputs, lambda p, a: candidate.launch(p, a, settings), replays)
+        rows.append(Row(point.name, cache, page_size, NATIVE, inputs.rows, len(point.context_lens), us, inputs.nbytes,
                         inputs.flops, copy_bps / 1e9))
     universal = next(spec.name for spec in SPECS if spec.universal)  # the baseline column: the universal fallback
     rowwise = next((r.us for r in rows if r.kernel == universal), None)
@@ -147,7 +159,7 @@ def plot(rows: list[Row], path: str) -> None:
 
     panels = list(dict.fromkeys((r.cache, r.page_size) for r in rows))
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 4.2 * len(panels)), squeeze=False)
-    kernels = [spec.name for spec in SPECS]
+    kernels = [name for name in BENCH_KERNELS if any(r.kernel == name for r in rows)]
     for ax, (cache, ps) in zip(axes[:, 0], panels):
         mine = [r for r in rows if r.cache == cache and r.page_size == ps]
         points = list(dict.fromkeys(r.point for r in mine))
@@ -183,10 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--caches", type=cache_formats, default=("bf16",),
                         help=f"index-cache formats, comma-separated: {', '.join(CACHE_FORMATS)} (default bf16)")
     parser.add_argument("--kv", dest="caches", type=cache_formats, action=RenamedOption, renamed_to="--caches")
-    names = tuple(spec.name for spec in SPECS)
-    parser.add_argument("--kernels", type=comma_subset(names), default=None,
-                        help=f"kernels to time, comma-separated among {','.join(names)} (default: every scoring "
-                             "kernel that serves the point)")
+    parser.add_argument("--kernels", type=comma_subset(BENCH_KERNELS), default=None,
+                        help=f"kernels to time, comma-separated among {','.join(BENCH_KERNELS)} (default: every "
+                             "scoring kernel that serves the point; native: the native tensor-core scorer)")
     parser.add_argument("--eager", action="store_true",
                         help="host time of eager calls of each public op, with and without out=, beside its GPU "
                              "time (page 64, bf16; --points filters, default: the verify and prefill points)")

@@ -43,7 +43,7 @@ def batch_for(phase: str, gen, **kw):
 
 
 def test_candidates_and_table():
-    assert set(registries.SCORING.candidates) == ({"tiled", "stacked", "keys_major", "rowwise", "torch"}
+    assert set(registries.SCORING.candidates) == ({"tiled", "stacked", "keys_major", "rowwise", "native", "torch"}
                                         | set(registries.ROCM_CANDIDATES))
     for name, cand in registries.SCORING.candidates.items():
         assert cand.name == name and cand.description
@@ -119,7 +119,7 @@ def test_dispatch_reads_no_device_memory():
     problem = describe_call(*args, max_query_len=4)
     assert problem.phase == "verify" and problem.device_type == "meta"
     decision = registries.SCORING.select(problem)
-    assert decision.order == ("stacked", "keys_major", "rowwise", "aiter", "torch")
+    assert decision.order == ("stacked", "keys_major", "rowwise", "native", "aiter", "torch")
     for name in ("stacked", "keys_major", "rowwise"):
         assert "tensors are on meta" in " ".join(decision.rejected[name]), "Triton kernels do not serve meta tensors"
     assert decision.chosen == "torch"
@@ -338,7 +338,7 @@ def test_explain_names_the_choice_and_the_others_reasons(rng):
     batch, hints = batch_for("verify", rng)
     text = qsa_aiter.explain(*batch.args(), **hints)
     assert "phase verify (inferred: max_query_len=4" in text
-    assert "order stacked > keys_major > rowwise > aiter > torch" in text
+    assert "order stacked > keys_major > rowwise > native > aiter > torch" in text
     assert "* stacked: serves" in text
     assert "- rowwise: serves, but an earlier candidate is preferred" in text
     assert "- torch: serves, but an earlier candidate is preferred" in text

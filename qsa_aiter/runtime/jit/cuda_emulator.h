@@ -1,11 +1,17 @@
-// cuda_emulator.h -- runs the native top-k's CUDA C++ on the CPU, for tests on machines without a GPU.
+// cuda_emulator.h -- runs the native kernels' CUDA C++ (the top-k, the scorer) on the CPU, for tests on machines
+// without a GPU.
 //
-// g++ compiles native_topk.cu with -DTOPK_EMULATE and this header force-included (runtime/jit/emulated.py). Every
-// CUDA thread of a launch becomes a cooperative thread of one OS thread (its own stack, entered once through a
-// ucontext, then switched with _setjmp/_longjmp, which save no signal mask); a thread runs until it must wait
-// (__syncthreads, a warp collective, a cluster barrier, an unfinished mbarrier), then the next one runs. The CTAs of a thread-block cluster run together, so their barriers and distributed shared memory
+// g++ compiles a native source (native_topk.cu, native_scorer.cu) with -DTOPK_EMULATE and this header force-included
+// (runtime/jit/emulated.py). Every CUDA thread of a launch becomes a cooperative thread of one OS thread (its own
+// stack, entered once through a ucontext, then switched with _setjmp/_longjmp, which save no signal mask); a thread
+// runs until it must wait (__syncthreads, a warp collective, a cluster barrier, an unfinished mbarrier), then the next
+// one runs. The CTAs of a thread-block cluster run together, so their barriers and distributed shared memory
 // (mapa + red.shared::cluster) behave as on sm_90; clusters (or CTAs) run one after another. Bulk copies complete
-// when issued. Atomics are plain read-modify-writes: one thread runs at a time.
+// when issued. Atomics are plain read-modify-writes: one thread runs at a time. The scorer's matrix primitives
+// (native_mma.h) are warp collectives here too: ldmatrix reads the rows its lanes address, mma.sync m16n8k16 gathers
+// the lanes' fragments as the PTX ISA lays them out and computes each D element in fp32 (the 16 products, exact for
+// bf16 and fp16 inputs, added in k order, then added to C: one fixed order, whatever the other rows and columns);
+// a cp.async copies (or zero-fills) when issued, so its commit and wait do nothing.
 //
 // What it checks is the kernels' logic: barriers, warp collectives, cluster exchanges, shared-memory layouts and
 // the results. It does not model timing or memory-ordering races between warps (every interleaving it runs is
@@ -27,6 +33,7 @@
 #endif
 #define TOPK_EMULATED_WARP_SIZE TOPK_WARP_SIZE
 #define TOPK_EMULATED_HIP (TOPK_WARP_SIZE == 64)
+#include <math.h>
 #include <setjmp.h>
 #include <stdint.h>
 #include <string.h>
@@ -116,6 +123,8 @@ struct Warp {
     unsigned values[kWarp] = {};
     unsigned long long results[kWarp] = {};  // a ballot's lane mask is as wide as the warp
     int arg = 0;
+    uint64_t operands[kWarp][10] = {};  // a matrix collective's operands per lane (an address, or MMA fragments)
+    unsigned outputs[kWarp][4] = {};    // and its results per lane
 };
 
 struct Cluster;
@@ -181,7 +190,7 @@ inline void syncthreads() {
     wait_while(&c.generation, gen);
 }
 
-enum WarpOp { kShflIdx, kShflUp, kAll, kAny, kBallot };
+enum WarpOp { kShflIdx, kShflUp, kShflXor, kAll, kAny, kBallot, kLdmatrix, kMma };
 // A warp collective: every live lane of the warp brings a value; the last to arrive computes all lanes' results.
 inline unsigned long long warp_collective(WarpOp op, unsigned value, int arg) {
     Thread& t = current();
@@ -209,9 +218,11 @@ inline unsigned long long warp_collective(WarpOp op, unsigned value, int arg) {
             switch (op) {
                 case kShflIdx: w.results[l] = w.values[arg & (kWarp - 1)]; break;
                 case kShflUp: w.results[l] = l >= arg ? w.values[l - arg] : w.values[l]; break;
+                case kShflXor: w.results[l] = w.values[(l ^ arg) & (kWarp - 1)]; break;
                 case kAll: w.results[l] = all; break;
                 case kAny: w.results[l] = any; break;
                 case kBallot: w.results[l] = ballot; break;
+                default: fail("a matrix operation through a plain warp collective");
             }
         }
         w.arrived = 0;
@@ -256,6 +267,95 @@ inline unsigned* cluster_word(unsigned address) {
     return reinterpret_cast<unsigned*>(reinterpret_cast<char*>(c.smem.data()) + off);
 }
 
+// The 16-bit elements of the MMA's inputs.
+inline float bf16_value(unsigned bits) { return __uint_as_float((bits & 0xFFFFu) << 16); }
+inline float fp16_value(unsigned bits) {
+    const unsigned exponent = (bits >> 10) & 0x1Fu, mantissa = bits & 0x3FFu;
+    float v;
+    if (exponent == 0)
+        v = ldexpf((float)mantissa, -24);
+    else if (exponent == 31)
+        v = mantissa ? NAN : INFINITY;
+    else
+        v = ldexpf((float)(mantissa | 0x400u), (int)exponent - 25);
+    return (bits & 0x8000u) ? -v : v;
+}
+
+// ldmatrix .x<matrices>: lane l receives, of each matrix j, the word (l % 4) of the row lane 8 j + l / 4 addresses.
+inline void ldmatrix_all(Warp& w, int matrices) {
+    for (int l = 0; l < kWarp; ++l)
+        for (int j = 0; j < matrices; ++j) {
+            const char* row = reinterpret_cast<const char*>((uintptr_t)w.operands[8 * j + l / 4][0]);
+            if (smem_offset(row) % 16) fail("an ldmatrix row address that is not 16-byte aligned");
+            smem_offset(row + 15);
+            memcpy(&w.outputs[l][j], row + 4 * (l % 4), 4);
+        }
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: each lane brings a[4], b[2], c[4] (operands 0-3, 4-5, 6-9) in
+// the PTX fragment layout (native_mma.h); D[m][n] = C[m][n] + (sum over k in order of A[m][k] B[k][n]) in fp32.
+inline void mma_all(Warp& w, bool f16) {
+    if (kWarp != 32) fail("mma.sync m16n8k16 is a 32-lane instruction");
+    float A[16][16], B[16][8], C[16][8];
+    auto element = [f16](uint64_t reg, int half) {
+        const unsigned bits = (unsigned)(reg >> (16 * half));
+        return f16 ? fp16_value(bits) : bf16_value(bits);
+    };
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, t = l % 4;
+        const uint64_t* in = w.operands[l];
+        for (int h = 0; h < 2; ++h) {
+            A[g][2 * t + h] = element(in[0], h);
+            A[g + 8][2 * t + h] = element(in[1], h);
+            A[g][2 * t + 8 + h] = element(in[2], h);
+            A[g + 8][2 * t + 8 + h] = element(in[3], h);
+            B[2 * t + h][g] = element(in[4], h);
+            B[2 * t + 8 + h][g] = element(in[5], h);
+            C[g][2 * t + h] = __uint_as_float((unsigned)in[6 + h]);
+            C[g + 8][2 * t + h] = __uint_as_float((unsigned)in[8 + h]);
+        }
+    }
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, t = l % 4;
+        for (int i = 0; i < 4; ++i) {
+            const int m = g + 8 * (i / 2), n = 2 * t + i % 2;
+            float sum = 0.0f;
+            for (int k = 0; k < 16; ++k) sum += A[m][k] * B[k][n];
+            w.outputs[l][i] = __float_as_uint(C[m][n] + sum);
+        }
+    }
+}
+
+// A matrix collective: every lane of the warp brings its `operands`; the last to arrive computes every lane's
+// `outputs` (op kLdmatrix with arg = matrices, kMma with arg = 1 for f16 inputs).
+inline void matrix_collective(WarpOp op, int arg, const uint64_t* operands, int count, unsigned* outputs,
+                              int results) {
+    Thread& t = current();
+    Warp& w = t.cta->warps[t.thread_idx.x / kWarp];
+    const int lane = t.thread_idx.x % kWarp;
+    if (w.arrived == 0) {
+        w.op = op;
+        w.arg = arg;
+    } else if (w.op != op || w.arg != arg) {
+        fail("warp collective with lanes in different calls (a divergent ldmatrix / mma.sync)");
+    }
+    memcpy(w.operands[lane], operands, sizeof(uint64_t) * count);
+    const unsigned gen = w.generation;
+    ++scheduler().progress;
+    if (++w.arrived == w.live) {
+        if (w.live != kWarp) fail("a warp collective with exited lanes");
+        if (op == kLdmatrix)
+            ldmatrix_all(w, arg);
+        else
+            mma_all(w, arg != 0);
+        w.arrived = 0;
+        ++w.generation;
+    } else {
+        wait_while(&w.generation, gen);
+    }
+    memcpy(outputs, w.outputs[lane], sizeof(unsigned) * results);
+}
+
 }  // namespace emu
 
 #define threadIdx (emu::current().thread_idx)
@@ -273,6 +373,8 @@ inline int __any(int p) { return (int)emu::warp_collective(emu::kAny, p ? 1u : 0
 inline unsigned long long __ballot(int p) { return emu::warp_collective(emu::kBallot, p ? 1u : 0u, 0); }
 inline unsigned __shfl(unsigned v, int src) { return (unsigned)emu::warp_collective(emu::kShflIdx, v, src); }
 inline unsigned __shfl_up(unsigned v, unsigned d) { return (unsigned)emu::warp_collective(emu::kShflUp, v, (int)d); }
+inline unsigned __shfl_xor(unsigned v, int m) { return (unsigned)emu::warp_collective(emu::kShflXor, v, m); }
+inline float __shfl_xor(float v, int m) { return __uint_as_float(__shfl_xor(__float_as_uint(v), m)); }
 #else
 // CUDA: a 32-bit mask of the lanes taking part (the kernels pass every lane's).
 inline int __all_sync(unsigned, bool p) { return (int)emu::warp_collective(emu::kAll, p ? 1u : 0u, 0); }
@@ -282,6 +384,12 @@ inline unsigned __shfl_sync(unsigned, unsigned v, int src) {
     return (unsigned)emu::warp_collective(emu::kShflIdx, v, src);
 }
 inline unsigned __shfl_up_sync(unsigned, unsigned v, int d) { return (unsigned)emu::warp_collective(emu::kShflUp, v, d); }
+inline unsigned __shfl_xor_sync(unsigned, unsigned v, int m) {
+    return (unsigned)emu::warp_collective(emu::kShflXor, v, m);
+}
+inline float __shfl_xor_sync(unsigned mask, float v, int m) {
+    return __uint_as_float(__shfl_xor_sync(mask, __float_as_uint(v), m));
+}
 #endif
 
 // The primitives the source writes in inline assembly on sm_90. An mbarrier lives in its 8 bytes of shared memory
@@ -342,6 +450,32 @@ inline void st_cluster_v2(unsigned a, unsigned x, unsigned y) {
     if (a % 8) emu::fail("a two-word remote store that is not 8-byte aligned");
     *emu::cluster_word(a) = x;
     *emu::cluster_word(a + 4) = y;
+}
+
+// The scorer's matrix primitives (native_mma.h), which the source writes in inline assembly.
+inline void cp_async_16(void* dst, const void* src, unsigned src_bytes) {
+    if (emu::smem_offset(dst) % 16) emu::fail("a cp.async to shared memory that is not 16-byte aligned");
+    emu::smem_offset(static_cast<char*>(dst) + 15);
+    if (src_bytes > 16) emu::fail("a cp.async of more than 16 bytes");
+    if (src_bytes && reinterpret_cast<uintptr_t>(src) % 16)
+        emu::fail("a cp.async from a global address that is not 16-byte aligned");
+    memset(dst, 0, 16);
+    if (src_bytes) memcpy(dst, src, src_bytes);
+}
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+inline void ldmatrix_x4(unsigned (&r)[4], const void* row) {
+    const uint64_t address = (uint64_t)reinterpret_cast<uintptr_t>(row);
+    emu::matrix_collective(emu::kLdmatrix, 4, &address, 1, r, 4);
+}
+template <bool F16>
+inline void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    const uint64_t operands[10] = {a[0], a[1], a[2], a[3], b0, b1, __float_as_uint(d[0]), __float_as_uint(d[1]),
+                                   __float_as_uint(d[2]), __float_as_uint(d[3])};
+    unsigned out[4];
+    emu::matrix_collective(emu::kMma, F16 ? 1 : 0, operands, 10, out, 4);
+    for (int i = 0; i < 4; ++i) d[i] = __uint_as_float(out[i]);
 }
 
 namespace emu {

@@ -110,18 +110,22 @@ def _wrapper(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int],
 
 @lru_cache(maxsize=8)
 def build(source_path: Path, kernels: tuple[tuple[str, tuple[str, ...], int], ...],
-          defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+          defines: tuple[str, ...] = (), source: str | None = None) -> ctypes.CDLL:
     """Compile ``source_path``'s ``kernels`` (name, pointer C types, scalar count) for the emulator, with
     ``EMULATION_DEFINES`` and ``defines``, at the warp width they name (``warp_size_of``: 32, with ``NVIDIA_DEFINES``,
-    or 64); the library is built once per process and argument set."""
+    or 64); ``source``: the text to compile instead of the file's (a spec's source with its headers spliced in, the
+    text NVRTC compiles). The library is built once per process and argument set."""
     warp = warp_size_of(defines)
     reason = unavailable_reason()
     if reason:
         raise EmulationError(f"cannot emulate native kernels: {reason}")
+    directory = Path(tempfile.mkdtemp(prefix="qsa_emulated_"))
+    if source is not None:
+        source_path = directory / source_path.name
+        source_path.write_text(source)
     text = _wrapper(source_path.resolve(), kernels)
     digest = hashlib.sha256((text + source_path.read_text() + HEADER_PATH.read_text() + GRID_HEADER_PATH.read_text()
                              + repr(defines)).encode())
-    directory = Path(tempfile.mkdtemp(prefix="qsa_emulated_"))
     wrapper = directory / "launch.cpp"
     wrapper.write_text(text)
     library = directory / f"emulated_{digest.hexdigest()[:16]}.so"

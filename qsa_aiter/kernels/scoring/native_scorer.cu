@@ -1,0 +1,365 @@
+// native_scorer.cu -- QSA index scoring on the tensor cores (mma.sync m16n8k16), for 16-bit (bf16, fp16) key caches.
+//
+// Contract (SPEC.md section 1; the op qsa_paged_mqa_logits): for query row t with request r = token_to_request[t]
+// and position p = query_positions[t],
+//   visible[t] = clamp(min((p + 1) / R, context_lens[r] / R), 0, num_columns)     (0 for r outside [0, requests))
+//   logits[t, c] = (sum over the 4 heads h of max(0, q[t, h, :] . K[c, :])) * scale     for c < visible[t]
+// with K[c] = keys[page_table[r, c / PAGE], c % PAGE] and scale = 1 / score_divisor (fp32 bits in scale_bits).  A
+// column whose page id is outside [0, num_pages) (or past the table width) is never read and scores -inf.  Columns at
+// or past visible[t] are not written.  Accumulation is fp32.
+//
+// Time model.  Decode, draft and verify read every visible key once per row group: 256 bytes per column in bf16, so
+// the floor of a call is (sum over row groups of the visible keys' bytes + the logits written) / HBM bandwidth
+// (H100 SXM about 3.35 TB/s: 9 requests x 4 rows over 128K tokens = 9 x 32768 keys x 256 B = 75.5 MB, 22.5 us).
+// The MMAs are few (M = 16: 64 m16n8k16 per 16 KB tile, about a tenth of the time the tile takes to arrive from
+// HBM at an SM's share of the bandwidth), so the kernel is built to keep enough key bytes in flight: a 4-stage
+// cp.async pipeline per CTA and 3 CTAs per SM (3 x 3 tiles of 16 KB ahead per SM, far above bandwidth x latency).
+//
+// Work split.  A CTA (4 warps, 128 threads) serves one row group -- group_rows (<= 16 / heads = 4) consecutive query
+// rows, which the host sizes to one request's rows (verify: its next_n rows; decode, draft: one row) -- and one of
+// `splits` contiguous ranges of the group's column tiles (the CTA index is group * splits + split; the host picks
+// splits from the SM count so that the grid fills each SM about 3 times).  Every CTA of a group computes the rows'
+// visible counts itself (split 0 writes them out) and cuts the group's tiles [0, ceil(visible / 64)) into `splits`
+// equal ranges: balanced whatever the request's length.  A group whose rows belong to several requests (uneven verify
+// rows, padding) is walked once per distinct request, storing only that request's rows.
+//
+// One column tile (score_tile): 64 keys x 128 dims of bf16 = 16 KB, staged by cp.async (16 bytes per thread-op, 8
+// per thread) into one of 4 shared-memory stages.  The keys' page ids are read per 16 columns (page 16) or per tile
+// (page 64); a bad page's keys are zero-filled (never read) and its columns flagged, the epilogue writes them -inf.
+// The tile is stored key-major with 16-byte chunks xor-swizzled by the key's low 3 bits (chunk' = chunk ^ (key & 7)),
+// so that ldmatrix's 8 row addresses (8 keys at one chunk) hit 8 different bank groups.  q of the group is the MMA's
+// A operand, M = rows x heads ordered m = row * 4 + head (q's own memory order), zero past the group's rows, loaded
+// once per CTA into registers (8 k-steps x 4 registers).  Each warp scores 16 columns: per k-step one ldmatrix.x4
+// gives the B fragments of two n8 tiles, and two MMAs accumulate them.
+//
+// Epilogue (score_epilogue): ReLU per (row, head) element (a NaN stays NaN), the 4 heads summed by two xor shuffles
+// (lanes 4 apart hold the same row's heads: ((h0 + h1) + (h2 + h3)) on every lane, bitwise the same), times scale,
+// -inf for a bad page, stored for c < visible[row] only.  The seam for the fused top-k: score_tile + the head sum
+// give a tile's scores in registers; the scorer's epilogue writes them to HBM, the fused one will count them into a
+// shared-memory histogram instead.
+//
+// Determinism.  A (row, column) score is computed by one instruction sequence whatever the other rows of the call
+// and the split: the same MMAs over the same fixed k-steps (the MMA's result for one row does not depend on the other
+// rows of A, which are zero or other rows), the same shuffles and multiply; so identical keys score identically, and
+// a row scored alone (decode) equals the same row inside a verify group.
+//
+// Quantised caches (later): the loader (issue_tile) is where fp8 / MXFP4 keys would be dequantised (in registers,
+// between a plain load and the shared-memory store) and the per-key fp8 scale applied after the head sum.
+//
+// Portability: native_compat.h (vendor facts, launch bounds) and native_mma.h (cp.async, ldmatrix, mma, shuffles)
+// are spliced in by native_scorer.py; the matrix primitives exist for NVIDIA compute capability 8.0+ only, so the
+// spec offers no variant for AMD targets.  Build selection: every kernel by default; with -DQSA_NATIVE_SINGLE
+// -DQSA_NATIVE_KERNEL_<name> only <name> (one program, one JIT-cache entry, per kernel).
+
+#include "native_compat.h"
+#include "native_mma.h"
+
+#define QSA_HEADS 4
+#define QSA_HEAD_DIM 128
+#define QSA_MMA_M 16
+#define QSA_MAX_GROUP_ROWS (QSA_MMA_M / QSA_HEADS)
+#define QSA_TILE 64
+#define QSA_STAGES 4
+#define QSA_THREADS 128
+#define QSA_CTAS_PER_SM 3
+#define QSA_KEY_BYTES (QSA_HEAD_DIM * 2)
+#define QSA_KEY_CHUNKS (QSA_KEY_BYTES / 16)
+#define QSA_TILE_BYTES (QSA_TILE * QSA_KEY_BYTES)
+#define QSA_K_STEPS (QSA_HEAD_DIM / 16)
+#define QSA_COPIES (QSA_TILE * QSA_KEY_CHUNKS / QSA_THREADS)
+// Dynamic shared memory: the stages' key tiles | each stage's per-column page flags | the group's request ids and
+// visible counts (native_scorer.py's SHARED_BYTES mirrors it).
+#define QSA_FLAGS_OFFSET (QSA_STAGES * QSA_TILE_BYTES)
+#define QSA_ROWS_OFFSET (QSA_FLAGS_OFFSET + QSA_STAGES * QSA_TILE)
+#define QSA_SHARED_BYTES (QSA_ROWS_OFFSET + 2 * QSA_MAX_GROUP_ROWS * 4)
+
+static_assert(WS == 32, "native_scorer.cu: the mma.sync fragments are laid out over 32 lanes (NVIDIA warps)");
+static_assert(QSA_THREADS / WS * 16 == QSA_TILE, "each warp scores 16 columns of a tile");
+static_assert(QSA_TILE * QSA_KEY_CHUNKS % QSA_THREADS == 0 && QSA_THREADS % QSA_KEY_CHUNKS == 0,
+              "a tile's 16-byte chunks split evenly over the threads, whole keys per thread row");
+
+// The wide bits of the metadata tensors (the `wide` argument): 1 = int64, else int32.
+#define QSA_WIDE_PAGES 1
+#define QSA_WIDE_REQUESTS 2
+#define QSA_WIDE_POSITIONS 4
+#define QSA_WIDE_CONTEXTS 8
+// Positions and context lengths are clamped to [-1, 2**40] / [0, 2**40] before the 64-bit arithmetic (no overflow of
+// p + 1; no count changes, the host refuses columns that stand for 2**31 tokens or more).
+#define QSA_METADATA_MAX (1ll << 40)
+
+__device__ __forceinline__ long long load_index(const void* p, long long i, bool wide) {
+    return wide ? static_cast<const long long*>(p)[i] : (long long)static_cast<const int*>(p)[i];
+}
+
+__device__ __forceinline__ long long clamp64(long long x, long long lo, long long hi) {
+    return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// The request id (-1: padded or out of range) and visible count of query row `row`.
+__device__ __forceinline__ void row_visibility(const void* token_to_request, const void* query_positions,
+                                               const void* context_lens, long long row, int num_tokens,
+                                               int num_requests, int num_columns, int ratio, int wide, int& req,
+                                               int& vis) {
+    req = -1;
+    vis = 0;
+    if (row >= num_tokens) return;
+    const long long r = load_index(token_to_request, row, wide & QSA_WIDE_REQUESTS);
+    if (r < 0 || r >= num_requests) return;
+    const long long p = clamp64(load_index(query_positions, row, wide & QSA_WIDE_POSITIONS), -1, QSA_METADATA_MAX);
+    const long long c = clamp64(load_index(context_lens, r, wide & QSA_WIDE_CONTEXTS), 0, QSA_METADATA_MAX);
+    const long long by_position = (p + 1) / ratio, by_context = c / ratio;
+    req = (int)r;
+    vis = (int)clamp64(by_position < by_context ? by_position : by_context, 0, num_columns);
+}
+
+// q of the group as the MMA's A operand: M = rows x heads (m = row * 4 + head, q's memory order), K = head_dim;
+// rows past the group or past num_tokens are zero.  16-bit loads: q needs no alignment beyond its element's.
+__device__ __forceinline__ void load_query_fragments(const unsigned short* __restrict__ q, long long first_row,
+                                                     int group_rows, int num_tokens,
+                                                     unsigned (&a)[QSA_K_STEPS][4]) {
+    const int lane = threadIdx.x % WS, g = lane >> 2, t = lane & 3;
+    const int m_lo = g, m_hi = g + 8;
+    const bool lo_ok = m_lo < group_rows * QSA_HEADS && first_row + m_lo / QSA_HEADS < num_tokens;
+    const bool hi_ok = m_hi < group_rows * QSA_HEADS && first_row + m_hi / QSA_HEADS < num_tokens;
+    const unsigned short* lo = q + (first_row * QSA_HEADS + m_lo) * QSA_HEAD_DIM + 2 * t;
+    const unsigned short* hi = q + (first_row * QSA_HEADS + m_hi) * QSA_HEAD_DIM + 2 * t;
+#pragma unroll
+    for (int ks = 0; ks < QSA_K_STEPS; ++ks) {
+        const int k = 16 * ks;
+        a[ks][0] = lo_ok ? (unsigned)lo[k] | (unsigned)lo[k + 1] << 16 : 0u;
+        a[ks][1] = hi_ok ? (unsigned)hi[k] | (unsigned)hi[k + 1] << 16 : 0u;
+        a[ks][2] = lo_ok ? (unsigned)lo[k + 8] | (unsigned)lo[k + 9] << 16 : 0u;
+        a[ks][3] = hi_ok ? (unsigned)hi[k + 8] | (unsigned)hi[k + 9] << 16 : 0u;
+    }
+}
+
+// Where the tile loader reads a request's keys.
+struct KeySource {
+    const unsigned short* keys;
+    const void* page_row;  // page_table's row of the request
+    bool wide_pages;
+    int table_width, num_pages, page_stride, slot_stride;  // strides in elements
+    bool aligned;  // the cache's base and strides keep every key 16-byte aligned: cp.async; else 16-bit loads
+};
+
+// Starts copying column tile `tile` (columns < req_visible only) into `stage`, and sets `flags[col]` to whether the
+// column's page is good.  Key `n` of the tile is row n of the stage (256 bytes), its 16-byte chunk k at position
+// k ^ (n & 7).  Thread x copies chunk x % 16 of keys x / 16 + 8 i (i < 8): its keys' pages are compile-time
+// functions of i, each page id loaded once.  ALIGNED: cp.async (the cache keeps every key 16-byte aligned); else
+// 16-bit loads and a shared-memory store (a cache view at an odd address or stride; correct, not fast).  The seam for
+// quantised keys: a plain load, dequantised in registers, then a shared-memory store, where this issues a cp.async.
+template <int PAGE, bool ALIGNED>
+__device__ __forceinline__ void copy_tile(const KeySource& src, int tile, int req_visible, unsigned char* stage,
+                                          unsigned char* flags) {
+    static_assert(PAGE % 16 == 0, "pages of 16, 32, 48 ... columns: a thread's 8 keys span whole 16-column runs");
+    constexpr int PAGES = PAGE < QSA_TILE ? QSA_TILE / PAGE : 1;
+    constexpr int KEY_STEP = QSA_THREADS / QSA_KEY_CHUNKS;
+    const int first = tile * QSA_TILE;
+    long long ids[PAGES];
+#pragma unroll
+    for (int p = 0; p < PAGES; ++p) {
+        const int col = first + p * PAGE;
+        const int logical = col / PAGE;
+        ids[p] = col < req_visible && logical < src.table_width
+                     ? load_index(src.page_row, logical, src.wide_pages) : -1ll;
+    }
+    const int chunk = threadIdx.x % QSA_KEY_CHUNKS, key0 = threadIdx.x / QSA_KEY_CHUNKS;
+#pragma unroll
+    for (int i = 0; i < QSA_COPIES; ++i) {
+        const int key = key0 + KEY_STEP * i;
+        const int col = first + key;
+        // the key's page among the tile's: (key0 + 8 i) / PAGE = 8 i / PAGE, as key0 < 8 and PAGE % 16 == 0
+        const long long id = ids[PAGE < QSA_TILE ? KEY_STEP * i / PAGE : 0];
+        const bool page_ok = id >= 0 && id < src.num_pages;
+        const bool copy = page_ok && col < req_visible;
+        const unsigned short* from =
+            copy ? src.keys + id * src.page_stride + (long long)(col % PAGE) * src.slot_stride + 8 * chunk : src.keys;
+        unsigned char* to = stage + key * QSA_KEY_BYTES + ((chunk ^ (key & 7)) << 4);
+        if (ALIGNED) {
+            cp_async_16(to, from, copy ? 16u : 0u);
+        } else {
+            unsigned w[4] = {0u, 0u, 0u, 0u};
+            if (copy) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) w[e] = (unsigned)from[2 * e] | (unsigned)from[2 * e + 1] << 16;
+            }
+            *reinterpret_cast<uint4*>(to) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        if (chunk == 0) flags[key] = page_ok;
+    }
+}
+template <int PAGE>
+__device__ __forceinline__ void issue_tile(const KeySource& src, int tile, int req_visible, unsigned char* stage,
+                                           unsigned char* flags) {
+    if (src.aligned)
+        copy_tile<PAGE, true>(src, tile, req_visible, stage, flags);
+    else
+        copy_tile<PAGE, false>(src, tile, req_visible, stage, flags);
+}
+
+// The dot products of the group's 16 rows x heads with this warp's 16 columns of a staged tile: acc[n8 tile][C
+// fragment], zeroed first.  Lane l gives the address of row l % 8 of matrix l / 8: keys 16 w + 8 (j / 2) + l % 8 at
+// chunk 2 ks + j % 2, so r[0], r[1] are the B fragment of columns 0..7 of the warp and r[2], r[3] of columns 8..15.
+template <bool F16>
+__device__ __forceinline__ void score_tile(const unsigned char* stage, const unsigned (&a)[QSA_K_STEPS][4],
+                                           float (&acc)[2][4]) {
+    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
+    const int j = lane >> 3, r = lane & 7;
+    const unsigned char* row = stage + (warp * 16 + (j >> 1) * 8 + r) * QSA_KEY_BYTES;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < QSA_K_STEPS; ++ks) {
+        unsigned b[4];
+        ldmatrix_x4(b, row + (((2 * ks + (j & 1)) ^ r) << 4));
+        mma_16816<F16>(acc[0], a[ks], b[0], b[1]);
+        mma_16816<F16>(acc[1], a[ks], b[2], b[3]);
+    }
+}
+
+// ReLU per (row, head) (a NaN stays NaN), the heads summed, times scale: afterwards the 4 lanes holding one row's
+// heads (lanes 4 apart) hold the row's score, bitwise the same.
+__device__ __forceinline__ void head_sums(float (&acc)[2][4], float scale) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float x = acc[n][e] <= 0.0f ? 0.0f : acc[n][e];
+            x += shfl_xor_f32(x, 4);
+            x += shfl_xor_f32(x, 8);
+            acc[n][e] = x * scale;
+        }
+}
+
+// The scorer's epilogue: each lane stores two adjacent columns of one row (lane 4 g + t: the row (g / 4) + 2 (g % 4
+// & 1), the n8 tile (g % 4) / 2, columns 2t and 2t + 1 of it), -inf where the page is bad, for c < visible[row] of
+// the rows of the request in hand (`mine`).
+__device__ __forceinline__ void store_scores(const float (&s)[2][4], float* __restrict__ logits, int logits_stride,
+                                             long long first_row, int group_rows, unsigned mine, const int* vis,
+                                             const unsigned char* flags, int tile) {
+    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
+    const int g = lane >> 2, t = lane & 3, head = g & 3;
+    const int n8 = head >> 1, upper = head & 1;
+    const int row = (g >> 2) + 2 * upper;
+    if (row >= group_rows || !((mine >> row) & 1u)) return;
+    const float v0 = n8 ? (upper ? s[1][2] : s[1][0]) : (upper ? s[0][2] : s[0][0]);
+    const float v1 = n8 ? (upper ? s[1][3] : s[1][1]) : (upper ? s[0][3] : s[0][1]);
+    const int in_tile = warp * 16 + n8 * 8 + 2 * t;
+    const int col = tile * QSA_TILE + in_tile;
+    const int limit = vis[row];
+    const float neg_inf = __uint_as_float(0xFF800000u);
+    float* out = logits + (first_row + row) * (long long)logits_stride + col;
+    if (col < limit) out[0] = flags[in_tile] ? v0 : neg_inf;
+    if (col + 1 < limit) out[1] = flags[in_tile + 1] ? v1 : neg_inf;
+}
+
+// Kernel parameters: the pointers, then the scalars (native_scorer.py declares them once, PARAMS; every scalar is a
+// C int).  wide: the QSA_WIDE_* bits of the int64 metadata tensors; aligned: the cache's keys are 16-byte
+// aligned (cp.async); scale_bits: the fp32 bits of 1 / score_divisor.
+#define QSA_SCORER_PARAMS                                                                                          \
+    const unsigned short *__restrict__ q, const unsigned short *__restrict__ keys,                                 \
+        const void *__restrict__ page_table, const void *__restrict__ token_to_request,                            \
+        const void *__restrict__ query_positions, const void *__restrict__ context_lens,                           \
+        float *__restrict__ logits, int *__restrict__ visible, int num_tokens, int num_requests, int num_pages,   \
+        int num_columns, int table_width, int table_stride, int logits_stride, int page_stride, int slot_stride,   \
+        int group_rows, int splits, int ratio, int scale_bits, int wide, int aligned
+#define QSA_SCORER_ARGS                                                                                           \
+    q, keys, page_table, token_to_request, query_positions, context_lens, logits, visible, num_tokens,             \
+        num_requests, num_pages, num_columns, table_width, table_stride, logits_stride, page_stride, slot_stride, \
+        group_rows, splits, ratio, scale_bits, wide, aligned
+
+template <int PAGE, bool F16>
+__device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
+    TOPK_DYNAMIC_SMEM(smem);
+    unsigned char* tiles = reinterpret_cast<unsigned char*>(smem);
+    unsigned char* flags = tiles + QSA_FLAGS_OFFSET;
+    int* s_req = reinterpret_cast<int*>(tiles + QSA_ROWS_OFFSET);
+    int* s_vis = s_req + QSA_MAX_GROUP_ROWS;
+    wait_for_prior_grid();
+    const int group = blockIdx.x / splits, split = blockIdx.x % splits;
+    const long long first_row = (long long)group * group_rows;
+    // q first: its loads depend on nothing, so they overlap the metadata's chain (request id, then context length).
+    unsigned a[QSA_K_STEPS][4];
+    load_query_fragments(q, first_row, group_rows, num_tokens, a);
+    if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
+        int req = -1, vis = 0;
+        if ((int)threadIdx.x < group_rows)
+            row_visibility(token_to_request, query_positions, context_lens, first_row + threadIdx.x, num_tokens,
+                           num_requests, num_columns, ratio, wide, req, vis);
+        s_req[threadIdx.x] = req;
+        s_vis[threadIdx.x] = vis;
+        if (split == 0 && (int)threadIdx.x < group_rows && first_row + threadIdx.x < num_tokens)
+            visible[first_row + threadIdx.x] = vis;
+    }
+    __syncthreads();
+    const float scale = __uint_as_float((unsigned)scale_bits);
+    KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,
+                     slot_stride, aligned != 0};
+    // Once per distinct request of the group (at its first row that sees anything).
+    for (int i = 0; i < group_rows; ++i) {
+        const int req = s_req[i];
+        if (req < 0 || s_vis[i] <= 0) continue;
+        bool seen = false;
+        unsigned mine = 0;
+        int req_visible = 0;
+        for (int j = 0; j < group_rows; ++j) {
+            if (s_req[j] != req || s_vis[j] <= 0) continue;
+            seen |= j < i;
+            mine |= 1u << j;
+            req_visible = s_vis[j] > req_visible ? s_vis[j] : req_visible;
+        }
+        if (seen) continue;
+        const char* table = static_cast<const char*>(page_table);
+        src.page_row = table + (long long)req * table_stride * (src.wide_pages ? 8 : 4);
+        // This CTA's tiles: range `split` of `splits` equal ranges of the request's tiles.
+        const int tiles_total = (req_visible + QSA_TILE - 1) / QSA_TILE;
+        const int per_split = (tiles_total + splits - 1) / splits;
+        const int begin = split * per_split;
+        const int end = begin + per_split < tiles_total ? begin + per_split : tiles_total;
+        if (begin >= end) continue;
+#pragma unroll 1
+        for (int s = 0; s < QSA_STAGES - 1; ++s) {
+            if (begin + s < end)
+                issue_tile<PAGE>(src, begin + s, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
+            cp_async_commit();
+        }
+        for (int tile = begin; tile < end; ++tile) {
+            cp_async_wait<QSA_STAGES - 2>();
+            __syncthreads();  // the tile is in every thread's view; every warp is done with the stage refilled next
+            const int next = tile + QSA_STAGES - 1;
+            if (next < end) {
+                const int s = (next - begin) % QSA_STAGES;
+                issue_tile<PAGE>(src, next, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
+            }
+            cp_async_commit();
+            const int s = (tile - begin) % QSA_STAGES;
+            float acc[2][4];
+            score_tile<F16>(tiles + s * QSA_TILE_BYTES, a, acc);
+            head_sums(acc, scale);
+            store_scores(acc, logits, logits_stride, first_row, group_rows, mine, s_vis, flags + s * QSA_TILE,
+                         tile);
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with the stages before the next request's copies
+    }
+}
+
+#define QSA_SCORER_KERNEL(name, PAGE, F16)                                                                         \
+    extern "C" __global__ void TOPK_LAUNCH_BOUNDS(QSA_THREADS, QSA_CTAS_PER_SM) name(QSA_SCORER_PARAMS) {       \
+        score_kernel<PAGE, F16>(QSA_SCORER_ARGS);                                                                 \
+    }
+
+#if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_bf16_page16)
+QSA_SCORER_KERNEL(qsa_score_bf16_page16, 16, false)
+#endif
+#if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_bf16_page64)
+QSA_SCORER_KERNEL(qsa_score_bf16_page64, 64, false)
+#endif
+#if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_fp16_page16)
+QSA_SCORER_KERNEL(qsa_score_fp16_page16, 16, true)
+#endif
+#if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_fp16_page64)
+QSA_SCORER_KERNEL(qsa_score_fp16_page64, 64, true)
+#endif
