@@ -102,8 +102,8 @@ SCORER_POINTERS = ("q_ptr", "k_ptr", "ks_ptr", "pt_ptr", "t2r_ptr", "pos_ptr", "
                    "hist_ptr")
 #: The native scorer's pointer parameters (``kernels.scoring.native_scorer.PARAMS``), in the order its replay passes
 #: them.
-NATIVE_SCORER_POINTERS = ("q", "keys", "page_table", "token_to_request", "query_positions", "context_lens", "logits",
-                          "visible")
+NATIVE_SCORER_POINTERS = ("q", "keys", "k_scale", "page_table", "token_to_request", "query_positions", "context_lens",
+                          "logits", "visible")
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,8 @@ class ScoringPlan:
 
 def _native_scoring_launch(launches: list) -> Callable | None:
     """The native scorer's recorded launch (``runtime.native_scorer.native_score``) as a function of the
-    ``SCORER_POINTERS`` addresses (it reads no scale tensor and counts no histogram), or None where ``launches`` are
-    not that one launch."""
+    ``SCORER_POINTERS`` addresses (it counts no histogram; a 16-bit cache's scale address is the cache's), or None
+    where ``launches`` are not that one launch."""
     direct = replay.direct_launches(launches, (native_scorer.NATIVE_SCORER_LAUNCH,))
     if not direct:
         return None
@@ -155,9 +155,9 @@ def _native_scoring_launch(launches: list) -> Callable | None:
     if launch is None:
         return None
 
-    def scoring(q_at, cache_at, _scale_at, table_at, request_at, position_at, lens_at, logits_at, visible_at,
+    def scoring(q_at, cache_at, scale_at, table_at, request_at, position_at, lens_at, logits_at, visible_at,
                 _histogram_at):
-        launch(q_at, cache_at, table_at, request_at, position_at, lens_at, logits_at, visible_at)
+        launch(q_at, cache_at, scale_at, table_at, request_at, position_at, lens_at, logits_at, visible_at)
 
     return scoring
 

@@ -22,8 +22,9 @@ NATIVE_SCORER_LAUNCH = "native_scorer"
 def native_scorer_reasons(problem, platform: Platform, settings) -> list[str]:
     """Why the native scorer does not serve ``problem`` (a ``ScoreProblem``; empty: it serves), from host facts only:
     GPU tensors of a CUDA build of torch, the kernels' own limits on the platform and the shape (``kernels.SPEC``:
-    an NVIDIA GPU of compute capability 8.0+, a 16-bit cache, 4 heads, head_dim 128, pages of 16 or 64, no prefill
-    beyond 256 rows), the per-row histogram (which it does not count), and NVRTC and the driver library loadable."""
+    an NVIDIA GPU of compute capability 8.0+, a bf16, fp16, fp8 e4m3fn or MXFP4 (bf16 queries) cache, 4 heads,
+    head_dim 128, pages of 16 or 64, no prefill beyond 256 rows), the per-row histogram (which it does not count),
+    and NVRTC and the driver library loadable."""
     found = []
     if problem.device_type != "cuda":
         found.append(f"needs CUDA GPU tensors (tensors are on {problem.device_type})")
@@ -55,11 +56,13 @@ def native_scorer_call(problem, args, plan: kernels.Plan):
     passed as they are: q, the metadata and the page table's last dim are contiguous (validated), the cache's pages
     and slots any distance apart (its last dim dense), the logits' rows any stride."""
     cache, table, logits = args.k_cache, args.page_table, args.logits
-    pages, page_size, _, head_dim = cache.shape
+    pages, page_size, _, width = cache.shape
     strides = view_strides(cache)
-    page_stride, slot_stride = strides if strides is not None else (page_size * head_dim, head_dim)
-    # cp.async copies a key in 16-byte pieces: the cache's base and strides must keep them aligned (else 16-bit loads)
-    aligned = cache.data_ptr() % 16 == 0 and page_stride % 8 == 0 and slot_stride % 8 == 0
+    page_stride, slot_stride = strides if strides is not None else (page_size * width, width)
+    # cp.async copies a key in 16-byte pieces: the cache's base and strides (in elements of 2 bytes, or 1 for fp8 and
+    # MXFP4) must keep them aligned (else plain loads)
+    item = cache.dtype.itemsize
+    aligned = cache.data_ptr() % 16 == 0 and (page_stride * item) % 16 == 0 and (slot_stride * item) % 16 == 0
     tokens = args.q.shape[0]
     wide = (_wide(table, kernels.WIDE_PAGES) | _wide(args.token_to_request, kernels.WIDE_REQUESTS)
             | _wide(args.query_positions, kernels.WIDE_POSITIONS) | _wide(args.context_lens, kernels.WIDE_CONTEXTS))
@@ -71,7 +74,10 @@ def native_scorer_call(problem, args, plan: kernels.Plan):
         aligned=int(aligned),
     )
     call = kernels.launch_arguments(plan, values)
-    addresses = [t.data_ptr() for t in (args.q, cache, table, args.token_to_request, args.query_positions,
+    # The quantised caches' scales (fp8: fp32 [pages, P]; MXFP4: e8m0 [pages, P, 1, 4]): 4 bytes a key, contiguous
+    # (validated); a 16-bit cache passes its own address, unread.
+    scales = args.k_scale if args.k_scale is not None else cache
+    addresses = [t.data_ptr() for t in (args.q, cache, scales, table, args.token_to_request, args.query_positions,
                                         args.context_lens, logits, args.visible)]
     return call, addresses
 

@@ -1,7 +1,7 @@
 // native_mma.h -- the matrix primitives of the native scorer (native_scorer.cu), one small inline function each:
-// 16-byte asynchronous copies into shared memory, the 8x8 shared-memory matrix loads of a warp, the 16x8x16 warp MMA
-// with fp32 accumulation, and the warp's xor shuffle of a float.  The scorer calls only these, so the AMD versions
-// (global_load_lds / ds_read, v_mfma_f32_16x16x16bf16 / f16, wave64 shuffles) go here later with the same
+// 16- and 4-byte asynchronous copies into shared memory, the 8x8 shared-memory matrix loads of a warp, the 16x8x16
+// warp MMA with fp32 accumulation, and the warp's xor shuffle of a float.  The scorer calls only these, so the AMD
+// versions (global_load_lds / ds_read, v_mfma_f32_16x16x16bf16 / f16, wave64 shuffles) go here later with the same
 // signatures, and the CPU emulator (runtime/jit/cuda_emulator.h) defines them under TOPK_EMULATE.  native_scorer.py
 // splices this file (and native_compat.h, which it needs) into the source NVRTC compiles.
 //
@@ -35,6 +35,13 @@ __device__ __forceinline__ unsigned mma_smem_address(const void* p) {
 // src_bytes < 16 fills the rest with zeros (0: nothing is read, `src` is never dereferenced).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, unsigned src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(mma_smem_address(dst)), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+// 4 bytes from global memory to shared memory (both 4-byte aligned), asynchronously (through L1: .cg takes 16 only);
+// src_bytes 0 writes zeros and reads nothing.  The quantised keys' per-key scales.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, unsigned src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(mma_smem_address(dst)), "l"(src),
                  "r"(src_bytes)
                  : "memory");
 }

@@ -1,4 +1,5 @@
-// native_scorer.cu -- QSA index scoring on the tensor cores (mma.sync m16n8k16), for 16-bit (bf16, fp16) key caches.
+// native_scorer.cu -- QSA index scoring on the tensor cores (mma.sync m16n8k16), for bf16, fp16, fp8 (e4m3fn, one fp32
+// scale a key) and MXFP4 key caches.
 //
 // Contract (SPEC.md section 1; the op qsa_paged_mqa_logits): for query row t with request r = token_to_request[t]
 // and position p = query_positions[t],
@@ -11,6 +12,15 @@
 // Time model.  Decode, draft and verify read every visible key once per row group: 256 bytes per column in bf16, so
 // the floor of a call is (sum over row groups of the visible keys' bytes + the logits written) / HBM bandwidth
 // (H100 SXM about 3.35 TB/s: 9 requests x 4 rows over 128K tokens = 9 x 32768 keys x 256 B = 75.5 MB, 22.5 us).
+// Quantised caches read fewer bytes a column: fp8 128 + 4 (its scale), MXFP4 64 + 4 (its 4 exponents), so the same
+// call's floor is 38.9 MB, 11.6 us (fp8) and 20.1 MB, 6.0 us (MXFP4).  Their price is the decode, in registers, per
+// element: fp8 to bf16 about 4 integer ops and one fp32 multiply (fp8 to fp16 2 integer ops: the scale's 2**8 is
+// folded into the epilogue), MXFP4 about 4 integer ops and two fp32 multiplies; 64 elements a lane a tile: about 300
+// (fp8) and 380 (MXFP4) instructions a warp a tile against 16 MMAs, 300 and 380 cycles of an SM's 4 schedulers for a
+// CTA's 4 warps (0.17 and 0.22 us at 1.75 GHz).  A tile of 64 keys arrives in about 0.33 us (fp8, 8.4 KB) or 0.17 us
+// (MXFP4, 4.3 KB) at an SM's share of the bandwidth: fp8 stays under the HBM floor with room, MXFP4 is about 30%
+// issue-bound past it (estimates, not measured: the decode is the part to shave next, with byte permutes and packed
+// 16-bit FMAs as the Triton scorers' PTX decoders do).
 // The MMAs are few (M = 16: 64 m16n8k16 per 16 KB tile, about a tenth of the time the tile takes to arrive from
 // HBM at an SM's share of the bandwidth), so the kernel is built to keep enough key bytes in flight: a 4-stage
 // cp.async pipeline per CTA and 3 CTAs per SM (3 x 3 tiles of 16 KB ahead per SM, far above bandwidth x latency).
@@ -43,8 +53,20 @@
 // rows of A, which are zero or other rows), the same shuffles and multiply; so identical keys score identically, and
 // a row scored alone (decode) equals the same row inside a verify group.
 //
-// Quantised caches (later): the loader (issue_tile) is where fp8 / MXFP4 keys would be dequantised (in registers,
-// between a plain load and the shared-memory store) and the per-key fp8 scale applied after the head sum.
+// Quantised caches (stage_tile, score_quant_tile, scale_columns): the loader stages the cache's own bytes with cp.async
+// (half or a quarter of a 16-bit tile, plus 4 scale bytes a key by a 4-byte cp.async), so the pipeline moves what HBM
+// holds and the loads stay 16 bytes wide.  Converting in shared memory after the stage would cost a second pass and a
+// barrier a tile; instead each lane reads its own keys' bytes (16-byte ld.shared: fp8 keys' chunks swizzled by the
+// key's low bit so the 8 lanes of a load phase hit 32 distinct banks; MXFP4 keys 64 bytes, two a 128-byte line,
+// conflict-free as they are) and decodes them in registers into the MMA's B fragments, in a k order of its own that q's
+// A fragments follow (load_query_fragments_quant): ldmatrix is not used.  Every element is decoded once a CTA.  fp8:
+// e4m3fn to bf16 exactly (fp32 bit placement times 2**120, the top half), or to fp16 as the value times 2**-8 (bit
+// placement, exact), a NaN byte to a 16-bit NaN; the per-key scale multiplies the head sum (the scale is positive, so
+// sum_h ReLU(q_h . s k) = s sum_h ReLU(q_h . k): SPEC.md section 3), a NaN scale gives NaN.  MXFP4: each lane's 16
+// bytes of a key are one 32-element MX block, so one exponent e a lane and key; e2m1 x 2**(e - 127) computed in fp32 as
+// the dequantiser does (exact: 2 significant bits, fp32's and bf16's exponent range the same: e = 0 gives bf16
+// subnormals, exact; e >= 254 overflows the largest codes to inf as the dequantised cache does; e = 255 is inf, so a
+// zero code gives NaN), then bf16 (the top half); fp16 queries are not served (values past fp16's range).
 //
 // Portability: native_compat.h (vendor facts, launch bounds) and native_mma.h (cp.async, ldmatrix, mma, shuffles)
 // are spliced in by native_scorer.py; the matrix primitives exist for NVIDIA compute capability 8.0+ only, so the
@@ -140,6 +162,7 @@ struct KeySource {
     bool wide_pages;
     int table_width, num_pages, page_stride, slot_stride;  // strides in elements
     bool aligned;  // the cache's base and strides keep every key 16-byte aligned: cp.async; else 16-bit loads
+    const unsigned char* scales;  // quantised caches: the per-key scales, 4 bytes a key at slot page * PAGE + offset
 };
 
 // Starts copying column tile `tile` (columns < req_visible only) into `stage`, and sets `flags[col]` to whether the
@@ -195,6 +218,248 @@ __device__ __forceinline__ void issue_tile(const KeySource& src, int tile, int r
         copy_tile<PAGE, true>(src, tile, req_visible, stage, flags);
     else
         copy_tile<PAGE, false>(src, tile, req_visible, stage, flags);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Quantised keys (the KIND template argument): fp8 e4m3fn with one fp32 scale per key, MXFP4 (e2m1 nibbles, one e8m0
+// exponent per 32 elements).  The tile loader stages the cache's own bytes (128 or 64 a key, plus 4 scale bytes a key)
+// with cp.async, as it does 16-bit keys; each lane then reads its keys' bytes with 16-byte shared-memory loads and
+// converts them in registers to the MMA's 16-bit type (no ldmatrix: the fragments are built where they are decoded).
+// The MMA's k order is free as long as q follows it, so a lane's B fragment of a k-step is 4 consecutive bytes of one
+// key (fp8) or 2 consecutive bytes (MXFP4), and q's A fragment is loaded in the same order
+// (load_query_fragments_quant).
+#define QSA_KIND_16BIT 0
+#define QSA_KIND_FP8 1
+#define QSA_KIND_FP4 2
+
+template <int KIND>
+struct QuantKeys {
+    static constexpr int BYTES = KIND == QSA_KIND_FP8 ? QSA_HEAD_DIM : QSA_HEAD_DIM / 2;  // of a key, in the cache
+    static constexpr int CHUNKS = BYTES / 16;
+    static constexpr int KEY_STEP = QSA_THREADS / CHUNKS;  // keys apart, a thread's copies
+    static constexpr int COPIES = QSA_TILE * CHUNKS / QSA_THREADS;
+    static constexpr int SCALES = QSA_TILE * BYTES;  // offset of the keys' scales in a stage (4 bytes a key)
+};
+static_assert(QuantKeys<QSA_KIND_FP8>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES, "a stage holds fp8 keys and scales");
+static_assert(QSA_HEAD_DIM == 128, "the quantised fragments assume 128 dims: 8 k-steps, one MX block per lane");
+
+// The page id of key `key` of a tile among the tile's page ids (selects, no indexed register array).
+template <int PAGE, int PAGES>
+__device__ __forceinline__ long long page_of_key(const long long (&ids)[PAGES], int key) {
+    long long id = ids[0];
+#pragma unroll
+    for (int p = 1; p < PAGES; ++p)
+        if (key >= p * PAGE) id = ids[p];
+    return id;
+}
+
+// copy_tile for quantised keys: key n of the tile is row n of the stage (BYTES bytes), its 16-byte chunk k at position
+// k ^ 4 (n & 1) for fp8 (the 8 lanes of a 16-byte-load phase read keys n, n + 1 (n even) at chunks 4 h + t, t < 4: the
+// swizzle puts key n + 1's in the other half of the 128-byte line, so the 8 reads cover all 32 banks), at k for MXFP4
+// (two 64-byte keys are one 128-byte line already); then the keys' 4 scale bytes at SCALES + 4 n (cp.async of 4 bytes,
+// threads 0..63) and the page flags.  Unaligned caches: byte loads and a shared-memory store.
+template <int PAGE, bool ALIGNED, int KIND>
+__device__ __forceinline__ void copy_quant_tile(const KeySource& src, int tile, int req_visible, unsigned char* stage,
+                                                unsigned char* flags) {
+    using F = QuantKeys<KIND>;
+    static_assert(PAGE % 16 == 0, "pages of 16, 32, 48 ... columns");
+    constexpr int PAGES = PAGE < QSA_TILE ? QSA_TILE / PAGE : 1;
+    const int first = tile * QSA_TILE;
+    long long ids[PAGES];
+#pragma unroll
+    for (int p = 0; p < PAGES; ++p) {
+        const int col = first + p * PAGE;
+        const int logical = col / PAGE;
+        ids[p] = col < req_visible && logical < src.table_width
+                     ? load_index(src.page_row, logical, src.wide_pages) : -1ll;
+    }
+    const unsigned char* keys = reinterpret_cast<const unsigned char*>(src.keys);
+    const int chunk = threadIdx.x % F::CHUNKS, key0 = threadIdx.x / F::CHUNKS;
+#pragma unroll
+    for (int i = 0; i < F::COPIES; ++i) {
+        const int key = key0 + F::KEY_STEP * i;
+        const int col = first + key;
+        const long long id = page_of_key<PAGE, PAGES>(ids, key);
+        const bool copy = id >= 0 && id < src.num_pages && col < req_visible;
+        const unsigned char* from =
+            copy ? keys + id * src.page_stride + (long long)(col % PAGE) * src.slot_stride + 16 * chunk : keys;
+        const int position = KIND == QSA_KIND_FP8 ? chunk ^ ((key & 1) << 2) : chunk;
+        unsigned char* to = stage + key * F::BYTES + (position << 4);
+        if (ALIGNED) {
+            cp_async_16(to, from, copy ? 16u : 0u);
+        } else {
+            unsigned w[4] = {0u, 0u, 0u, 0u};
+            if (copy) {
+#pragma unroll
+                for (int e = 0; e < 16; ++e) w[e / 4] |= (unsigned)from[e] << (8 * (e % 4));
+            }
+            *reinterpret_cast<uint4*>(to) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+    if (threadIdx.x < QSA_TILE) {
+        const int key = threadIdx.x, col = first + key;
+        const long long id = page_of_key<PAGE, PAGES>(ids, key);
+        const bool page_ok = id >= 0 && id < src.num_pages;
+        const bool copy = page_ok && col < req_visible;
+        const unsigned char* from = copy ? src.scales + 4 * (id * PAGE + col % PAGE) : src.scales;
+        cp_async_4(stage + F::SCALES + 4 * key, from, copy ? 4u : 0u);
+        flags[key] = page_ok;
+    }
+}
+
+// Starts staging tile `tile` of keys of format KIND (issue_tile for 16-bit keys).
+template <int PAGE, int KIND>
+__device__ __forceinline__ void stage_tile(const KeySource& src, int tile, int req_visible, unsigned char* stage,
+                                           unsigned char* flags) {
+    if constexpr (KIND == QSA_KIND_16BIT) {
+        issue_tile<PAGE>(src, tile, req_visible, stage, flags);
+    } else if (src.aligned) {
+        copy_quant_tile<PAGE, true, KIND>(src, tile, req_visible, stage, flags);
+    } else {
+        copy_quant_tile<PAGE, false, KIND>(src, tile, req_visible, stage, flags);
+    }
+}
+
+// The k order of the quantised tiles: lane 4 g + t's elements of k-step ks are dims d, d + 1 (the fragment's 2t, 2t +
+// 1) and d + 2, d + 3 (its 2t + 8, 2t + 9) with d = 64 (ks / 4) + 16 t + 4 (ks % 4) for fp8 (a lane reads 16 bytes of a
+// key at 64 h + 16 t, for k-steps 4h .. 4h + 3) and d = 32 t + 4 ks for MXFP4 (a lane reads 16 bytes, 32 elements: the
+// key's MX block t, so one exponent per lane and key).
+template <int KIND>
+__device__ __forceinline__ int quant_k_base(int t, int ks) {
+    return KIND == QSA_KIND_FP8 ? 64 * (ks >> 2) + 16 * t + 4 * (ks & 3) : 32 * t + 4 * ks;
+}
+
+// load_query_fragments in the k order of the quantised tiles.
+template <int KIND>
+__device__ __forceinline__ void load_query_fragments_quant(const unsigned short* __restrict__ q, long long first_row,
+                                                           int group_rows, int num_tokens,
+                                                           unsigned (&a)[QSA_K_STEPS][4]) {
+    const int lane = threadIdx.x % WS, g = lane >> 2, t = lane & 3;
+    const int m_lo = g, m_hi = g + 8;
+    const bool lo_ok = m_lo < group_rows * QSA_HEADS && first_row + m_lo / QSA_HEADS < num_tokens;
+    const bool hi_ok = m_hi < group_rows * QSA_HEADS && first_row + m_hi / QSA_HEADS < num_tokens;
+    const unsigned short* lo = q + (first_row * QSA_HEADS + m_lo) * QSA_HEAD_DIM;
+    const unsigned short* hi = q + (first_row * QSA_HEADS + m_hi) * QSA_HEAD_DIM;
+#pragma unroll
+    for (int ks = 0; ks < QSA_K_STEPS; ++ks) {
+        const int d = quant_k_base<KIND>(t, ks);
+        a[ks][0] = lo_ok ? (unsigned)lo[d] | (unsigned)lo[d + 1] << 16 : 0u;
+        a[ks][1] = hi_ok ? (unsigned)hi[d] | (unsigned)hi[d + 1] << 16 : 0u;
+        a[ks][2] = lo_ok ? (unsigned)lo[d + 2] | (unsigned)lo[d + 3] << 16 : 0u;
+        a[ks][3] = hi_ok ? (unsigned)hi[d + 2] | (unsigned)hi[d + 3] << 16 : 0u;
+    }
+}
+
+// An e4m3fn byte (bits 0..7 of x) as fp32, exactly: its 7 magnitude bits placed under fp32's exponent field are the
+// value times 2**-120 (subnormals included), times 2**120.
+__device__ __forceinline__ float e4m3_value(unsigned x) {
+    return __uint_as_float(((x & 0x7Fu) << 20) | ((x & 0x80u) << 24)) * __uint_as_float(0x7B800000u);
+}
+
+// 16 e4m3fn bytes as 8 registers of 16-bit pairs (b[2s] = bytes 4s, 4s + 1; b[2s + 1] = bytes 4s + 2, 4s + 3).
+// bf16 (F16 false): each value exactly (fp32, then its top half: 4 significant bits).  fp16: the bytes placed under
+// fp16's exponent field, which is the value times 2**-8 exactly (subnormals included); the caller multiplies the
+// scores by 2**8.  A NaN byte (0x7F, 0xFF: e4m3fn's only NaN) becomes a 16-bit NaN (checked four bytes at a time: a
+// byte whose low 7 bits are all ones carries into its top bit).
+template <bool F16>
+__device__ __forceinline__ void e4m3x16_to_pairs(const uint4& v, unsigned (&b)[8]) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+    unsigned nan = 0u;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            const unsigned x = w[s] >> (16 * p);
+            b[2 * s + p] = F16 ? ((x & 0x7Fu) << 7) | ((x & 0x80u) << 8) | ((x & 0x7F00u) << 15) |
+                                     ((x & 0x8000u) << 16)
+                               : (__float_as_uint(e4m3_value(x)) >> 16) |
+                                     (__float_as_uint(e4m3_value(x >> 8)) & 0xFFFF0000u);
+        }
+        nan |= ((w[s] & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+    }
+    if (nan) {
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const unsigned bytes = ((w[s] & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                const unsigned x = bytes >> (16 * p);
+                b[2 * s + p] |= (x & 0x80u ? 0x7FFFu : 0u) | (x & 0x8000u ? 0x7FFF0000u : 0u);
+            }
+        }
+    }
+}
+
+// An e2m1 code (bits 0..3 of x) times the MX block's factor 2**(e - 127), as fp32 and as qsa_aiter's dequantiser
+// computes it: the code placed under fp32's exponent field is the value times 2**-126, times 2**126, times `factor`
+// (exact: e2m1 values have 2 significant bits; e = 0 gives 2**-127 (a subnormal, 0.5 x 2**-127 is one too), e = 255
+// gives inf: a zero code then scores NaN, others inf, as the dequantised cache does; values past fp32's range, from
+// e >= 254, are inf as in the dequantised cache).
+__device__ __forceinline__ float e2m1_value(unsigned x, float factor) {
+    return __uint_as_float(((x & 7u) << 22) | ((x & 8u) << 28)) * __uint_as_float(0x7E800000u) * factor;
+}
+
+// 16 bytes of MXFP4 (32 elements of one MX block, element 2i the low nibble of byte i) with the block's exponent `e`
+// as 16 registers of bf16 pairs (b[i] = elements 2i, 2i + 1): every value exact in bf16 (fp32's exponent range, 2
+// significant bits), the top half of its fp32.
+__device__ __forceinline__ void mxfp4x32_to_bf16_pairs(const uint4& v, unsigned e, unsigned (&b)[16]) {
+    const float factor = __uint_as_float(e ? e << 23 : 0x00400000u);
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const unsigned x = w[i / 4] >> (8 * (i % 4));
+        b[i] = (__float_as_uint(e2m1_value(x, factor)) >> 16) |
+               (__float_as_uint(e2m1_value(x >> 4, factor)) & 0xFFFF0000u);
+    }
+}
+
+// score_tile for quantised keys: lane 4 g + t decodes its bytes of key 8 n + g of its warp's 16 (16-byte shared-memory
+// loads: fp8 two a key, at 64 h + 16 t; MXFP4 one, at 16 t, and the key's exponent t) into B fragments, and the MMAs
+// accumulate them against q in the same k order.  MXFP4 keys need a bf16 MMA (F16 false).
+template <bool F16, int KIND>
+__device__ __forceinline__ void score_quant_tile(const unsigned char* stage, const unsigned (&a)[QSA_K_STEPS][4],
+                                                 float (&acc)[2][4]) {
+    using F = QuantKeys<KIND>;
+    static_assert(KIND == QSA_KIND_FP8 || !F16, "MXFP4 keys are dequantised to bf16");
+    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+        const int key = warp * 16 + n * 8 + g;
+        const unsigned char* row = stage + key * F::BYTES;
+        if constexpr (KIND == QSA_KIND_FP8) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                unsigned b[8];
+                e4m3x16_to_pairs<F16>(*reinterpret_cast<const uint4*>(row + (((4 * h + t) ^ ((key & 1) << 2)) << 4)),
+                                      b);
+#pragma unroll
+                for (int s = 0; s < 4; ++s) mma_16816<F16>(acc[n], a[4 * h + s], b[2 * s], b[2 * s + 1]);
+            }
+        } else {
+            unsigned b[16];
+            mxfp4x32_to_bf16_pairs(*reinterpret_cast<const uint4*>(row + (t << 4)), stage[F::SCALES + 4 * key + t], b);
+#pragma unroll
+            for (int ks = 0; ks < QSA_K_STEPS; ++ks) mma_16816<false>(acc[n], a[ks], b[2 * ks], b[2 * ks + 1]);
+        }
+    }
+}
+
+// fp8: the head sums times each column's scale (staged with its key): lane 4 g + t holds columns 8 n + 2 t and
+// 8 n + 2 t + 1 of its warp's 16 (acc[n][0], acc[n][2] and acc[n][1], acc[n][3]).  A NaN scale gives a NaN score.
+__device__ __forceinline__ void scale_columns(float (&acc)[2][4], const unsigned char* stage_scales) {
+    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS, t = lane & 3;
+    const float* scales = reinterpret_cast<const float*>(stage_scales) + warp * 16 + 2 * t;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        const float s0 = scales[8 * n], s1 = scales[8 * n + 1];
+        acc[n][0] *= s0;
+        acc[n][1] *= s1;
+        acc[n][2] *= s0;
+        acc[n][3] *= s1;
+    }
 }
 
 // The dot products of the group's 16 rows x heads with this warp's 16 columns of a staged tile: acc[n8 tile][C
@@ -260,17 +525,18 @@ __device__ __forceinline__ void store_scores(const float (&s)[2][4], float* __re
 // aligned (cp.async); scale_bits: the fp32 bits of 1 / score_divisor.
 #define QSA_SCORER_PARAMS                                                                                          \
     const unsigned short *__restrict__ q, const unsigned short *__restrict__ keys,                                 \
-        const void *__restrict__ page_table, const void *__restrict__ token_to_request,                            \
-        const void *__restrict__ query_positions, const void *__restrict__ context_lens,                           \
-        float *__restrict__ logits, int *__restrict__ visible, int num_tokens, int num_requests, int num_pages,   \
-        int num_columns, int table_width, int table_stride, int logits_stride, int page_stride, int slot_stride,   \
-        int group_rows, int splits, int ratio, int scale_bits, int wide, int aligned
+        const void *__restrict__ k_scale, const void *__restrict__ page_table,                                     \
+        const void *__restrict__ token_to_request, const void *__restrict__ query_positions,                       \
+        const void *__restrict__ context_lens, float *__restrict__ logits, int *__restrict__ visible,              \
+        int num_tokens, int num_requests, int num_pages, int num_columns, int table_width, int table_stride,       \
+        int logits_stride, int page_stride, int slot_stride, int group_rows, int splits, int ratio,               \
+        int scale_bits, int wide, int aligned
 #define QSA_SCORER_ARGS                                                                                           \
-    q, keys, page_table, token_to_request, query_positions, context_lens, logits, visible, num_tokens,             \
+    q, keys, k_scale, page_table, token_to_request, query_positions, context_lens, logits, visible, num_tokens,    \
         num_requests, num_pages, num_columns, table_width, table_stride, logits_stride, page_stride, slot_stride, \
         group_rows, splits, ratio, scale_bits, wide, aligned
 
-template <int PAGE, bool F16>
+template <int PAGE, bool F16, int KIND = QSA_KIND_16BIT>
 __device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem);
     unsigned char* tiles = reinterpret_cast<unsigned char*>(smem);
@@ -282,7 +548,10 @@ __device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
     const long long first_row = (long long)group * group_rows;
     // q first: its loads depend on nothing, so they overlap the metadata's chain (request id, then context length).
     unsigned a[QSA_K_STEPS][4];
-    load_query_fragments(q, first_row, group_rows, num_tokens, a);
+    if constexpr (KIND == QSA_KIND_16BIT)
+        load_query_fragments(q, first_row, group_rows, num_tokens, a);
+    else
+        load_query_fragments_quant<KIND>(q, first_row, group_rows, num_tokens, a);
     if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
         int req = -1, vis = 0;
         if ((int)threadIdx.x < group_rows)
@@ -294,9 +563,11 @@ __device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
             visible[first_row + threadIdx.x] = vis;
     }
     __syncthreads();
-    const float scale = __uint_as_float((unsigned)scale_bits);
+    // fp8 keys in fp16 are the values times 2**-8 (e4m3x16_to_pairs): times 2**8 here, exactly.
+    const float scale =
+        __uint_as_float((unsigned)scale_bits) * (KIND == QSA_KIND_FP8 && F16 ? 256.0f : 1.0f);
     KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,
-                     slot_stride, aligned != 0};
+                     slot_stride, aligned != 0, static_cast<const unsigned char*>(k_scale)};
     // Once per distinct request of the group (at its first row that sees anything).
     for (int i = 0; i < group_rows; ++i) {
         const int req = s_req[i];
@@ -322,7 +593,8 @@ __device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
 #pragma unroll 1
         for (int s = 0; s < QSA_STAGES - 1; ++s) {
             if (begin + s < end)
-                issue_tile<PAGE>(src, begin + s, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
+                stage_tile<PAGE, KIND>(src, begin + s, req_visible, tiles + s * QSA_TILE_BYTES,
+                                       flags + s * QSA_TILE);
             cp_async_commit();
         }
         for (int tile = begin; tile < end; ++tile) {
@@ -331,13 +603,18 @@ __device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
             const int next = tile + QSA_STAGES - 1;
             if (next < end) {
                 const int s = (next - begin) % QSA_STAGES;
-                issue_tile<PAGE>(src, next, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
+                stage_tile<PAGE, KIND>(src, next, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
             }
             cp_async_commit();
             const int s = (tile - begin) % QSA_STAGES;
             float acc[2][4];
-            score_tile<F16>(tiles + s * QSA_TILE_BYTES, a, acc);
+            if constexpr (KIND == QSA_KIND_16BIT)
+                score_tile<F16>(tiles + s * QSA_TILE_BYTES, a, acc);
+            else
+                score_quant_tile<F16, KIND>(tiles + s * QSA_TILE_BYTES, a, acc);
             head_sums(acc, scale);
+            if constexpr (KIND == QSA_KIND_FP8)
+                scale_columns(acc, tiles + s * QSA_TILE_BYTES + QuantKeys<QSA_KIND_FP8>::SCALES);
             store_scores(acc, logits, logits_stride, first_row, group_rows, mine, s_vis, flags + s * QSA_TILE,
                          tile);
         }
@@ -349,6 +626,11 @@ __device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
 #define QSA_SCORER_KERNEL(name, PAGE, F16)                                                                         \
     extern "C" __global__ void TOPK_LAUNCH_BOUNDS(QSA_THREADS, QSA_CTAS_PER_SM) name(QSA_SCORER_PARAMS) {       \
         score_kernel<PAGE, F16>(QSA_SCORER_ARGS);                                                                 \
+    }
+// The quantised caches' kernels: KIND QSA_KIND_FP8 or QSA_KIND_FP4, F16 the query's (and the MMA's) type.
+#define QSA_QUANT_SCORER_KERNEL(name, PAGE, F16, KIND)                                                             \
+    extern "C" __global__ void TOPK_LAUNCH_BOUNDS(QSA_THREADS, QSA_CTAS_PER_SM) name(QSA_SCORER_PARAMS) {       \
+        score_kernel<PAGE, F16, KIND>(QSA_SCORER_ARGS);                                                           \
     }
 
 #if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_bf16_page16)
@@ -362,4 +644,22 @@ QSA_SCORER_KERNEL(qsa_score_fp16_page16, 16, true)
 #endif
 #if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_fp16_page64)
 QSA_SCORER_KERNEL(qsa_score_fp16_page64, 64, true)
+#endif
+#if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_fp8_bf16_page16)
+QSA_QUANT_SCORER_KERNEL(qsa_score_fp8_bf16_page16, 16, false, QSA_KIND_FP8)
+#endif
+#if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_fp8_bf16_page64)
+QSA_QUANT_SCORER_KERNEL(qsa_score_fp8_bf16_page64, 64, false, QSA_KIND_FP8)
+#endif
+#if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_fp8_fp16_page16)
+QSA_QUANT_SCORER_KERNEL(qsa_score_fp8_fp16_page16, 16, true, QSA_KIND_FP8)
+#endif
+#if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_fp8_fp16_page64)
+QSA_QUANT_SCORER_KERNEL(qsa_score_fp8_fp16_page64, 64, true, QSA_KIND_FP8)
+#endif
+#if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_fp4_bf16_page16)
+QSA_QUANT_SCORER_KERNEL(qsa_score_fp4_bf16_page16, 16, false, QSA_KIND_FP4)
+#endif
+#if !defined(QSA_NATIVE_SINGLE) || defined(QSA_NATIVE_KERNEL_qsa_score_fp4_bf16_page64)
+QSA_QUANT_SCORER_KERNEL(qsa_score_fp4_bf16_page64, 64, false, QSA_KIND_FP4)
 #endif

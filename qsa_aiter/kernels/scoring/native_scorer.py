@@ -3,13 +3,15 @@ serve and how they are launched, declared once (``SPEC``, a ``native_spec.Native
 compiler, no driver: ``runtime/jit`` compiles, caches, loads and launches, ``runtime/native_scorer.py`` marshals a
 call into a launch and ``runtime/registries.py`` makes it the ``native`` scoring candidate).
 
-The kernels compute what the Triton scorers compute (``qsa_paged_mqa_logits``) for 16-bit key caches, 4 heads and
-head_dim 128, with ``mma.sync`` m16n8k16 on NVIDIA tensor cores (compute capability 8.0+): a CTA of 4 warps scores
-one row group (up to 4 rows of a request: rows x heads are the MMA's 16 rows) over one contiguous share of its column
-tiles, the keys staged through a 4-stage ``cp.async`` pipeline. The design and its time model are at the top of the
+The kernels compute what the Triton scorers compute (``qsa_paged_mqa_logits``) for 16-bit, fp8 (e4m3fn) and MXFP4
+key caches, 4 heads and head_dim 128, with ``mma.sync`` m16n8k16 on NVIDIA tensor cores (compute capability 8.0+): a
+CTA of 4 warps scores one row group (up to 4 rows of a request: rows x heads are the MMA's 16 rows) over one contiguous
+share of its column tiles, the keys staged through a 4-stage ``cp.async`` pipeline (quantised keys as stored, decoded
+to bf16 or fp16 in registers). The design and its time model are at the top of the
 ``.cu`` file and in docs/kernels.md.
 
-- ``VARIANTS``: one kernel per key dtype (bf16, fp16) and page size (16, 64), each one program
+- ``VARIANTS``: one kernel per cache format (``FORMATS``: bf16, fp16, fp8 with bf16 or fp16 queries, MXFP4 with
+  bf16 queries) and page size (16, 64), each one program
   (``-DQSA_NATIVE_SINGLE -DQSA_NATIVE_KERNEL_<name>``) and one JIT-cache entry per arch.
 - ``PARAMS``: the kernels' parameters, the one declaration of them (the source's ``QSA_SCORER_PARAMS``).
 - ``choose_plan(problem, platform)``: the variant, the rows per group and the column splits (``Plan``).
@@ -52,6 +54,14 @@ SHARED_BYTES = STAGES * TILE_COLUMNS * KEY_BYTES + STAGES * TILE_COLUMNS + 2 * M
 PAGE_SIZES = (16, 64)
 #: Key (and query) dtypes with a kernel, by the name in the kernel's.
 KEY_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+#: The cache formats with a kernel, as ``(kv, query dtype name)``: ``kv`` the registry's axis (``bf16``: a 16-bit
+#: cache of q's dtype; ``fp8``: e4m3fn keys with one fp32 scale a key; ``fp4``: MXFP4, dequantised to bf16, so bf16
+#: queries only: MXFP4 values leave fp16's range). The one declaration of the variants (``VARIANTS``).
+FORMATS = (("bf16", "bf16"), ("bf16", "fp16"), ("fp8", "bf16"), ("fp8", "fp16"), ("fp4", "bf16"))
+#: The cache dtype of each quantised ``kv``.
+QUANT_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp4": torch.float4_e2m1fn_x2}
+#: Bytes a key reads from HBM, by ``kv``: the key, plus its scale (fp8: one fp32; MXFP4: 4 e8m0 exponents).
+KEY_READ_BYTES = {"bf16": KEY_BYTES, "fp8": HEAD_DIM + 4, "fp4": HEAD_DIM // 2 + HEAD_DIM // 32}
 #: A CTA gets at least this many column tiles where the columns allow (its q load and pipeline fill amortised).
 MIN_TILES_PER_CTA = 2
 #: Every scalar argument is a C ``int`` (the emulator's binding passes ints; ``scale_bits`` holds an fp32's bits).
@@ -63,9 +73,12 @@ MIN_CAPABILITY = (8, 0)
 WIDE_PAGES, WIDE_REQUESTS, WIDE_POSITIONS, WIDE_CONTEXTS = 1, 2, 4, 8
 
 #: The kernels' parameters, in order: the one declaration of them (the source's ``QSA_SCORER_PARAMS`` macro is
-#: tested against it). ``q`` and ``keys`` are 16-bit elements; the metadata pointers int32 or int64 (``wide``).
+#: tested against it). ``q`` is 16-bit elements, ``keys`` the cache (16-bit elements, or bytes of fp8 and MXFP4),
+#: ``k_scale`` the quantised caches' per-key scales (4 bytes a key; the cache itself for 16-bit caches, unread); the
+#: metadata pointers int32 or int64 (``wide``).
 PARAMS = params(
-    ("q", "const unsigned short*"), ("keys", "const unsigned short*"), ("page_table", "const void*"),
+    ("q", "const unsigned short*"), ("keys", "const unsigned short*"), ("k_scale", "const void*"),
+    ("page_table", "const void*"),
     ("token_to_request", "const void*"), ("query_positions", "const void*"), ("context_lens", "const void*"),
     ("logits", "float*"), ("visible", "int*"),
     *((name, "int") for name in ("num_tokens", "num_requests", "num_pages", "num_columns", "table_width",
@@ -84,11 +97,13 @@ def source() -> str:
 
 @dataclass(frozen=True)
 class Variant:
-    """One kernel of the source: its ``extern "C"`` name, key dtype (``bf16`` or ``fp16``) and page size."""
+    """One kernel of the source: its ``extern "C"`` name, key dtype (``bf16`` or ``fp16``: the query's, and the
+    MMA's), page size and cache format ``kv`` (``bf16``: 16-bit keys of ``key_dtype``; ``fp8``; ``fp4``)."""
 
     name: str
     key_dtype: str
     page_size: int
+    kv: str = "bf16"
     threads: int = THREADS
     blocks_per_multiprocessor: int = CTAS_PER_SM
     cluster: int = 1
@@ -105,18 +120,29 @@ class Variant:
         return 65536 // (self.threads * self.blocks_per_multiprocessor)
 
 
-VARIANTS = tuple(Variant(f"qsa_score_{dtype}_page{page}", dtype, page)
-                 for dtype in ("bf16", "fp16") for page in PAGE_SIZES)
+def variant_name(kv: str, dtype: str, page_size: int) -> str:
+    """The kernel name of a format and page size: ``qsa_score_<dtype>_page<P>`` for 16-bit caches,
+    ``qsa_score_<kv>_<query dtype>_page<P>`` for quantised ones."""
+    return f"qsa_score_{dtype}_page{page_size}" if kv == "bf16" else f"qsa_score_{kv}_{dtype}_page{page_size}"
+
+
+VARIANTS = tuple(Variant(variant_name(kv, dtype, page), dtype, page, kv)
+                 for kv, dtype in FORMATS for page in PAGE_SIZES)
 BY_NAME = {variant.name: variant for variant in VARIANTS}
 
 
-def variant_for(key_dtype: torch.dtype, page_size: int) -> Variant:
-    """The kernel of ``key_dtype`` (bf16, fp16) keys in pages of ``page_size``; ``ValueError`` where none is."""
-    name = KEY_DTYPES.get(key_dtype)
-    if name is None or page_size not in PAGE_SIZES:
-        raise ValueError(f"no native scorer kernel for {key_dtype} keys in pages of {page_size} (kernels: "
-                         f"{', '.join(KEY_DTYPES.values())} keys, pages of {', '.join(map(str, PAGE_SIZES))})")
-    return BY_NAME[f"qsa_score_{name}_page{page_size}"]
+def variant_for(key_dtype: torch.dtype, page_size: int, q_dtype: torch.dtype | None = None) -> Variant:
+    """The kernel of a cache of ``key_dtype`` (bf16, fp16; or ``float8_e4m3fn`` / ``float4_e2m1fn_x2`` with queries
+    of ``q_dtype``) in pages of ``page_size``; ``ValueError`` where none is."""
+    kv = next((name for name, dtype in QUANT_CACHE_DTYPES.items() if dtype == key_dtype), "bf16")
+    name = KEY_DTYPES.get(key_dtype if kv == "bf16" else q_dtype)
+    found = BY_NAME.get(variant_name(kv, name, page_size)) if name is not None else None
+    if found is None:
+        with_q = "" if kv == "bf16" else f" with {q_dtype} queries"
+        formats = ", ".join(dtype if kv == "bf16" else f"{kv} ({dtype} q)" for kv, dtype in FORMATS)
+        raise ValueError(f"no native scorer kernel for {key_dtype} keys{with_q} in pages of {page_size} (kernels: "
+                         f"{formats} keys, pages of {', '.join(map(str, PAGE_SIZES))})")
+    return found
 
 
 def variants_for(platform: Platform) -> tuple[Variant, ...]:
@@ -167,7 +193,7 @@ def choose_plan(problem, platform: Platform, splits: int | None = None) -> Plan:
     row groups (``group_rows_of``), and ``splits`` column splits per group (default: as many as fill the platform
     ``CTAS_PER_SM`` times in one wave, ``Platform.programs``, at most one per ``MIN_TILES_PER_CTA`` tiles of the
     widest row)."""
-    variant = variant_for(problem.cache_dtype, problem.block_size)
+    variant = variant_for(problem.cache_dtype, problem.block_size, problem.q_dtype)
     group_rows = group_rows_of(problem)
     row_groups = cdiv(max(problem.num_tokens, 1), group_rows)
     if splits is None:
@@ -200,9 +226,13 @@ def launch_arguments(plan: Plan, values: dict[str, int]) -> NativeLaunch:
 def shape_reasons(problem) -> list[str]:
     """Why the kernels cannot take ``problem`` (a ``ScoreProblem``), whatever the platform."""
     found = []
-    if problem.kv_dtype != "bf16":
-        found.append(f"a {str(problem.cache_dtype).removeprefix('torch.')} cache: 16-bit (bf16, fp16) caches only "
-                     "for now (fp8 and MXFP4 keys are not written yet)")
+    if problem.cache_dtype == torch.float8_e4m3fnuz:
+        found.append("a float8_e4m3fnuz cache (gfx942's fp8): the kernels decode e4m3fn (NVIDIA's fp8)")
+    elif problem.kv_dtype == "fp4" and problem.q_dtype != torch.bfloat16:
+        found.append(f"MXFP4 keys with {str(problem.q_dtype).removeprefix('torch.')} queries: the keys are "
+                     "dequantised to bf16 (their values leave fp16's range), so bf16 queries only")
+    if problem.kv_dtype == "fp4" and not problem.scale_aligned:
+        found.append("an MXFP4 scale tensor not 4-byte aligned (a key's 4 exponents are one 4-byte cp.async)")
     if problem.num_heads != HEADS:
         found.append(f"needs {HEADS} heads (got {problem.num_heads}): rows x heads fill the MMA's {MMA_ROWS} rows")
     if problem.head_dim != HEAD_DIM:
@@ -233,7 +263,7 @@ class NativeScorerSpec(NativeKernelSpec):
     name = "native_scorer"
     family = "scoring"
     description = ("native tensor-core scorer (CUDA C++ compiled at run time by NVRTC: mma.sync over rows x heads, "
-                   "keys staged by cp.async; 16-bit caches, 4 heads, head_dim 128)")
+                   "keys staged by cp.async; bf16, fp16, fp8 and MXFP4 caches, 4 heads, head_dim 128)")
     source_path = SOURCE_PATH
     variants = VARIANTS
     Config = NativeScorerConfig

@@ -462,6 +462,15 @@ inline void cp_async_16(void* dst, const void* src, unsigned src_bytes) {
     memset(dst, 0, 16);
     if (src_bytes) memcpy(dst, src, src_bytes);
 }
+inline void cp_async_4(void* dst, const void* src, unsigned src_bytes) {
+    if (emu::smem_offset(dst) % 4) emu::fail("a 4-byte cp.async to shared memory that is not 4-byte aligned");
+    emu::smem_offset(static_cast<char*>(dst) + 3);
+    if (src_bytes > 4) emu::fail("a 4-byte cp.async of more than 4 bytes");
+    if (src_bytes && reinterpret_cast<uintptr_t>(src) % 4)
+        emu::fail("a 4-byte cp.async from a global address that is not 4-byte aligned");
+    memset(dst, 0, 4);
+    if (src_bytes) memcpy(dst, src, src_bytes);
+}
 inline void cp_async_commit() {}
 template <int N>
 inline void cp_async_wait() {}

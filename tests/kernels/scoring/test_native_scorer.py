@@ -69,6 +69,12 @@ def test_the_source_spells_the_declared_parameters_and_constants():
         assert re.search(rf"#define {macro} (\d+)\n", text).group(1) == str(value), macro
     # Both headers are spliced in (the JIT key's hash covers them) and no include is left.
     assert '#line 1 "native_compat.h"' in text and '#line 1 "native_mma.h"' in text and "#include" not in text
+    # Each declared variant is instantiated once, with its page size, query type and cache format.
+    kinds = {"bf16": None, "fp8": "QSA_KIND_FP8", "fp4": "QSA_KIND_FP4"}
+    instantiated = {m[0]: m[1:] for m in re.findall(
+        r"\nQSA_(?:QUANT_)?SCORER_KERNEL\((\w+), (\d+), (true|false)(?:, (\w+))?\)", text)}
+    assert instantiated == {v.name: (str(v.page_size), "true" if v.key_dtype == "fp16" else "false",
+                                     kinds[v.kv] or "") for v in ns.VARIANTS}
     binding = {name: (pointers, count) for name, pointers, count in ns.SPEC.emulator_kernels()}
     assert set(binding) == set(ns.BY_NAME)
     assert binding["qsa_score_bf16_page64"] == (tuple(c for _, c in ns.POINTERS), len(ns.SCALARS))
@@ -76,14 +82,20 @@ def test_the_source_spells_the_declared_parameters_and_constants():
 
 def test_variants_targets_and_the_catalog():
     assert [v.name for v in ns.variants_for(SM90)] == [
-        "qsa_score_bf16_page16", "qsa_score_bf16_page64", "qsa_score_fp16_page16", "qsa_score_fp16_page64"]
+        "qsa_score_bf16_page16", "qsa_score_bf16_page64", "qsa_score_fp16_page16", "qsa_score_fp16_page64",
+        "qsa_score_fp8_bf16_page16", "qsa_score_fp8_bf16_page64", "qsa_score_fp8_fp16_page16",
+        "qsa_score_fp8_fp16_page64", "qsa_score_fp4_bf16_page16", "qsa_score_fp4_bf16_page64"]
     assert ns.variants_for(Platform("sm_75", "cuda", (7, 5), 40, False)) == ()
     assert ns.variants_for(Platform.named("gfx942")) == () and ns.variants_for(Platform.named("gfx950")) == ()
     assert ns.SPEC.defines(ns.BY_NAME["qsa_score_fp16_page16"], "sm_90") == (
         "QSA_NATIVE_SINGLE", "QSA_NATIVE_KERNEL_qsa_score_fp16_page16", *target_of("sm_90").defines)
     assert ns.variant_for(torch.float16, 64).name == "qsa_score_fp16_page64"
+    assert ns.variant_for(torch.float8_e4m3fn, 16, torch.float16).name == "qsa_score_fp8_fp16_page16"
+    assert ns.variant_for(torch.float4_e2m1fn_x2, 64, torch.bfloat16).name == "qsa_score_fp4_bf16_page64"
     with pytest.raises(ValueError, match="no native scorer kernel for torch.bfloat16 keys in pages of 32"):
         ns.variant_for(torch.bfloat16, 32)
+    with pytest.raises(ValueError, match="float4_e2m1fn_x2 keys with torch.float16 queries"):
+        ns.variant_for(torch.float4_e2m1fn_x2, 64, torch.float16)
     assert catalog.native_spec_named("native_scorer") is ns.SPEC
     assert all(v.max_registers == 170 for v in ns.VARIANTS)
 
@@ -124,8 +136,13 @@ def test_launch_arguments_come_in_the_declared_order():
 def test_reasons_name_what_it_does_not_serve():
     good = example_problem()
     assert ns.SPEC.reasons(good, SM90) == []
+    for kv, dtype in (("fp8", torch.float8_e4m3fn), ("fp4", torch.float4_e2m1fn_x2)):
+        assert ns.SPEC.reasons(example_problem(kv_dtype=kv, cache_dtype=dtype), SM90) == [], kv
     cases = [
-        (dict(kv_dtype="fp8", cache_dtype=torch.float8_e4m3fn), "16-bit (bf16, fp16) caches only"),
+        (dict(kv_dtype="fp8", cache_dtype=torch.float8_e4m3fnuz), "float8_e4m3fnuz cache (gfx942's fp8)"),
+        (dict(kv_dtype="fp4", cache_dtype=torch.float4_e2m1fn_x2, q_dtype=torch.float16),
+         "MXFP4 keys with float16 queries"),
+        (dict(kv_dtype="fp4", cache_dtype=torch.float4_e2m1fn_x2, scale_aligned=False), "not 4-byte aligned"),
         (dict(num_heads=8), "needs 4 heads (got 8)"),
         (dict(head_dim=64), "needs head_dim 128 (got 64)"),
         (dict(block_size=32), "needs pages of 16 or 64 groups (got 32)"),
@@ -165,7 +182,7 @@ def test_the_registry_ranks_it_after_the_triton_scorers_and_forcing_it_names_its
 
 def test_a_recorded_native_launch_replays_with_the_scorers_addresses():
     """``ScoringPlan.of`` keeps the native scorer's recorded launch (a ``PreparedLaunch``, named
-    ``native_scorer``) and replays it with the Triton scorers' ten addresses, passing its own eight by name."""
+    ``native_scorer``) and replays it with the Triton scorers' ten addresses, passing its own nine by name."""
 
     class Recorded:
         name = NATIVE_SCORER_LAUNCH
@@ -182,7 +199,7 @@ def test_a_recorded_native_launch_replays_with_the_scorers_addresses():
     recorded = Recorded()
     plan = ScoringPlan.of(example_problem(), [recorded])
     plan.launch(*range(100, 110))  # q, k, ks, pt, t2r, pos, ctx, out, vis, hist
-    assert recorded.calls == [(100, 101, 103, 104, 105, 106, 107, 108)]
+    assert recorded.calls == [(100, 101, 102, 103, 104, 105, 106, 107, 108)]
     recorded.name = "other"
     assert ScoringPlan.of(example_problem(), [recorded]) is None
 
@@ -224,7 +241,7 @@ def emulate(batch, hints: dict, *, splits: int | None = None, order_seed: int = 
     divisor = math.sqrt(problem.head_dim) if score_divisor is None else score_divisor
     score = ScoreArgs(batch.q, batch.compressed_k_cache, batch.page_table, batch.token_to_request,
                       batch.query_positions, batch.context_lens, logits, visible, problem.num_columns,
-                      problem.compress_ratio, 1.0 / divisor)
+                      problem.compress_ratio, 1.0 / divisor, batch.k_scale)
     plan = ns.choose_plan(problem, SM90, splits=splits)
     emulated_score(problem, score, plan, order_seed)
     return logits, visible, plan
@@ -234,7 +251,7 @@ def check_emulated(batch, hints: dict, **kwargs):
     """``emulate`` against the reference on ``[0, visible)``, and nothing written past it."""
     logits, visible, plan = emulate(batch, hints, **kwargs)
     extra = {"score_divisor": kwargs["score_divisor"]} if kwargs.get("score_divisor") else {}
-    ref_logits, ref_visible = reference_paged_mqa_logits(*batch.args(), **extra)
+    ref_logits, ref_visible = reference_paged_mqa_logits(*batch.args(), **extra, **batch.kwargs())
     assert_matches_reference(logits, visible, ref_logits, ref_visible, rtol=TOL, atol=TOL, label=plan.describe())
     past = torch.arange(logits.shape[1])[None, :] >= visible.long()[:, None]
     assert torch.isnan(logits[past]).all(), "the kernel wrote a column at or past a row's visible count"
@@ -339,6 +356,140 @@ def test_emulated_scores_do_not_depend_on_the_split_the_group_or_the_thread_orde
         assert torch.equal(visible_bits(alone, seen), visible_bits(logits[t:t + 1], visible[t:t + 1])), t
 
 
+# Quantised caches: (cache format, query dtype) of each quantised kernel.
+QUANT_FORMATS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp4", torch.bfloat16)]
+QUANT_IDS = ["fp8-bf16q", "fp8-fp16q", "fp4-bf16q"]
+
+
+def poison_keys(batch, slots):
+    """The keys at ``slots`` (``(page, offset)`` index tensors or ints) dequantised to NaN: fp8 a NaN scale and NaN
+    codes, MXFP4 e8m0's NaN exponent (255) and zero codes, 16-bit caches NaN values."""
+    cache, scale = batch.compressed_k_cache, batch.k_scale
+    if cache.dtype == torch.float8_e4m3fn:
+        cache.view(torch.uint8)[slots] = 0x7F
+        scale[slots] = float("nan")
+    elif cache.dtype == torch.float4_e2m1fn_x2:
+        cache.view(torch.uint8)[slots] = 0
+        scale.view(torch.uint8)[slots] = 255
+    else:
+        cache[slots] = float("nan")
+
+
+def assert_matches_with_nans(logits, visible, ref_logits, ref_visible, label=""):
+    """``assert_matches_reference``, where the reference's NaN scores must be NaN in ``logits`` too."""
+    region = torch.arange(logits.shape[1])[None, :] < visible.long()[:, None]
+    nan = torch.isnan(ref_logits) & region
+    assert torch.isnan(logits[nan]).all(), f"{label}: a NaN key did not give a NaN score"
+    assert_matches_reference(torch.where(nan, 0.0, logits), visible, torch.where(nan, 0.0, ref_logits), ref_visible,
+                             rtol=TOL, atol=TOL, label=label)
+    return nan
+
+
+@needs_emulator
+@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64), ids=("int32", "int64"))
+@pytest.mark.parametrize("page_size", (16, 64))
+@pytest.mark.parametrize("cache,dtype", QUANT_FORMATS, ids=QUANT_IDS)
+def test_emulated_quantised_caches_match_the_dequantised_reference(rng, cache, dtype, page_size, index_dtype):
+    """fp8 (bf16 and fp16 queries) and MXFP4 caches against the reference on the dequantised cache: verify batches
+    (groups straddle requests, padded rows) in int32 and int64 metadata, and a draft batch."""
+    batch, hints = phase_batch("verify", page_size, rng, head_dim=128, cache=cache, dtype=dtype)
+    _, _, plan = check_emulated(widened(batch, index_dtype), hints)
+    assert plan.variant.kv == cache and plan.variant.key_dtype == ns.KEY_DTYPES[dtype]
+    if index_dtype == torch.int64:
+        batch, hints = phase_batch("draft", page_size, rng, head_dim=128, cache=cache, dtype=dtype)
+        check_emulated(batch, hints)
+
+
+@needs_emulator
+@pytest.mark.parametrize("page_size", (16, 64))
+@pytest.mark.parametrize("cache,dtype", QUANT_FORMATS, ids=QUANT_IDS)
+def test_emulated_quantised_bad_pages_nan_keys_and_identical_keys(rng, cache, dtype, page_size):
+    """Bad page ids score -inf and are never read (the unused pages' keys are NaN); a NaN key (fp8: a NaN scale, or
+    NaN codes under a finite scale; MXFP4: exponent 255) scores NaN in its column only; identical keys score bitwise
+    alike and a row scored alone equals it in its group."""
+    batch = widened(make_batch([1500, 1100, 700], 3, page_size=page_size, cache=cache, dtype=dtype, generator=rng,
+                               spare_pages=4), torch.int64)
+    table, pages = batch.page_table, batch.compressed_k_cache.shape[0]
+    used = set(table[table >= 0].tolist())
+    spare = [p for p in range(pages) if p not in used]
+    poison_keys(batch, torch.tensor(spare))  # unread: no bad id below may reach them
+    bad = [(0, 1, -3), (1, 0, pages), (2, 0, 2**32 + spare[0])]
+    for r, slot, value in bad:
+        table[r, slot] = value
+    # NaN keys: request 1's column page_size + 3; fp8: request 2's column page_size + 5 has a NaN code, finite scale.
+    poison_keys(batch, (int(table[1, 1]), 3))
+    if cache == "fp8":
+        batch.compressed_k_cache.view(torch.uint8)[int(table[2, 1]), 5, 0, 17] = 0xFF
+    # Identical keys: request 0's pages 2 and 3 all hold one key.
+    codes, scales = batch.compressed_k_cache.view(torch.uint8), batch.k_scale
+    scales = scales.view(torch.uint8) if scales.dtype.itemsize == 1 else scales
+    key, scale = codes[int(table[0, 2]), 1].clone(), scales[int(table[0, 2]), 1].clone()
+    for page in table[0, 2:4].tolist():
+        codes[page], scales[page] = key, scale
+    hints = dict(max_query_len=3, **batch.kwargs())
+    logits, visible, _ = emulate(batch, hints)
+    ref_logits, ref_visible = reference_paged_mqa_logits(*batch.args(), **batch.kwargs())
+    nan = assert_matches_with_nans(logits, visible, ref_logits, ref_visible, label=f"{cache}/page{page_size}")
+    nan_columns = {(1, page_size + 3)} | ({(2, page_size + 5)} if cache == "fp8" else set())
+    assert {(int(batch.token_to_request[t]), c) for t, c in torch.nonzero(nan).tolist()} == nan_columns
+    past = torch.arange(logits.shape[1])[None, :] >= visible.long()[:, None]
+    assert torch.isnan(logits[past]).all(), "the kernel wrote a column at or past a row's visible count"
+    for r, slot, _ in bad:
+        for t in torch.nonzero(batch.token_to_request == r).flatten().tolist():
+            lo, hi = slot * page_size, min((slot + 1) * page_size, int(visible[t]))
+            assert hi > lo and torch.isneginf(logits[t, lo:hi]).all(), (r, slot, t)
+    for t in range(3):
+        same = logits[t, 2 * page_size:4 * page_size]
+        assert torch.equal(same.view(torch.int32), same[:1].expand_as(same).contiguous().view(torch.int32)), t
+    for t in (1, 4):
+        row = ScoringBatch(batch.q[t:t + 1], batch.compressed_k_cache, table, batch.token_to_request[t:t + 1],
+                           batch.query_positions[t:t + 1], batch.context_lens, batch.compress_ratio, 1, 0,
+                           k_scale=batch.k_scale)
+        alone, seen, plan = emulate(row, dict(phase="decode", **row.kwargs()))
+        assert plan.group_rows == 1 and seen.item() == visible[t].item()
+        assert torch.equal(visible_bits(alone, seen), visible_bits(logits[t:t + 1], visible[t:t + 1])), t
+
+
+@needs_emulator
+@pytest.mark.parametrize("cache", ("fp8", "fp4"))
+def test_emulated_quantised_caches_strided_and_unaligned(rng, cache):
+    """A quantised cache that is a view of a wider byte buffer: at 16-byte strides (cp.async) and at an odd offset
+    and slot stride (byte loads)."""
+    batch = make_batch([800, 1300], [2, 3], page_size=16, cache=cache, generator=rng)
+    raw = batch.compressed_k_cache.view(torch.uint8)
+    key = raw.shape[-1]
+    dtype = batch.compressed_k_cache.dtype
+    for width, offset in ((key + 48, 16), (key + 11, 3)):
+        wide = torch.full((*raw.shape[:3], width), 0x7F, dtype=torch.uint8)
+        wide[..., offset:offset + key] = raw
+        batch.compressed_k_cache = wide[..., offset:offset + key].view(dtype)
+        check_emulated(batch, dict(max_query_len=3, **batch.kwargs()))
+
+
+@needs_emulator
+def test_emulated_mxfp4_exponent_extremes_match_the_dequantiser(rng):
+    """MXFP4 blocks at e8m0 exponents 0 (2**-127: bf16 subnormals), 1, 127, 200, 250 and 254 (6 x 2**127 overflows
+    to inf in fp32 and bf16, as in the dequantised cache): the scores match the reference on the dequantised cache,
+    infinities and NaNs included."""
+    batch = make_batch([600], [2], page_size=16, cache="fp4", generator=rng)
+    exps = batch.k_scale.view(torch.uint8)
+    page = int(batch.page_table[0, 0])
+    for slot, e in enumerate((0, 1, 127, 200, 254, 250)):
+        exps[page, slot, 0, :] = e
+    codes = batch.compressed_k_cache.view(torch.uint8)
+    codes[page, 4] = 0x77  # all 6 under 2**127: inf
+    codes[page, 5] = 0
+    codes[page, 5, 0, 0] = 0x01  # one 0.5 under 2**123: finite
+    batch.q.abs_()  # positive dots: the inf of exponent 254 stays inf
+    logits, visible, _ = emulate(batch, dict(max_query_len=2, **batch.kwargs()))
+    ref_logits, ref_visible = reference_paged_mqa_logits(*batch.args(), **batch.kwargs())
+    inf = torch.isposinf(ref_logits[:, :6])
+    assert inf[:, 4].all() and not inf[:, 5].any()
+    assert torch.equal(torch.isposinf(logits[:, :6]), inf)
+    assert_matches_with_nans(torch.where(torch.isposinf(logits), 0.0, logits), visible,
+                             torch.where(torch.isposinf(ref_logits), 0.0, ref_logits), ref_visible, label="fp4 exps")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # NVRTC
 # ---------------------------------------------------------------------------------------------------------------
@@ -383,7 +534,7 @@ def check_gpu(monkeypatch, batch, hints: dict, label: str):
     args = batch.args()
     assert qsa_aiter.selected_kernel(*args, **hints) == "native", qsa_aiter.explain(*args, **hints)
     logits, visible = run_poisoned(args, **hints)
-    ref_logits, ref_visible = reference_paged_mqa_logits(*args)
+    ref_logits, ref_visible = reference_paged_mqa_logits(*args, **batch.kwargs())
     assert_matches_reference(logits, visible, ref_logits, ref_visible, rtol=GPU_TOL, atol=GPU_TOL, label=label)
     return logits, visible
 
@@ -397,6 +548,64 @@ def check_gpu(monkeypatch, batch, hints: dict, label: str):
 def test_gpu_phases_match_the_reference(monkeypatch, rng, phase, page_size, dtype, index_dtype):
     batch, hints = phase_batch(phase, page_size, rng, head_dim=128, dtype=dtype, device="cuda")
     check_gpu(monkeypatch, widened(batch, index_dtype), hints, f"native/{phase}/page{page_size}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64), ids=("int32", "int64"))
+@pytest.mark.parametrize("page_size", (16, 64))
+@pytest.mark.parametrize("cache,dtype", QUANT_FORMATS, ids=QUANT_IDS)
+@pytest.mark.parametrize("phase", ("verify", "draft", "decode"))
+def test_gpu_quantised_caches_match_the_dequantised_reference(monkeypatch, rng, phase, cache, dtype, page_size,
+                                                              index_dtype):
+    batch, hints = phase_batch(phase, page_size, rng, head_dim=128, cache=cache, dtype=dtype, device="cuda")
+    check_gpu(monkeypatch, widened(batch, index_dtype), hints, f"native/{phase}/{cache}/page{page_size}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("page_size", (16, 64))
+@pytest.mark.parametrize("cache,dtype", QUANT_FORMATS, ids=QUANT_IDS)
+def test_gpu_quantised_bad_pages_nan_keys_identical_keys(monkeypatch, rng, cache, dtype, page_size):
+    """On the GPU: bad page ids -inf (the unused pages' keys NaN, never read), NaN keys NaN in their column only,
+    identical keys bitwise alike, each row alone bitwise as in its group, a strided view of the cache."""
+    batch = widened(make_batch([1500, 1100, 700], 3, page_size=page_size, cache=cache, dtype=dtype, generator=rng,
+                               spare_pages=4, device="cuda"), torch.int64)
+    table, pages = batch.page_table, batch.compressed_k_cache.shape[0]
+    used = set(table[table >= 0].tolist())
+    poison_keys(batch, torch.tensor([p for p in range(pages) if p not in used], device="cuda"))
+    for r, slot, value in [(0, 1, -3), (1, 0, pages), (2, 0, 2**32 + 1)]:
+        table[r, slot] = value
+    poison_keys(batch, (int(table[1, 1]), 3))
+    codes, scales = batch.compressed_k_cache.view(torch.uint8), batch.k_scale
+    scales = scales.view(torch.uint8) if scales.dtype.itemsize == 1 else scales
+    key, scale = codes[int(table[0, 2]), 1].clone(), scales[int(table[0, 2]), 1].clone()
+    for page in table[0, 2:4].tolist():
+        codes[page], scales[page] = key, scale
+    force_backend(monkeypatch, "native")
+    hints = dict(max_query_len=3, **batch.kwargs())
+    assert qsa_aiter.selected_kernel(*batch.args(), **hints) == "native", qsa_aiter.explain(*batch.args(), **hints)
+    logits, visible = run_poisoned(batch.args(), **hints)
+    ref_logits, ref_visible = reference_paged_mqa_logits(*batch.args(), **batch.kwargs())
+    region = torch.arange(logits.shape[1], device="cuda")[None, :] < visible.long()[:, None]
+    nan = torch.isnan(ref_logits) & region
+    assert nan.any() and torch.isnan(logits[nan]).all()
+    assert_matches_reference(torch.where(nan, 0.0, logits), visible, torch.where(nan, 0.0, ref_logits), ref_visible,
+                             rtol=GPU_TOL, atol=GPU_TOL, label=f"native/{cache}/page{page_size}")
+    for t in range(3):
+        same = logits[t, 2 * page_size:4 * page_size]
+        assert torch.equal(same, same[:1].expand_as(same)), t
+    for t in range(batch.q.shape[0]):
+        args = (batch.q[t:t + 1], batch.compressed_k_cache, table, batch.token_to_request[t:t + 1],
+                batch.query_positions[t:t + 1], batch.context_lens, batch.compress_ratio)
+        alone, seen = run_poisoned(args, phase="decode", max_query_len=1, **batch.kwargs())
+        assert torch.equal(visible_bits(alone, seen), visible_bits(logits[t:t + 1], visible[t:t + 1])), t
+    raw = codes
+    wide = torch.full((*raw.shape[:3], raw.shape[-1] + 48), 0x7F, dtype=torch.uint8, device="cuda")
+    wide[..., 16:16 + raw.shape[-1]] = raw
+    batch.compressed_k_cache = wide[..., 16:16 + raw.shape[-1]].view(batch.compressed_k_cache.dtype)
+    strided, seen = run_poisoned(batch.args(), **hints)
+    assert torch.equal(visible_bits(strided, seen), visible_bits(logits, visible))
 
 
 @pytest.mark.gpu
