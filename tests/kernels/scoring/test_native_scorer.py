@@ -299,19 +299,22 @@ def test_emulated_bad_page_ids_score_minus_inf(rng, page_size):
 
 
 @needs_emulator
-def test_emulated_metadata_past_32_bits_and_visible_clamped(rng):
+@pytest.mark.parametrize("cache", (None, "fp8", "fp4"), ids=("16bit", "fp8", "fp4"))
+def test_emulated_metadata_past_32_bits_and_visible_clamped(rng, cache):
     """int64 positions and context lengths past 2**31 (visible clamped to the columns), a position of -1 and a
-    request id past the requests (rows that see nothing), an int32 position of 2**31 - 1."""
-    batch = widened(make_batch([900, 1200, 400], 2, page_size=16, generator=rng, table_width=30), torch.int64)
+    request id past the requests (rows that see nothing), an int32 position of 2**31 - 1; 16-bit and quantised
+    caches."""
+    batch = widened(make_batch([900, 1200, 400], 2, page_size=16, generator=rng, table_width=30, cache=cache),
+                    torch.int64)
     batch.context_lens[1] = 2**34
     batch.query_positions[2] = 2**33
     batch.query_positions[0] = -1
     batch.token_to_request[5] = 7
-    _, visible, _ = check_emulated(batch, dict(max_query_len=2))
+    _, visible, _ = check_emulated(batch, dict(max_query_len=2, **batch.kwargs()))
     assert visible[2].item() == 30 * 16 and visible[0].item() == 0 and visible[5].item() == 0
-    narrow = widened(make_batch([900], 1, page_size=64, generator=rng), torch.int32)
+    narrow = widened(make_batch([900], 1, page_size=64, generator=rng, cache=cache), torch.int32)
     narrow.query_positions[0] = 2**31 - 1
-    check_emulated(narrow, dict(phase="decode"))
+    check_emulated(narrow, dict(phase="decode", **narrow.kwargs()))
 
 
 @needs_emulator
