@@ -15,12 +15,12 @@
 // Quantised caches read fewer bytes a column: fp8 128 + 4 (its scale), MXFP4 64 + 4 (its 4 exponents), so the same
 // call's floor is 38.9 MB, 11.6 us (fp8) and 20.1 MB, 6.0 us (MXFP4).  Their price is the decode, in registers, per
 // element: fp8 to bf16 about 4 integer ops and one fp32 multiply (fp8 to fp16 2 integer ops: the scale's 2**8 is
-// folded into the epilogue), MXFP4 about 4 integer ops and two fp32 multiplies; 64 elements a lane a tile: about 300
-// (fp8) and 380 (MXFP4) instructions a warp a tile against 16 MMAs, 300 and 380 cycles of an SM's 4 schedulers for a
-// CTA's 4 warps (0.17 and 0.22 us at 1.75 GHz).  A tile of 64 keys arrives in about 0.33 us (fp8, 8.4 KB) or 0.17 us
-// (MXFP4, 4.3 KB) at an SM's share of the bandwidth: fp8 stays under the HBM floor with room, MXFP4 is about 30%
-// issue-bound past it (estimates, not measured: the decode is the part to shave next, with byte permutes and packed
-// 16-bit FMAs as the Triton scorers' PTX decoders do).
+// folded into the epilogue), MXFP4 about 4 integer ops and one fp32 multiply (two for exponents past 128); 64
+// elements a lane a tile: about 300 (fp8) and 320 (MXFP4) instructions a warp a tile against 16 MMAs, 300 and 320
+// cycles of an SM's 4 schedulers for a CTA's 4 warps (0.17 and 0.18 us at 1.75 GHz).  A tile of 64 keys arrives in
+// about 0.33 us (fp8, 8.4 KB) or 0.17 us (MXFP4, 4.3 KB) at an SM's share of the bandwidth: fp8 stays under the HBM
+// floor with room, MXFP4 about at it (estimates, not measured: the decode is the part to shave next, with byte
+// permutes and packed 16-bit FMAs as the Triton scorers' PTX decoders do).
 // The MMAs are few (M = 16: 64 m16n8k16 per 16 KB tile, about a tenth of the time the tile takes to arrive from
 // HBM at an SM's share of the bandwidth), so the kernel is built to keep enough key bytes in flight: a 4-stage
 // cp.async pipeline per CTA and 3 CTAs per SM (3 x 3 tiles of 16 KB ahead per SM, far above bandwidth x latency).
@@ -390,26 +390,36 @@ __device__ __forceinline__ void e4m3x16_to_pairs(const uint4& v, unsigned (&b)[8
     }
 }
 
-// An e2m1 code (bits 0..3 of x) times the MX block's factor 2**(e - 127), as fp32 and as qsa_aiter's dequantiser
-// computes it: the code placed under fp32's exponent field is the value times 2**-126, times 2**126, times `factor`
-// (exact: e2m1 values have 2 significant bits; e = 0 gives 2**-127 (a subnormal, 0.5 x 2**-127 is one too), e = 255
-// gives inf: a zero code then scores NaN, others inf, as the dequantised cache does; values past fp32's range, from
-// e >= 254, are inf as in the dequantised cache).
-__device__ __forceinline__ float e2m1_value(unsigned x, float factor) {
-    return __uint_as_float(((x & 7u) << 22) | ((x & 8u) << 28)) * __uint_as_float(0x7E800000u) * factor;
+// An e2m1 code (bits 0..3 of x) placed under fp32's exponent field: the value times 2**-126 (0.5 gives the subnormal
+// 2**-127; exact).
+__device__ __forceinline__ float e2m1_times_2_126(unsigned x) {
+    return __uint_as_float(((x & 7u) << 22) | ((x & 8u) << 28));
 }
 
-// 16 bytes of MXFP4 (32 elements of one MX block, element 2i the low nibble of byte i) with the block's exponent `e`
-// as 16 registers of bf16 pairs (b[i] = elements 2i, 2i + 1): every value exact in bf16 (fp32's exponent range, 2
-// significant bits), the top half of its fp32.
+// 16 bytes of MXFP4 (32 elements of one MX block, element 2i the low nibble of byte i) with the block's e8m0 exponent
+// `e` as 16 registers of bf16 pairs (b[i] = elements 2i, 2i + 1): each element e2m1 x 2**(e - 127) in fp32, then the
+// top half.  Exact, as the dequantiser computes it: e2m1 values have 2 significant bits and bf16 has fp32's exponent
+// range.  e <= 128 (every usual block): e2m1_times_2_126 x 2**(e - 1), one multiply; larger e: x 2**126 x 2**(e - 127),
+// where e >= 254 overflows the largest codes to inf and e = 255 (e8m0's NaN) is inf: a zero code gives NaN, others
+// inf, as in the dequantised cache.  e = 0: 2**-127 x 0.5 and 2**-127 are bf16 subnormals, exact.
 __device__ __forceinline__ void mxfp4x32_to_bf16_pairs(const uint4& v, unsigned e, unsigned (&b)[16]) {
-    const float factor = __uint_as_float(e ? e << 23 : 0x00400000u);
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
+    if (e <= 128u) {
+        const float factor = __uint_as_float((e + 126u) << 23);  // 2**(e - 1)
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const unsigned x = w[i / 4] >> (8 * (i % 4));
-        b[i] = (__float_as_uint(e2m1_value(x, factor)) >> 16) |
-               (__float_as_uint(e2m1_value(x >> 4, factor)) & 0xFFFF0000u);
+        for (int i = 0; i < 16; ++i) {
+            const unsigned x = w[i / 4] >> (8 * (i % 4));
+            b[i] = (__float_as_uint(e2m1_times_2_126(x) * factor) >> 16) |
+                   (__float_as_uint(e2m1_times_2_126(x >> 4) * factor) & 0xFFFF0000u);
+        }
+    } else {
+        const float up = __uint_as_float(0x7E800000u), factor = __uint_as_float(e << 23);  // 2**126, 2**(e - 127)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const unsigned x = w[i / 4] >> (8 * (i % 4));
+            b[i] = (__float_as_uint(e2m1_times_2_126(x) * up * factor) >> 16) |
+                   (__float_as_uint(e2m1_times_2_126(x >> 4) * up * factor) & 0xFFFF0000u);
+        }
     }
 }
 
