@@ -266,7 +266,8 @@ def test_emulated_repeats_splits_orders_and_a_row_alone_are_bitwise_alike(rng):
 @needs_emulator
 @pytest.mark.parametrize("token_topk", (32, 256))
 def test_emulated_more_requests_and_budgets(rng, token_topk):
-    batch = make_batch([2400, 700, 1900, 260, 1200], [4, 4, 1, 2, 3], page_size=16, generator=rng, padded_rows=2)
+    """~2000 columns (8000 tokens) beside short and uneven requests, budgets of 8 and 64 groups."""
+    batch = make_batch([8000, 700, 1900, 260, 1200], [4, 4, 1, 2, 3], page_size=16, generator=rng, padded_rows=2)
     for split in (1, 2, 4):
         check(batch, token_topk, dict(max_query_len=4), split=split)
 
