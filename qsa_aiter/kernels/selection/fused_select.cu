@@ -16,8 +16,8 @@
 // the whole grid is co-resident or the launch fails).  CTA b is part b % split of slot b / split; slot s takes the row
 // groups s, s + slots, ... (a group: group_rows <= 4 consecutive rows, which the host sizes to one request's rows, as
 // the scorer's).  For its group, a CTA
-//   1  loads q of the group as the MMA's A operand and the rows' visible counts (native_scorer.cu: load_query_fragments,
-//      row_visibility);
+//   1  loads q of the group as the MMA's A operand and the rows' visible counts (native_scorer.cu:
+//      load_query_fragments, row_visibility);
 //   2  cuts the group's columns [0, basis), basis = the group's widest visible count, into `split` GRID_TILE-aligned
 //      chunks (grid_topk.cu's chunk, from basis instead of the row's count: every row of the group shares the CTA's
 //      column range, so one pass over the keys scores all of them), and scores its chunk's 64-column tiles once per
@@ -114,7 +114,8 @@ __device__ __forceinline__ void fused_score(const KeySource& base, const unsigne
             req_visible = s_vis[j] > req_visible ? s_vis[j] : req_visible;
         }
         if (seen) continue;
-        src.page_row = static_cast<const char*>(base.page_row) + (long long)req * table_stride * (src.wide_pages ? 8 : 4);
+        src.page_row =
+            static_cast<const char*>(base.page_row) + (long long)req * table_stride * (src.wide_pages ? 8 : 4);
         const int last = col0 + chunk < req_visible ? col0 + chunk : req_visible;
         const int begin = col0 / QSA_TILE, end = (last + QSA_TILE - 1) / QSA_TILE;
         if (begin >= end) continue;
