@@ -15,7 +15,8 @@
 // b % split of slot b / split; slot s takes rows s, s + slots, s + 2 * slots, ...; a row's `split` CTAs each own a
 // contiguous, GRID_TILE-aligned range of its columns: chunk = round_up(ceil(n / split), GRID_TILE) columns, part j
 // the columns [j * chunk, min((j + 1) * chunk, n)).  The score source is a type (phase A below: `tile_keys`): here
-// GridLogits, the logits; in a fused kernel the scorer's tile of the same columns, written into the same keys.
+// GridLogits, the logits; in the fused kernel (fused_select.cu, through grid_row_keys) the scorer's scores of the
+// same columns, already in the keys' area.
 //
 // Method (per long row, n > K), on order-preserving keys (grid_key) with digits of 11 + 11 + 10 bits:
 //   A  every CTA reads its columns once into shared memory as keys and histograms the top 11 bits there (2048 bins,
