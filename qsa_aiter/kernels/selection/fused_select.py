@@ -227,6 +227,14 @@ def launch_arguments(plan: Plan, values: dict[str, int]) -> NativeLaunch:
                         tuple((name, "int", values[name]) for name in SCALARS))
 
 
+@dataclass(frozen=True)
+class FusedSelectConfig:
+    """The fused selection's settings in a tuned row: none (its tile, stages and CTA shape are the source's
+    constants). Its rows in the scoring table (``kernel`` = ``fused_select``, at (rows, context) buckets) carry the
+    whole call's measured time, which measured dispatch compares with the composite path's (its scoring's measured
+    row plus its top-k's) at the same bucket: where they time it faster, ``native_fused`` is chosen."""
+
+
 class FusedSelectSpec(NativeKernelSpec):
     """The fused selection, declared once: its variants, source, parameters (``PARAMS``), reasons and plans. A
     problem is a selection problem (``runtime.registries.SelectionProblem``: ``score``, ``block_topk``)."""
@@ -237,6 +245,7 @@ class FusedSelectSpec(NativeKernelSpec):
                    "cooperative launch, no logits in HBM; compiled at run time by NVRTC)")
     source_path = SOURCE_PATH
     variants = VARIANTS
+    Config = FusedSelectConfig
 
     def params_of(self, variant: Variant) -> tuple[Param, ...]:
         return PARAMS

@@ -191,6 +191,35 @@ def test_the_registry_ranks_it_after_the_composite_path_and_forcing_it_names_its
         qsa_aiter.qsa_select_paged_tokens(*args, max_query_len=4)
 
 
+def test_tuned_rows_time_it_against_the_composite_path(monkeypatch, tmp_path):
+    """Rows of ``fused_select`` in the scoring table (the whole call's time) are compared with the composite path's
+    measured scoring plus top-k at the same bucket: the faster is chosen; without the top-k's row the composite path
+    has no measurement and the order stands."""
+    from qsa_aiter.runtime.settings import get_settings
+
+    score = example_problem()
+    problem = SelectionProblem(score, 2048, score.num_tokens)
+    rows, context = score.num_tokens, score.num_columns * score.compress_ratio
+    header = "arch,kernel,kv_dtype,page_size,heads,head_dim,rows,context,us,measured,source"
+    topk = tmp_path / "topk.csv"
+    topk.write_text("arch,block_topk,rows,columns,candidate,plan,us,measured,source\n"
+                    f"sm_90,512,{rows},{score.num_columns},triton,,30.0,1,test\n")
+    serving = ["composite", CANDIDATE]
+    for fused_us, expected in ((20.0, CANDIDATE), (40.0, "composite")):
+        scoring = tmp_path / f"scoring{fused_us:.0f}.csv"  # (tables are read once per file list)
+        scoring.write_text(f"{header}\nsm_90,stacked,bf16,64,4,128,{rows},{context},1.0,1,test\n"
+                           f"sm_90,fused_select,bf16,64,4,128,{rows},{context},{fused_us},1,test\n")
+        monkeypatch.setenv("QSA_AITER_TUNED_CONFIG", f"{scoring}:{topk}")
+        chosen = registries.SELECTION.measured_choice(problem, serving, SM90, get_settings())
+        assert chosen is not None and chosen[0] == expected, chosen
+        assert "composite 31.00 us" in chosen[1] and f"{CANDIDATE} {fused_us:.2f} us" in chosen[1], chosen[1]
+        assert "scoring 1.00 us + top-k 30.00 us" in chosen[1]
+    only = tmp_path / "only.csv"
+    only.write_text(f"{header}\nsm_90,fused_select,bf16,64,4,128,{rows},{context},1.0,1,test\n")
+    monkeypatch.setenv("QSA_AITER_TUNED_CONFIG", str(only))
+    assert registries.SELECTION.measured_choice(problem, serving, SM90, get_settings()) is None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The device code, emulated
 # ---------------------------------------------------------------------------------------------------------------
