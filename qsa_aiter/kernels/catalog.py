@@ -8,12 +8,13 @@ from __future__ import annotations
 from . import cache, scoring, selection
 from .native_spec import NativeKernelSpec
 from .scoring import native_scorer
-from .selection import grid_topk, native_topk
+from .selection import fused_select, grid_topk, native_topk
 from .spec import KernelSpec
 
 SPECS: tuple[KernelSpec, ...] = scoring.SPECS + selection.SPECS + cache.SPECS
 BY_NAME: dict[str, KernelSpec] = {spec.name: spec for spec in SPECS}
-NATIVE_SPECS: tuple[NativeKernelSpec, ...] = (native_topk.SPEC, grid_topk.SPEC, native_scorer.SPEC)
+NATIVE_SPECS: tuple[NativeKernelSpec, ...] = (native_topk.SPEC, grid_topk.SPEC, native_scorer.SPEC,
+                                                fused_select.SPEC)
 NATIVE_BY_NAME: dict[str, NativeKernelSpec] = {spec.name: spec for spec in NATIVE_SPECS}
 
 

@@ -353,10 +353,14 @@ def explain_selection(call: Call) -> str:
         f"{problem.num_columns} x 4 = {4 * rows * problem.num_columns} bytes)",
         SELECTION.explain(whole),
     ]
-    if SELECTION.select(whole).chosen == "composite":
+    chosen = SELECTION.select(whole).chosen
+    if chosen == "composite":
         lines += [registries.SCORING.explain(dataclasses.replace(problem, num_tokens=min(rows, problem.num_tokens))),
                   TOPK.explain(registries.TopkProblem(problem.device_type, rows, problem.num_columns, block_topk,
                                                       fused=True))]
+    elif chosen == "native_fused":
+        lines.append("native_fused: scoring, the block top-k and the expansion in one cooperative launch (every row "
+                     "at once, no logits chunks)")
     else:
         lines.append(registries.EXPAND.explain(registries.ExpandProblem(
             problem.device_type, min(rows, problem.num_tokens), block_topk, selection.ratio, selection.token_topk)))

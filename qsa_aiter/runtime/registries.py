@@ -16,8 +16,9 @@ how they are ordered, and the host-side problem each decides from.
   Triton expansion, the torch path.
 - ``WRITER`` (``qsa_write_index_cache``): the Triton writer, the torch reference writer.
 - ``SELECTION`` (``qsa_select_paged_tokens`` as a whole): AITER's FlyDSL fused selection (``flydsl_k1``, where
-  ``ROCM_QSA_FLYDSL=1``), the composite path (scoring, then ``TOPK`` with the expansion). Forced by
-  ``QSA_AITER_SELECT_BACKEND``.
+  ``ROCM_QSA_FLYDSL=1``), the composite path (scoring, then ``TOPK`` with the expansion), the native fused
+  selection (``native_fused``: one cooperative launch, ``runtime/fused_select.py``; ranked after the composite path).
+  Forced by ``QSA_AITER_SELECT_BACKEND``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..kernels.scoring.problem import PHASES, ScoreProblem
 from ..kernels.scoring.reference import reference_paged_mqa_logits
 from ..kernels.selection import expand, topk
 from ..kernels.selection.reference import torch_block_topk, torch_expand_block_indices
-from . import grid_topk, native_scorer, native_topk, rocm, tuned
+from . import fused_select, grid_topk, native_scorer, native_topk, rocm, tuned
 from .dispatch import (ANY_PHASE, Candidate, Measurement, Registry, plan_for, register, spec_candidate,
                        table_measurement)
 from .settings import QsaSettings, get_settings
@@ -430,15 +431,56 @@ def _launch_flydsl_k1(problem: SelectionProblem, args: SelectionArgs, settings) 
     rocm.run_flydsl_k1(problem, args, expand)
 
 
-# One candidate per way of turning a call into its tokens: today the composite path (which always serves) and
-# AITER's FlyDSL K1 (opt-in: ranked first where asked for); a fused candidate of this project's own goes between
-# them by rank.
+def _launch_native_fused(problem: SelectionProblem, args: SelectionArgs, settings) -> None:
+    fused_select.fused_select(problem, args, settings)
+
+
+def _fastest_measured(registry: Registry, problem, platform: Platform, settings) -> Measurement | None:
+    """The measured time ``registry``'s measured dispatch would run for ``problem``: among its candidates with
+    tuned rows (host facts only: their reasons are not asked), the fastest at the nearest bucket; None without any."""
+    found = [m for m in (registry.candidates[name].measurement(problem, platform, settings)
+                         for name in registry.order(problem)[0] if registry.candidates[name].measurement)
+             if m is not None]
+    if not found:
+        return None
+    nearest = min(found, key=lambda m: m.distance).bucket
+    return min((m for m in found if m.bucket == nearest), key=lambda m: m.us)
+
+
+def _composite_measurement(problem: SelectionProblem, platform: Platform, settings) -> Measurement | None:
+    """The composite path's measured time: its scoring's (the scoring table's fastest measured kernel at the call's
+    (rows, context) bucket) plus its top-k's with the expansion (the top-k table's at the rows x columns bucket),
+    where both are measured; at the scoring row's bucket, where ``native_fused``'s rows are compared with it."""
+    score = problem.score
+    scoring = _fastest_measured(SCORING, score, platform, settings)
+    selecting = _fastest_measured(TOPK, TopkProblem(score.device_type, score.num_tokens, score.num_columns,
+                                                    problem.block_topk, fused=True), platform, settings)
+    if scoring is None or selecting is None:
+        return None
+    return Measurement(scoring.us + selecting.us, scoring.bucket, scoring.distance,
+                       f"{scoring.bucket_text} (scoring {scoring.us:.2f} us + top-k {selecting.us:.2f} us at "
+                       f"{selecting.bucket_text})")
+
+
+def _native_fused_measurement(problem: SelectionProblem, platform: Platform, settings) -> Measurement | None:
+    """The fused selection's measured row (``kernel`` = ``fused_select`` in the scoring table) nearest the call."""
+    return table_measurement(fused_select.kernels.SPEC.name)(problem.score, platform, settings)
+
+
+# One candidate per way of turning a call into its tokens: the composite path (which always serves), AITER's FlyDSL
+# K1 (opt-in: ranked first where asked for) and the native fused selection (scoring, top-k and expansion in one
+# cooperative launch: ranked after the composite path, so it runs where forced or where tuned rows time it faster
+# than the composite path's scoring plus top-k at the call's bucket).
 SELECTION = register(Registry("selection", "selection", (
     Candidate("flydsl_k1", rocm.FLYDSL_K1_DESCRIPTION,
               lambda problem, platform, settings: rocm.flydsl_k1_reasons(problem, settings), _launch_flydsl_k1,
               {ANY_PHASE: 10}),
     Candidate("composite", "scoring (qsa_paged_mqa_logits' registry), then the block top-k with the expansion "
               "(block top-k's registry), chunk by chunk; any device", _serves_all,
-              lambda problem, args, settings: args.composite(args, settings), {ANY_PHASE: 50}, final=True),
+              lambda problem, args, settings: args.composite(args, settings), {ANY_PHASE: 50}, final=True,
+              measurement=_composite_measurement),
+    Candidate(fused_select.CANDIDATE, fused_select.kernels.SPEC.description, fused_select.fused_select_reasons,
+              _launch_native_fused, {ANY_PHASE: 60}, describe_plan=fused_select.describe_plan,
+              measurement=_native_fused_measurement),
 ), broken_key=lambda problem: (_scoring_broken_key(problem.score), problem.token_topk),
     forced_setting="select_backend"))

@@ -15,7 +15,8 @@
 // b % split of slot b / split; slot s takes rows s, s + slots, s + 2 * slots, ...; a row's `split` CTAs each own a
 // contiguous, GRID_TILE-aligned range of its columns: chunk = round_up(ceil(n / split), GRID_TILE) columns, part j
 // the columns [j * chunk, min((j + 1) * chunk, n)).  The score source is a type (phase A below: `tile_keys`): here
-// GridLogits, the logits; in a fused kernel the scorer's tile of the same columns, written into the same keys.
+// GridLogits, the logits; in the fused kernel (fused_select.cu, through grid_row_keys) the scorer's scores of the
+// same columns, already in the keys' area.
 //
 // Method (per long row, n > K), on order-preserving keys (grid_key) with digits of 11 + 11 + 10 bits:
 //   A  every CTA reads its columns once into shared memory as keys and histograms the top 11 bits there (2048 bins,
@@ -395,17 +396,18 @@ __device__ __forceinline__ unsigned grid_emit(const unsigned* keys, int len, int
 }
 
 // ---------------------------------------------------------------------------------------
-// One row, part `part` of `split`, its scores from `source`.  Returns the slot's generation after the row's rounds.
+// One row of n visible columns, part `part` of `split`, its scores from `source` into `keys` (the CTA's keys area:
+// smem + GRID_FIXED_WORDS here, a fused kernel's per-row area there).  The parts' chunk is cut from `basis` >= n
+// (here n; in a fused kernel the row group's widest row, so that its rows share their CTAs' column ranges; the parts
+// still cover [0, n) in order, a part past n holding no column).  Returns the slot's generation after the rounds.
 template <int BLOCK, class Source>
-__device__ __forceinline__ unsigned grid_row(int row, int part, const Source& source, const int* __restrict__ visible,
-                                             int* __restrict__ out, const GridTokens& ts, unsigned* ws, int columns,
-                                             int K, int split, int width, unsigned gen, unsigned* smem) {
+__device__ __forceinline__ unsigned grid_row_keys(int row, int n, int basis, int part, const Source& source,
+                                                  int* __restrict__ out, const GridTokens& ts, unsigned* ws, int K,
+                                                  int split, int width, unsigned gen, unsigned* smem,
+                                                  unsigned* keys) {
     unsigned* H = smem;
     unsigned* s_scan = smem + GRID_SCAN_WORD;
     unsigned* s_res = smem + GRID_RES_WORD;
-    unsigned* keys = smem + GRID_FIXED_WORDS;
-    int n = visible[row];
-    n = n < 0 ? 0 : (n > columns ? columns : n);
     int* orow = out + (long long)row * K;
     if (n <= K) {  // every visible group, no score read; the row's parts share the writes
         const int first = part * BLOCK + threadIdx.x, stride = split * BLOCK;
@@ -419,7 +421,7 @@ __device__ __forceinline__ unsigned grid_row(int row, int part, const Source& so
         }
         return gen;
     }
-    const int chunk = ((n + split - 1) / split + GRID_TILE - 1) / GRID_TILE * GRID_TILE;
+    const int chunk = ((basis + split - 1) / split + GRID_TILE - 1) / GRID_TILE * GRID_TILE;
     const int col0 = part * chunk;
     const int len = n - col0 < 0 ? 0 : (n - col0 > chunk ? chunk : n - col0);
     source.template tile_keys<BLOCK>(row, col0, len, keys, H);
@@ -486,6 +488,17 @@ __device__ __forceinline__ unsigned grid_row(int row, int part, const Source& so
     }
     __syncthreads();  // H, keys and s_res are free for the next row
     return gen;
+}
+
+// One row of the logits: its visible count read and clamped, its keys in the CTA's keys area.
+template <int BLOCK, class Source>
+__device__ __forceinline__ unsigned grid_row(int row, int part, const Source& source, const int* __restrict__ visible,
+                                             int* __restrict__ out, const GridTokens& ts, unsigned* ws, int columns,
+                                             int K, int split, int width, unsigned gen, unsigned* smem) {
+    int n = visible[row];
+    n = n < 0 ? 0 : (n > columns ? columns : n);
+    return grid_row_keys<BLOCK>(row, n, n, part, source, out, ts, ws, K, split, width, gen, smem,
+                                smem + GRID_FIXED_WORDS);
 }
 
 // Kernel parameters: the pointers, then the scalars (the launcher passes them in this order).  tokens == nullptr: no

@@ -73,7 +73,7 @@ def test_no_cluster_is_planned_on_rocm_and_explain_says_why():
 
 def test_the_catalog_names_every_kernel():
     assert catalog.native_spec_named("native_topk") is SPEC
-    with pytest.raises(ValueError, match="kernel must be one of native_topk, grid_topk, native_scorer; got 'x'"):
+    with pytest.raises(ValueError, match="kernel must be one of native_topk, grid_topk, native_scorer, fused_select; got 'x'"):
         catalog.native_spec_named("x")
     names = [s.name for s in catalog.SPECS] + [s.name for s in catalog.NATIVE_SPECS]
     assert len(names) == len(set(names))

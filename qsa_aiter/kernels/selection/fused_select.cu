@@ -1,0 +1,243 @@
+// fused_select.cu -- the indexer step in one launch: scoring on the tensor cores (native_scorer.cu's tile), the exact
+// block top-k of the scores (grid_topk.cu's grid select) and the expansion to tokens, with no logits in HBM.
+//
+// Contract (SPEC.md sections 1, 2; qsa_select_paged_tokens for 16-bit caches, 4 heads, head_dim 128): for query row t
+// with visible[t] as native_scorer.cu defines it and scores s[t, c] (c < visible[t]) as it computes them,
+//   out[t, :]    = the K best columns of [0, visible[t]) ranked by (-s, column), ascending, exactly K (visible <= K:
+//                  0 .. visible-1 then -1, nothing scored for such a row alone);
+//   tokens[t, :] = their expansion (qsa_expand_block_indices' contract), width = K * R + R - 1 slots.
+// The output is exactly the top-K of the kernel's own scores: bitwise the same on every repeat, whatever the split,
+// the thread order or the other rows of the call (a row's scores are the scorer's, which do not depend on them; the
+// selection counts with atomics only).  `scores` (null in production): a debug output that receives the fp32 scores
+// s[t, c] for c < visible[t] of every row of a row group that scores (one of its rows sees more than K columns), rows
+// scores_ld apart; tests check the output against the torch top-k of these, and these against the oracle.
+//
+// Work.  A cooperative grid of slots * split CTAs of 128 threads (the launcher passes CU_LAUNCH_ATTRIBUTE_COOPERATIVE:
+// the whole grid is co-resident or the launch fails).  CTA b is part b % split of slot b / split; slot s takes the row
+// groups s, s + slots, ... (a group: group_rows <= 4 consecutive rows, which the host sizes to one request's rows, as
+// the scorer's).  For its group, a CTA
+//   1  loads q of the group as the MMA's A operand and the rows' visible counts (native_scorer.cu:
+//      load_query_fragments, row_visibility);
+//   2  cuts the group's columns [0, basis), basis = the group's widest visible count, into `split` GRID_TILE-aligned
+//      chunks (grid_topk.cu's chunk, from basis instead of the row's count: every row of the group shares the CTA's
+//      column range, so one pass over the keys scores all of them), and scores its chunk's 64-column tiles once per
+//      distinct request of the group through the scorer's 4-stage cp.async pipeline (issue_tile, score_tile,
+//      head_sums), the scorer's own epilogue (store_scores) writing the fp32 scores into a per-row area of shared
+//      memory (`stash`, group_rows x cap words) instead of HBM (and into `scores` where asked);
+//   3  per row of the group, runs the grid select's tail on its area (grid_row_keys): the source FusedKeys turns the
+//      row's scores into order-preserving keys in place and histograms them (phase A), then the rounds, the tagged
+//      counts and the ordered output with the expansion fused (phases B, R, C; grid_topk.cu).
+// Rows whose visible count is at most K take 0 .. visible-1 without a score read; a group none of whose rows sees
+// more than K columns is not scored at all.
+//
+// One CTA shape for both halves: 128 threads (4 warps).  The scorer's warps each score 16 of a tile's 64 columns: it
+// is built for exactly 4 warps.  The grid tail is a template on BLOCK that needs BLOCK to be a multiple of the warp
+// and NB = 2048 bins a multiple of BLOCK (16 bins a thread in the last arriver's scan) and at most 32 * 32 threads
+// polling the per-CTA words (split <= 32 <= 128): BLOCK = 128 serves it, so no warp idles in either phase.
+//
+// Time model (estimates; nothing is measured yet).  Keys: the call reads each visible key once per row group, 256 B a
+// column in bf16, so the floor is sum over groups of (visible keys of the group x 256 B) / HBM bandwidth (H100 SXM
+// about 3.35 TB/s; e.g. 64 decode rows over 32K columns: 537 MB, 160 us), a CTA's share its chunk's keys at 1/132 of
+// the bandwidth (split 2: 16K columns, 4 MB a CTA); the MMAs are a tenth of that (native_scorer.cu).  What the
+// composite path adds and this saves: the logits' write and read (4 B a row and column: 3% of the key bytes for one
+// row a group, 12% for four) and one launch.
+// Selection: the grid select's rounds after the scoring, per row of the group, one after another: the
+// histogram over the CTA's chunk in shared memory (c / 128 keys a thread), 1 to 3 rounds of about 2.5-3 us (an L2
+// round trip for the arrival, the last arriver's 2048-bin read and scan, the release and the waiters' poll), the
+// tagged counts (~1 us) and the ordered output: about 10 us a row, so a verify group of 4 rows adds about 40 us to its
+// keys' time, a decode row about 10 us, whatever the context (flat in its length while the chunk stays small).  So
+// the fused path wins where the keys' time is short against a launch and the logits round trip (decode and draft of
+// modest contexts) and needs measuring elsewhere: it is ranked after the composite path until tuned rows say so.
+// Shared memory: the scorer's stages (64 KB + flags), the grid's fixed 8.75 KB, and group_rows x cap x 4 B of scores:
+// the co-resident grid limits cap (at most 32768 keys, 9792 for 4 rows on 227 KB) and so the context a call serves.
+//
+// Workspace: the grid select's slots (GRID_SLOT_WORDS words a slot: histogram, arrival counter, flag, per-CTA words),
+// zeroed once and left clean by every launch (a CUDA graph replays it with new lengths), and out (rows x K int32).
+//
+// Kernels (extern "C"; fused_select.py beside this file declares them): qsa_fused_<bf16|fp16>_page<16|64>.  With
+// -DQSA_FUSED_SINGLE -DQSA_FUSED_KERNEL_<name> only <name> is built.  The scorer's and the grid select's own kernels
+// are compiled out (QSA_NATIVE_SINGLE, TOPK_SINGLE with no kernel named).
+
+#ifndef QSA_NATIVE_SINGLE
+#define QSA_NATIVE_SINGLE 1
+#endif
+#ifndef TOPK_SINGLE
+#define TOPK_SINGLE 1
+#endif
+#include "native_scorer.cu"
+#include "grid_topk.cu"
+
+#define QSA_FUSED_THREADS QSA_THREADS
+#define QSA_FUSED_CTAS_PER_SM 2
+// Dynamic shared memory (bytes): the scorer's (stages | flags | rows) | the grid's fixed words | the scores' stash.
+#define QSA_FUSED_GRID_OFFSET QSA_SHARED_BYTES
+#define QSA_FUSED_STASH_OFFSET (QSA_FUSED_GRID_OFFSET + GRID_FIXED_WORDS * 4)
+
+static_assert(QSA_SHARED_BYTES % 16 == 0, "the grid's words and the stash start 16-byte aligned");
+static_assert(GRID_BINS % QSA_FUSED_THREADS == 0 && QSA_FUSED_THREADS >= GRID_MAX_SPLIT,
+              "the grid tail's scan and polls fit the scorer's CTA");
+
+// Phase A's source: the row's fp32 scores are already in `keys` (the scorer's epilogue wrote them there); turn them
+// into order-preserving keys in place and histogram their top 11 bits.
+struct FusedKeys {
+    template <int BLOCK>
+    __device__ __forceinline__ void tile_keys(int, int, int len, unsigned* keys, unsigned* H) const {
+        for (int i = threadIdx.x; i < len; i += BLOCK) {
+            const unsigned k = grid_key(__uint_as_float(keys[i]));
+            keys[i] = k;
+            atomicAdd(&H[k >> 21], 1u);
+        }
+    }
+};
+
+// Scores the CTA's columns [col0, col0 + chunk) of the group's rows into the stash (row i at stash + i * cap: the
+// scorer's epilogue over a view whose column col0 is the stash row's word 0), and into `scores` where asked.  Once per
+// distinct request of the group, as score_kernel walks it.  Ends with a barrier.
+template <int PAGE, bool F16>
+__device__ __forceinline__ void fused_score(const KeySource& base, const unsigned (&a)[QSA_K_STEPS][4],
+                                            const int* s_req, const int* s_vis, int group_rows, long long first_row,
+                                            int col0, int chunk, int table_stride, float scale, unsigned char* tiles,
+                                            unsigned char* flags, unsigned* stash, int cap, float* scores,
+                                            int scores_ld) {
+    KeySource src = base;
+    float* view = reinterpret_cast<float*>(stash) - col0;
+    for (int i = 0; i < group_rows; ++i) {
+        const int req = s_req[i];
+        if (req < 0 || s_vis[i] <= 0) continue;
+        bool seen = false;
+        unsigned mine = 0;
+        int req_visible = 0;
+        for (int j = 0; j < group_rows; ++j) {
+            if (s_req[j] != req || s_vis[j] <= 0) continue;
+            seen |= j < i;
+            mine |= 1u << j;
+            req_visible = s_vis[j] > req_visible ? s_vis[j] : req_visible;
+        }
+        if (seen) continue;
+        src.page_row =
+            static_cast<const char*>(base.page_row) + (long long)req * table_stride * (src.wide_pages ? 8 : 4);
+        const int last = col0 + chunk < req_visible ? col0 + chunk : req_visible;
+        const int begin = col0 / QSA_TILE, end = (last + QSA_TILE - 1) / QSA_TILE;
+        if (begin >= end) continue;
+#pragma unroll 1
+        for (int s = 0; s < QSA_STAGES - 1; ++s) {
+            if (begin + s < end)
+                issue_tile<PAGE>(src, begin + s, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
+            cp_async_commit();
+        }
+        for (int tile = begin; tile < end; ++tile) {
+            cp_async_wait<QSA_STAGES - 2>();
+            __syncthreads();
+            const int next = tile + QSA_STAGES - 1;
+            if (next < end) {
+                const int s = (next - begin) % QSA_STAGES;
+                issue_tile<PAGE>(src, next, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
+            }
+            cp_async_commit();
+            const int s = (tile - begin) % QSA_STAGES;
+            float acc[2][4];
+            score_tile<F16>(tiles + s * QSA_TILE_BYTES, a, acc);
+            head_sums(acc, scale);
+            store_scores(acc, view, cap, 0, group_rows, mine, s_vis, flags + s * QSA_TILE, tile);
+            if (scores != nullptr)
+                store_scores(acc, scores, scores_ld, first_row, group_rows, mine, s_vis, flags + s * QSA_TILE, tile);
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+    __syncthreads();  // the stash is in every thread's view
+}
+
+// Kernel parameters: the pointers, then the scalars (fused_select.py declares them once, PARAMS; every scalar a C
+// int).  out: the block indices [rows, K] (a workspace); tokens: the expansion [rows, tok_ld apart]; scores: the
+// debug scores or null; workspace: the slots' words.  wide: native_scorer.cu's QSA_WIDE_* bits.
+#define QSA_FUSED_PARAMS                                                                                          \
+    const unsigned short *__restrict__ q, const unsigned short *__restrict__ keys,                                 \
+        const void *__restrict__ page_table, const void *__restrict__ token_to_request,                            \
+        const void *__restrict__ query_positions, const void *__restrict__ context_lens, int *__restrict__ out,    \
+        int *__restrict__ tokens, float *__restrict__ scores, unsigned *workspace, int num_tokens,                 \
+        int num_requests, int num_pages, int num_columns, int table_width, int table_stride, int page_stride,      \
+        int slot_stride, int group_rows, int row_groups, int split, int slots, int cap, int K, int ratio,          \
+        int scale_bits, int wide, int aligned, int width, int tok_ld, int scores_ld
+#define QSA_FUSED_ARGS                                                                                            \
+    q, keys, page_table, token_to_request, query_positions, context_lens, out, tokens, scores, workspace,          \
+        num_tokens, num_requests, num_pages, num_columns, table_width, table_stride, page_stride, slot_stride,     \
+        group_rows, row_groups, split, slots, cap, K, ratio, scale_bits, wide, aligned, width, tok_ld, scores_ld
+
+template <int PAGE, bool F16>
+__device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
+    TOPK_DYNAMIC_SMEM(smem);
+    unsigned char* tiles = reinterpret_cast<unsigned char*>(smem);
+    unsigned char* flags = tiles + QSA_FLAGS_OFFSET;
+    int* s_req = reinterpret_cast<int*>(tiles + QSA_ROWS_OFFSET);
+    int* s_vis = s_req + QSA_MAX_GROUP_ROWS;
+    unsigned* gsm = reinterpret_cast<unsigned*>(tiles + QSA_FUSED_GRID_OFFSET);
+    unsigned* stash = reinterpret_cast<unsigned*>(tiles + QSA_FUSED_STASH_OFFSET);
+    wait_for_prior_grid();
+    const int part = blockIdx.x % split, slot = blockIdx.x / split;
+    unsigned* ws = workspace + (long long)slot * GRID_SLOT_WORDS;
+    for (int i = threadIdx.x; i < GRID_BINS; i += QSA_FUSED_THREADS) gsm[i] = 0u;
+    if (threadIdx.x == 0)
+        gsm[GRID_RES_WORD + 5] =
+            (unsigned)(grid_load_acquire(reinterpret_cast<const unsigned long long*>(ws + GRID_FLAG_WORD)) >> 32);
+    __syncthreads();
+    unsigned gen = gsm[GRID_RES_WORD + 5];
+    __syncthreads();
+    const float scale = __uint_as_float((unsigned)scale_bits);
+    // grid_tokens' index widths: positions 1, contexts 2, requests 4.
+    const int idx_wide = ((wide & QSA_WIDE_POSITIONS) ? 1 : 0) | ((wide & QSA_WIDE_CONTEXTS) ? 2 : 0) |
+                         ((wide & QSA_WIDE_REQUESTS) ? 4 : 0);
+    const KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,
+                           slot_stride, aligned != 0};
+    const FusedKeys source = {};
+    for (int group = slot; group < row_groups; group += slots) {
+        const long long first_row = (long long)group * group_rows;
+        unsigned a[QSA_K_STEPS][4];
+        load_query_fragments(q, first_row, group_rows, num_tokens, a);
+        if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
+            int req = -1, vis = 0;
+            if ((int)threadIdx.x < group_rows)
+                row_visibility(token_to_request, query_positions, context_lens, first_row + threadIdx.x, num_tokens,
+                               num_requests, num_columns, ratio, wide, req, vis);
+            s_req[threadIdx.x] = req;
+            s_vis[threadIdx.x] = vis;
+        }
+        __syncthreads();
+        int basis = 0;
+        bool wide_row = false;
+        for (int i = 0; i < group_rows; ++i) {
+            basis = s_vis[i] > basis ? s_vis[i] : basis;
+            wide_row |= s_vis[i] > K;
+        }
+        const int chunk = ((basis + split - 1) / split + GRID_TILE - 1) / GRID_TILE * GRID_TILE;
+        if (wide_row)  // CTA-uniform
+            fused_score<PAGE, F16>(src, a, s_req, s_vis, group_rows, first_row, part * chunk, chunk, table_stride,
+                                   scale, tiles, flags, stash, cap, scores, scores_ld);
+        for (int i = 0; i < group_rows && first_row + i < num_tokens; ++i) {
+            const int row = (int)(first_row + i);
+            const GridTokens ts = grid_tokens(row, query_positions, context_lens, token_to_request, tokens,
+                                              num_requests, ratio, tok_ld, idx_wide);
+            gen = grid_row_keys<QSA_FUSED_THREADS>(row, s_vis[i], basis, part, source, out, ts, ws, K, split, width,
+                                                   gen, gsm, stash + (long long)i * cap);
+        }
+        __syncthreads();  // s_req, s_vis and the stash are free for the next group
+    }
+}
+
+#define QSA_FUSED_KERNEL(name, PAGE, F16)                                                                         \
+    extern "C" __global__ void TOPK_LAUNCH_BOUNDS(QSA_FUSED_THREADS, QSA_FUSED_CTAS_PER_SM) name(QSA_FUSED_PARAMS) { \
+        fused_kernel<PAGE, F16>(QSA_FUSED_ARGS);                                                                  \
+    }
+
+#if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_bf16_page16)
+QSA_FUSED_KERNEL(qsa_fused_bf16_page16, 16, false)
+#endif
+#if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_bf16_page64)
+QSA_FUSED_KERNEL(qsa_fused_bf16_page64, 64, false)
+#endif
+#if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_fp16_page16)
+QSA_FUSED_KERNEL(qsa_fused_fp16_page16, 16, true)
+#endif
+#if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_fp16_page64)
+QSA_FUSED_KERNEL(qsa_fused_fp16_page64, 64, true)
+#endif

@@ -1,0 +1,280 @@
+"""The fused selection (``fused_select.cu`` beside this file): scoring on the tensor cores, the exact block top-k and
+the expansion of ``qsa_select_paged_tokens`` in one cooperative launch, with no logits in HBM; declared once
+(``SPEC``, a ``native_spec.NativeKernelSpec``), in pure Python (``runtime/fused_select.py`` launches it and
+``runtime/registries.py`` makes it the ``native_fused`` selection candidate).
+
+Its device code is the native scorer's (``kernels/scoring/native_scorer.cu``: the tile loader, the MMAs, the head
+sum and the epilogue, writing into shared memory) and the grid select's (``grid_topk.cu``: the rounds, the counts,
+the ordered output and the fused expansion), both spliced into one program. The design, the time model and the
+workspace are at the top of the ``.cu`` file and in docs/selection.md.
+
+- ``VARIANTS``: one kernel per key dtype (bf16, fp16) and page size (16, 64), each one program
+  (``-DQSA_FUSED_SINGLE -DQSA_FUSED_KERNEL_<name>``).
+- ``PARAMS``: the kernels' parameters, the one declaration of them (the source's ``QSA_FUSED_PARAMS``).
+- ``choose_plan(problem, platform)`` / ``split_plan(...)``: row groups, the split (CTAs a group), the groups in flight
+  and the scores' room a CTA (``Plan``), chosen so that the whole grid is co-resident.
+- ``launch_arguments(plan, values)``: the launch (a ``NativeLaunch``), scalars in the declared order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from ..native_spec import NativeKernelSpec, Param, params, spliced_source
+from ..platform import Platform
+from ..scoring import native_scorer as scorer
+from ..spec import cdiv
+from . import grid_topk as grid
+from .native_topk import COMPAT_PATH, NativeLaunch
+
+#: The CUDA source, and what is spliced into it: the scorer's source and headers, then the grid select's.
+SOURCE_PATH = Path(__file__).with_name("fused_select.cu")
+HEADERS = (scorer.SOURCE_PATH, COMPAT_PATH, scorer.MMA_HEADER_PATH, grid.SOURCE_PATH, COMPAT_PATH)
+#: Threads per CTA (the scorer's 4 warps; the grid tail runs at the same width) and the CTAs per multiprocessor its
+#: launch bounds promise (``QSA_FUSED_THREADS``, ``QSA_FUSED_CTAS_PER_SM``).
+THREADS, CTAS_PER_SM = scorer.THREADS, 2
+#: Shared memory a CTA needs besides the scores: the scorer's stages, flags and rows, the grid select's fixed words.
+BASE_SHARED_BYTES = scorer.SHARED_BYTES + grid.FIXED_BYTES
+#: Rows a call may have (decode, draft and verify; prefill goes the composite way: ``native_scorer.shape_reasons``).
+INT_LIMIT = 2**31
+
+#: The kernels' parameters, in order (the source's ``QSA_FUSED_PARAMS``): the scorer's inputs, ``out`` (the block
+#: indices, a workspace ``[rows, K]``), ``tokens`` (the expansion), ``scores`` (the debug scores, null in
+#: production), ``workspace`` (the grid select's slots), then the scalars (C ``int``).
+PARAMS = params(
+    ("q", "const unsigned short*"), ("keys", "const unsigned short*"), ("page_table", "const void*"),
+    ("token_to_request", "const void*"), ("query_positions", "const void*"), ("context_lens", "const void*"),
+    ("out", "int*"), ("tokens", "int*"), ("scores", "float*"), ("workspace", "unsigned*"),
+    *((name, "int") for name in ("num_tokens", "num_requests", "num_pages", "num_columns", "table_width",
+                                 "table_stride", "page_stride", "slot_stride", "group_rows", "row_groups", "split",
+                                 "slots", "cap", "K", "ratio", "scale_bits", "wide", "aligned", "width", "tok_ld",
+                                 "scores_ld")),
+)
+POINTERS = tuple((p.name, p.ctype) for p in PARAMS if p.pointer)
+SCALARS = tuple(p.name for p in PARAMS if not p.pointer)
+
+
+def source() -> str:
+    """The kernels' source with the scorer's and the grid select's spliced in (``FusedSelectSpec.source``)."""
+    return spliced_source(SOURCE_PATH, HEADERS)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel: its ``extern "C"`` name, key dtype (``bf16``, ``fp16``) and page size."""
+
+    name: str
+    key_dtype: str
+    page_size: int
+    threads: int = THREADS
+    blocks_per_multiprocessor: int = CTAS_PER_SM
+    cluster: int = 1
+    non_portable_cluster: bool = False
+
+    @property
+    def defines(self) -> tuple[str, ...]:
+        return ("QSA_FUSED_SINGLE", f"QSA_FUSED_KERNEL_{self.name}")
+
+    @property
+    def max_registers(self) -> int:
+        return 65536 // (self.threads * self.blocks_per_multiprocessor)
+
+
+VARIANTS = tuple(Variant(f"qsa_fused_{dtype}_page{page}", dtype, page)
+                 for dtype in ("bf16", "fp16") for page in scorer.PAGE_SIZES)
+BY_NAME = {variant.name: variant for variant in VARIANTS}
+
+
+def variant_for(key_dtype, page_size: int) -> Variant:
+    """The kernel of ``key_dtype`` keys in pages of ``page_size`` (``ValueError`` where none is)."""
+    return BY_NAME[scorer.variant_for(key_dtype, page_size).name.replace("qsa_score_", "qsa_fused_")]
+
+
+def variants_for(platform: Platform) -> tuple[Variant, ...]:
+    """All of them on NVIDIA compute capability 8.0+ (the scorer's floor), none elsewhere."""
+    return VARIANTS if scorer.variants_for(platform) else ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One launch: ``variant``; ``row_groups`` groups of ``group_rows`` rows; ``split`` CTAs a group; ``slots``
+    groups in flight (the grid is ``slots * split`` CTAs, co-resident); ``cap``: the scores a CTA holds per row (a
+    multiple of ``grid.TILE``; 0 where no row is wider than the budget)."""
+
+    variant: Variant
+    group_rows: int
+    row_groups: int
+    split: int
+    slots: int
+    cap: int
+
+    @property
+    def shared_bytes(self) -> int:
+        return BASE_SHARED_BYTES + 4 * self.group_rows * self.cap
+
+    @property
+    def grid(self) -> int:
+        return self.slots * self.split
+
+    @property
+    def workspace_words(self) -> int:
+        """The grid select's slots (``grid.SLOT_WORDS`` a slot; zeroed once, left clean by every launch)."""
+        return self.slots * grid.SLOT_WORDS
+
+    def describe(self) -> str:
+        return (f"{self.variant.name}: {self.row_groups} row groups of {self.group_rows} rows, split {self.split} "
+                f"CTAs a group, {self.slots} groups in flight (grid {self.grid} of {THREADS} threads), "
+                f"{self.shared_bytes} B shared memory per CTA, workspace {4 * self.workspace_words} B")
+
+
+def max_cap(group_rows: int, platform: Platform) -> int:
+    """The most scores a CTA holds per row of a ``group_rows``-row group on ``platform`` (a multiple of
+    ``grid.TILE``, at most ``grid.MAX_CHUNK``)."""
+    room = (platform.shared_memory_per_block - BASE_SHARED_BYTES) // (4 * group_rows) // grid.TILE * grid.TILE
+    return min(grid.MAX_CHUNK, max(room, 0))
+
+
+def split_plan(split: int, variant: Variant, group_rows: int, row_groups: int, columns: int,
+               platform: Platform, slots: int | None = None) -> Plan:
+    """The plan of ``split`` CTAs a group (``slots``: groups in flight, default as many as the co-resident grid
+    holds, at most ``row_groups``); ``ValueError`` where it does not fit (``grid.MAX_SPLIT``, the scores' room, the
+    co-resident grid)."""
+    if not 1 <= split <= grid.MAX_SPLIT:
+        raise ValueError(f"split must be in [1, {grid.MAX_SPLIT}]; got {split}")
+    cap = -(-cdiv(columns, split) // grid.TILE) * grid.TILE
+    if cap > max_cap(group_rows, platform):
+        raise ValueError(f"a split of {split} leaves {cap} scores a row and CTA; {platform.arch} holds at most "
+                         f"{max_cap(group_rows, platform)} for {group_rows} rows")
+    shared = BASE_SHARED_BYTES + 4 * group_rows * cap
+    resident = platform.multiprocessors * grid.per_multiprocessor(variant, shared, platform)
+    most = min(row_groups, resident // split)
+    if most < 1:
+        raise ValueError(f"a split of {split} CTAs does not fit a co-resident grid of {resident} CTAs")
+    if slots is not None and not 1 <= slots <= most:
+        raise ValueError(f"slots must be in [1, {most}]; got {slots}")
+    return Plan(variant, group_rows, row_groups, split, slots or most, cap)
+
+
+def _shape(problem) -> tuple[Variant, int, int, int, int]:
+    score = problem.score
+    group_rows = scorer.group_rows_of(score)
+    return (variant_for(score.cache_dtype, score.block_size), group_rows, cdiv(max(score.num_tokens, 1), group_rows),
+            score.num_columns, problem.block_topk)
+
+
+def plan_reason(problem, platform: Platform) -> str | None:
+    """Why no plan serves ``problem`` (a selection problem: ``score``, ``block_topk``) on ``platform``: the budget's
+    rank field, the C ``int`` arguments, a row group's scores that shared memory cannot hold across a co-resident
+    grid. None: one does."""
+    variant, group_rows, row_groups, columns, block_topk = _shape(problem)
+    if block_topk > grid.MAX_BLOCK_TOPK:
+        return f"needs block_topk <= {grid.MAX_BLOCK_TOPK} (got {block_topk})"
+    if columns >= INT_LIMIT or problem.score.num_tokens >= INT_LIMIT:
+        return f"needs rows and columns below 2**31 (got {problem.score.num_tokens}, {columns})"
+    if columns <= block_topk:
+        return None
+    room = max_cap(group_rows, platform)
+    least = cdiv(columns, room) if room else grid.MAX_SPLIT + 1
+    if least > grid.MAX_SPLIT:
+        return (f"the scores of a group of {group_rows} rows x {columns} columns exceed shared memory across "
+                f"{grid.MAX_SPLIT} CTAs ({room} a row and CTA on {platform.arch})")
+    try:
+        split_plan(least, variant, group_rows, row_groups, columns, platform)
+    except ValueError as err:
+        return f"the scores of the call exceed the co-resident grid's shared memory ({err})"
+    return None
+
+
+@lru_cache(maxsize=512)
+def choose_plan(problem, platform: Platform) -> Plan:
+    """The plan of ``problem`` on ``platform``: the scorer's row groups (``native_scorer.group_rows_of``); where no
+    row is wider than the budget one CTA a group and no scores; else as many CTAs a group as fill the multiprocessors
+    once (the grid is co-resident), at most one per ``native_scorer.MIN_TILES_PER_CTA`` tiles and ``grid.MAX_SPLIT``,
+    at least what the scores' room needs. ``ValueError`` (``plan_reason``) where none fits."""
+    reason = plan_reason(problem, platform)
+    if reason:
+        raise ValueError(reason)
+    variant, group_rows, row_groups, columns, block_topk = _shape(problem)
+    if columns <= block_topk:
+        resident = platform.multiprocessors * grid.per_multiprocessor(variant, BASE_SHARED_BYTES, platform)
+        return Plan(variant, group_rows, row_groups, 1, max(1, min(row_groups, resident)), 0)
+    least = cdiv(columns, max_cap(group_rows, platform))
+    tiles = cdiv(columns, scorer.TILE_COLUMNS)
+    wanted = min(grid.MAX_SPLIT, cdiv(tiles, scorer.MIN_TILES_PER_CTA),
+                 max(1, platform.multiprocessors // row_groups))
+    for split in range(max(least, wanted), least - 1, -1):
+        try:
+            return split_plan(split, variant, group_rows, row_groups, columns, platform)
+        except ValueError:
+            continue
+    return split_plan(least, variant, group_rows, row_groups, columns, platform)  # fits: plan_reason said so
+
+
+def launch_arguments(plan: Plan, values: dict[str, int]) -> NativeLaunch:
+    """The launch of ``plan`` with the scalar arguments ``values`` by name (the plan's own come from it):
+    ``ValueError`` naming a missing one or one past a C ``int``."""
+    values = dict(values, group_rows=plan.group_rows, row_groups=plan.row_groups, split=plan.split,
+                  slots=plan.slots, cap=plan.cap)
+    missing = [name for name in SCALARS if name not in values]
+    if missing:
+        raise ValueError(f"values: missing scalar argument(s) {', '.join(missing)}")
+    for name in SCALARS:
+        if not -INT_LIMIT <= values[name] < INT_LIMIT:
+            raise ValueError(f"{name} must fit a C int (the kernel's 32-bit argument); got {values[name]}")
+    return NativeLaunch(plan.variant.name, (plan.grid, 1, 1), (THREADS, 1, 1), plan.shared_bytes, POINTERS,
+                        tuple((name, "int", values[name]) for name in SCALARS))
+
+
+@dataclass(frozen=True)
+class FusedSelectConfig:
+    """The fused selection's settings in a tuned row: none (its tile, stages and CTA shape are the source's
+    constants). Its rows in the scoring table (``kernel`` = ``fused_select``, at (rows, context) buckets) carry the
+    whole call's measured time, which measured dispatch compares with the composite path's (its scoring's measured
+    row plus its top-k's) at the same bucket: where they time it faster, ``native_fused`` is chosen."""
+
+
+class FusedSelectSpec(NativeKernelSpec):
+    """The fused selection, declared once: its variants, source, parameters (``PARAMS``), reasons and plans. A
+    problem is a selection problem (``runtime.registries.SelectionProblem``: ``score``, ``block_topk``)."""
+
+    name = "fused_select"
+    family = "selection"
+    description = ("native fused selection (the tensor-core scorer's tiles, the grid select and the expansion in one "
+                   "cooperative launch, no logits in HBM; compiled at run time by NVRTC)")
+    source_path = SOURCE_PATH
+    variants = VARIANTS
+    Config = FusedSelectConfig
+
+    def params_of(self, variant: Variant) -> tuple[Param, ...]:
+        return PARAMS
+
+    def source(self) -> str:
+        return source()
+
+    def variants_for(self, platform: Platform) -> tuple[Variant, ...]:
+        return variants_for(platform)
+
+    def reasons(self, problem, platform: Platform) -> list[str]:
+        """The scorer's (``native_scorer.SPEC.reasons``: an NVIDIA GPU of compute capability 8.0+, a cache it serves,
+        4 heads, head_dim 128, pages of 16 or 64, no prefill beyond 256 rows, strides), a 16-bit cache (the fused
+        loop has the scorer's 16-bit tiles only), then the shape's (``plan_reason``) where the scorer serves it."""
+        found = scorer.SPEC.reasons(problem.score, platform)
+        if not found and problem.score.cache_dtype not in scorer.KEY_DTYPES:
+            found.append(f"serves 16-bit (bf16, fp16) caches only so far (got {problem.score.cache_dtype}): the "
+                         "scorer's quantised tiles are not in its loop yet")
+        if not found:
+            shape = plan_reason(problem, platform)
+            found += [shape] if shape else []
+        return found
+
+    def plan(self, problem, platform: Platform) -> Plan:
+        return choose_plan(problem, platform)
+
+    def describe_plan(self, problem, platform: Platform) -> str:
+        reasons = self.reasons(problem, platform)
+        return f"none ({'; '.join(reasons)})" if reasons else self.plan(problem, platform).describe()
+
+
+SPEC = FusedSelectSpec()

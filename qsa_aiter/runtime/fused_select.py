@@ -1,0 +1,147 @@
+"""The fused selection at launch time: its reasons (``fused_select_reasons``, the ``native_fused`` candidate's of the
+``SELECTION`` registry), the marshalling of a ``qsa_select_paged_tokens`` call (``SelectionArgs``) into its kernel's
+arguments (``fused_select_call``), the cooperative launch on a GPU (``fused_select``: compiled through NVRTC into the
+JIT cache, loaded and launched by ``runtime/jit/native.py``) and the run on the CPU through the CUDA emulator
+(``emulated_fused_select``, every CTA of the grid together). What the kernels are is declared once in
+``kernels/selection/fused_select.py`` (``SPEC``).
+
+The workspace is the grid select's (``grid_topk.workspace_for``: the stream's own, zeroed once and left clean by every
+launch; a fresh zeroed one inside a CUDA-graph capture, its memset captured with the launch), plus the block indices
+``[rows, block_topk]`` int32 the expansion reads, allocated per call: no ``[rows, columns]`` logits anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.platform import Platform
+from ..kernels.quant.formats import view_strides
+from ..kernels.scoring import native_scorer as scorer
+from ..kernels.selection import fused_select as kernels
+from . import grid_topk
+from .jit import emulated, native
+
+#: The fused selection's name among the selection candidates (``QSA_AITER_SELECT_BACKEND=native_fused``).
+CANDIDATE = "native_fused"
+FUSED_SELECT_LAUNCH = "fused_select"
+
+
+def fused_select_reasons(problem, platform: Platform, settings) -> list[str]:
+    """Why the fused selection does not serve ``problem`` (a ``registries.SelectionProblem``; empty: it serves), from
+    host facts only: CUDA GPU tensors of a CUDA build of torch, the kernels' own limits (``kernels.SPEC.reasons``: the
+    scorer's dtype, heads, head_dim, page size, prefill, strides and compute capability, then a group's scores held
+    in shared memory across a co-resident grid), and NVRTC and the CUDA driver library loadable."""
+    found = []
+    if problem.device_type != "cuda":
+        found.append(f"needs CUDA GPU tensors (tensors are on {problem.device_type})")
+    if torch.version.hip is not None:
+        found.append("no AMD version yet (a ROCm build of torch; the scorer's matrix primitives are NVIDIA's)")
+    elif torch.version.cuda is None:
+        found.append(f"needs a CUDA build of torch (torch {torch.__version__} has none)")
+    if problem.device_type == "cuda" and torch.version.cuda is not None:
+        found += kernels.SPEC.reasons(problem, platform)
+    else:
+        found += scorer.shape_reasons(problem.score)
+    return found + (native.unavailable_reasons("cuda") if torch.version.hip is None else [])
+
+
+def describe_plan(problem, platform: Platform) -> str:
+    return kernels.SPEC.describe_plan(problem, platform)
+
+
+def _wide(tensor: torch.Tensor, bit: int) -> int:
+    return bit if tensor.dtype == torch.int64 else 0
+
+
+def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, workspace: torch.Tensor,
+                      scores: torch.Tensor | None = None):
+    """The launch of ``plan`` for the call ``args`` (a ``SelectionArgs`` validated into ``problem``): ``(call,
+    addresses)``. ``blocks``: int32 ``[rows, block_topk]`` contiguous (the block indices); ``workspace``: int32, at
+    least ``plan.workspace_words``, zeroed before its first launch; ``scores``: fp32 ``[rows, columns]`` (last dim
+    contiguous) for the debug scores, or None."""
+    score = problem.score
+    cache, table = args.k_cache, args.page_table
+    pages, page_size, _, head_dim = cache.shape
+    strides = view_strides(cache)
+    page_stride, slot_stride = strides if strides is not None else (page_size * head_dim, head_dim)
+    aligned = cache.data_ptr() % 16 == 0 and page_stride % 8 == 0 and slot_stride % 8 == 0
+    tokens, ratio, block_topk = score.num_tokens, score.compress_ratio, problem.block_topk
+    if (workspace.dtype != torch.int32 or not workspace.is_contiguous()
+            or workspace.numel() < plan.workspace_words):
+        raise ValueError(f"workspace must be a contiguous int32 tensor of at least {plan.workspace_words} words")
+    if blocks.dtype != torch.int32 or not blocks.is_contiguous() or tuple(blocks.shape) != (tokens, block_topk):
+        raise ValueError(f"blocks must be a contiguous int32 [{tokens}, {block_topk}] tensor")
+    if scores is not None and (scores.dtype != torch.float32 or scores.shape[1] < score.num_columns
+                               or (scores.shape[1] > 1 and scores.stride(1) != 1)):
+        raise ValueError(f"scores must be fp32 [{tokens}, >= {score.num_columns}] with a contiguous last dim")
+    out = args.out
+    wide = (_wide(table, scorer.WIDE_PAGES) | _wide(args.token_to_request, scorer.WIDE_REQUESTS)
+            | _wide(args.query_positions, scorer.WIDE_POSITIONS) | _wide(args.context_lens, scorer.WIDE_CONTEXTS))
+    values = dict(
+        num_tokens=tokens, num_requests=table.shape[0], num_pages=pages, num_columns=score.num_columns,
+        table_width=table.shape[1], table_stride=table.stride(0) if table.shape[0] > 1 else table.shape[1],
+        page_stride=page_stride, slot_stride=slot_stride, K=block_topk, ratio=ratio,
+        scale_bits=scorer.float_bits(1.0 / math.sqrt(head_dim)), wide=wide, aligned=int(aligned),
+        width=problem.token_topk + ratio - 1, tok_ld=out.stride(0) if tokens > 1 else 0,
+        scores_ld=0 if scores is None else (scores.stride(0) if tokens > 1 else scores.shape[1]),
+    )
+    call = kernels.launch_arguments(plan, values)
+    addresses = [t.data_ptr() for t in (args.q, cache, table, args.token_to_request, args.query_positions,
+                                        args.context_lens, blocks, out)]
+    addresses += [0 if scores is None else scores.data_ptr(), workspace.data_ptr()]
+    return call, addresses
+
+
+def _checked_out(args):
+    if args.out.stride(-1) != 1:
+        raise ValueError("the output must have a contiguous last dim")
+
+
+def fused_select(problem, args, settings=None, plan: kernels.Plan | None = None,
+                 scores: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused selection of the call ``args`` (CUDA tensors, validated into ``problem``) into ``args.out``: one
+    cooperative launch on the current stream, no more groups in flight than the driver fits at once
+    (``grid_topk.resident_plan``), the kernel compiled into the JIT cache, or loaded from it, at its first use in a
+    process (load it before capturing a graph). ``scores``: the debug scores' output; ``plan``/``workspace``: as
+    ``grid_topk.grid_block_topk``'s. Returns the block indices."""
+    _checked_out(args)
+    score = problem.score
+    blocks = torch.empty((score.num_tokens, problem.block_topk), dtype=torch.int32, device=args.device)
+    if score.num_tokens == 0:
+        return blocks
+    device = args.q.device.index if args.q.device.index is not None else torch.cuda.current_device()
+    platform = Platform.of(torch.device("cuda", device))
+    plan = plan or kernels.choose_plan(problem, platform)
+    variant = plan.variant
+    kernel = native.kernel_for(kernels.source(), variant.name, kernels.SPEC.defines(variant, platform.arch), device,
+                               platform.arch, settings)
+    plan = grid_topk.resident_plan(plan, kernel, platform, plan.row_groups)
+    if workspace is None:
+        workspace = grid_topk.workspace_for(args.q.device, plan.workspace_words)
+    call, addresses = fused_select_call(problem, args, plan, blocks, workspace, scores)
+    native.PreparedLaunch(FUSED_SELECT_LAUNCH, kernel, call.grid, call.block, call.shared_bytes,
+                          tuple(name for name, _ in call.pointers), call.scalars, cooperative=True)(*addresses)
+    return blocks
+
+
+#: The fused selection's kernels as the emulator builds them: name, pointer C types, scalar count.
+EMULATED_FUSED_KERNELS = kernels.SPEC.emulator_kernels()
+
+
+def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tensor | None = None,
+                          workspace: torch.Tensor | None = None, order_seed: int = 0):
+    """``fused_select`` on CPU tensors through the CUDA emulator (a cooperative launch: every CTA of the grid
+    together), for tests on machines without a GPU: ``(blocks, workspace)``. Raises ``emulated.EmulationError``
+    where the emulated kernel fails (a deadlock included)."""
+    _checked_out(args)
+    if workspace is None:
+        workspace = torch.zeros(plan.workspace_words, dtype=torch.int32)
+    blocks = torch.full((problem.score.num_tokens, problem.block_topk), -9, dtype=torch.int32)
+    if problem.score.num_tokens == 0:
+        return blocks, workspace
+    call, addresses = fused_select_call(problem, args, plan, blocks, workspace, scores)
+    lib = emulated.build(kernels.SOURCE_PATH, EMULATED_FUSED_KERNELS, ("TOPK_WARP_SIZE=32",), kernels.source())
+    emulated.run(lib, call, addresses, 1, order_seed, cooperative=True)
+    return blocks, workspace
