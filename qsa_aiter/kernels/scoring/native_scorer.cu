@@ -44,9 +44,10 @@
 //
 // Epilogue (score_epilogue): ReLU per (row, head) element (a NaN stays NaN), the 4 heads summed by two xor shuffles
 // (lanes 4 apart hold the same row's heads: ((h0 + h1) + (h2 + h3)) on every lane, bitwise the same), times scale,
-// -inf for a bad page, stored for c < visible[row] only.  The seam for the fused top-k: score_tile + the head sum
-// give a tile's scores in registers; the scorer's epilogue writes them to HBM, the fused one will count them into a
-// shared-memory histogram instead.
+// -inf for a bad page, stored for c < visible[row] only.  The seam for the fused top-k: for_each_request (the walk over
+// a group's distinct requests) and score_tiles (the staged pipeline over tiles [begin, end) of one request, each
+// scored tile handed to an epilogue functor in registers) serve this kernel and fused_select.cu's alike; the scorer's
+// epilogue writes the scores to HBM, the fused one to a per-row area of shared memory that its selection histograms.
 //
 // Determinism.  A (row, column) score is computed by one instruction sequence whatever the other rows of the call
 // and the split: the same MMAs over the same fixed k-steps (the MMA's result for one row does not depend on the other
@@ -530,6 +531,74 @@ __device__ __forceinline__ void store_scores(const float (&s)[2][4], float* __re
     if (col + 1 < limit) out[1] = flags[in_tile + 1] ? v1 : neg_inf;
 }
 
+// Calls visit(req, mine, req_visible) once per distinct request of the group (at its first row that sees anything),
+// in row order: req the request id, mine the bit mask of the group's rows of that request that see anything,
+// req_visible the widest of their visible counts.  Rows with no request or nothing visible are skipped.
+template <typename Visit>
+__device__ __forceinline__ void for_each_request(const int* s_req, const int* s_vis, int group_rows, Visit&& visit) {
+    for (int i = 0; i < group_rows; ++i) {
+        const int req = s_req[i];
+        if (req < 0 || s_vis[i] <= 0) continue;
+        bool seen = false;
+        unsigned mine = 0;
+        int req_visible = 0;
+        for (int j = 0; j < group_rows; ++j) {
+            if (s_req[j] != req || s_vis[j] <= 0) continue;
+            seen |= j < i;
+            mine |= 1u << j;
+            req_visible = s_vis[j] > req_visible ? s_vis[j] : req_visible;
+        }
+        if (seen) continue;
+        visit(req, mine, req_visible);
+    }
+}
+
+// page_table's row of request `req` (rows table_stride entries apart, int64 entries where wide_pages).
+__device__ __forceinline__ const void* request_page_row(const unsigned char* table, int req, int table_stride,
+                                                        bool wide_pages) {
+    return table + (long long)req * table_stride * (wide_pages ? 8 : 4);
+}
+
+// The staged tile pipeline over tiles [begin, end) of one request (nothing where begin >= end): QSA_STAGES - 1 tiles
+// staged ahead (stage_tile), then per tile the wait, a barrier, the next tile's staging into the stage freed, the
+// MMAs (score_tile, or score_quant_tile for quantised keys), head_sums and, for fp8, the keys' scales
+// (scale_columns); epilogue(acc, tile_flags, tile) then receives the tile's scores in registers with the stage's page
+// flags.  Ends with every copy landed and a barrier: the stages are free for the next request's copies.
+template <int PAGE, bool F16, int KIND, typename Epilogue>
+__device__ __forceinline__ void score_tiles(const KeySource& src, const unsigned (&a)[QSA_K_STEPS][4], float scale,
+                                            int begin, int end, int req_visible, unsigned char* tiles,
+                                            unsigned char* flags, Epilogue&& epilogue) {
+    if (begin >= end) return;
+#pragma unroll 1
+    for (int s = 0; s < QSA_STAGES - 1; ++s) {
+        if (begin + s < end)
+            stage_tile<PAGE, KIND>(src, begin + s, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
+        cp_async_commit();
+    }
+    for (int tile = begin; tile < end; ++tile) {
+        cp_async_wait<QSA_STAGES - 2>();
+        __syncthreads();  // the tile is in every thread's view; every warp is done with the stage refilled next
+        const int next = tile + QSA_STAGES - 1;
+        if (next < end) {
+            const int s = (next - begin) % QSA_STAGES;
+            stage_tile<PAGE, KIND>(src, next, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
+        }
+        cp_async_commit();
+        const int s = (tile - begin) % QSA_STAGES;
+        float acc[2][4];
+        if constexpr (KIND == QSA_KIND_16BIT)
+            score_tile<F16>(tiles + s * QSA_TILE_BYTES, a, acc);
+        else
+            score_quant_tile<F16, KIND>(tiles + s * QSA_TILE_BYTES, a, acc);
+        head_sums(acc, scale);
+        if constexpr (KIND == QSA_KIND_FP8)
+            scale_columns(acc, tiles + s * QSA_TILE_BYTES + QuantKeys<QSA_KIND_FP8>::SCALES);
+        epilogue(acc, flags + s * QSA_TILE, tile);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the stages before the next request's copies
+}
+
 // Kernel parameters: the pointers, then the scalars (native_scorer.py declares them once, PARAMS; every scalar is a
 // C int).  wide: the QSA_WIDE_* bits of the int64 metadata tensors; aligned: the cache's keys are 16-byte
 // aligned (cp.async); scale_bits: the fp32 bits of 1 / score_divisor.
@@ -578,59 +647,20 @@ __device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
         __uint_as_float((unsigned)scale_bits) * (KIND == QSA_KIND_FP8 && F16 ? 256.0f : 1.0f);
     KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,
                      slot_stride, aligned != 0, static_cast<const unsigned char*>(k_scale)};
-    // Once per distinct request of the group (at its first row that sees anything).
-    for (int i = 0; i < group_rows; ++i) {
-        const int req = s_req[i];
-        if (req < 0 || s_vis[i] <= 0) continue;
-        bool seen = false;
-        unsigned mine = 0;
-        int req_visible = 0;
-        for (int j = 0; j < group_rows; ++j) {
-            if (s_req[j] != req || s_vis[j] <= 0) continue;
-            seen |= j < i;
-            mine |= 1u << j;
-            req_visible = s_vis[j] > req_visible ? s_vis[j] : req_visible;
-        }
-        if (seen) continue;
-        const char* table = static_cast<const char*>(page_table);
-        src.page_row = table + (long long)req * table_stride * (src.wide_pages ? 8 : 4);
+    const unsigned char* table = static_cast<const unsigned char*>(page_table);
+    for_each_request(s_req, s_vis, group_rows, [&](int req, unsigned mine, int req_visible) {
+        src.page_row = request_page_row(table, req, table_stride, src.wide_pages);
         // This CTA's tiles: range `split` of `splits` equal ranges of the request's tiles.
         const int tiles_total = (req_visible + QSA_TILE - 1) / QSA_TILE;
         const int per_split = (tiles_total + splits - 1) / splits;
         const int begin = split * per_split;
         const int end = begin + per_split < tiles_total ? begin + per_split : tiles_total;
-        if (begin >= end) continue;
-#pragma unroll 1
-        for (int s = 0; s < QSA_STAGES - 1; ++s) {
-            if (begin + s < end)
-                stage_tile<PAGE, KIND>(src, begin + s, req_visible, tiles + s * QSA_TILE_BYTES,
-                                       flags + s * QSA_TILE);
-            cp_async_commit();
-        }
-        for (int tile = begin; tile < end; ++tile) {
-            cp_async_wait<QSA_STAGES - 2>();
-            __syncthreads();  // the tile is in every thread's view; every warp is done with the stage refilled next
-            const int next = tile + QSA_STAGES - 1;
-            if (next < end) {
-                const int s = (next - begin) % QSA_STAGES;
-                stage_tile<PAGE, KIND>(src, next, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
-            }
-            cp_async_commit();
-            const int s = (tile - begin) % QSA_STAGES;
-            float acc[2][4];
-            if constexpr (KIND == QSA_KIND_16BIT)
-                score_tile<F16>(tiles + s * QSA_TILE_BYTES, a, acc);
-            else
-                score_quant_tile<F16, KIND>(tiles + s * QSA_TILE_BYTES, a, acc);
-            head_sums(acc, scale);
-            if constexpr (KIND == QSA_KIND_FP8)
-                scale_columns(acc, tiles + s * QSA_TILE_BYTES + QuantKeys<QSA_KIND_FP8>::SCALES);
-            store_scores(acc, logits, logits_stride, first_row, group_rows, mine, s_vis, flags + s * QSA_TILE,
-                         tile);
-        }
-        cp_async_wait<0>();
-        __syncthreads();  // every warp is done with the stages before the next request's copies
-    }
+        score_tiles<PAGE, F16, KIND>(src, a, scale, begin, end, req_visible, tiles, flags,
+                                     [&](const float (&acc)[2][4], const unsigned char* tile_flags, int tile) {
+                                         store_scores(acc, logits, logits_stride, first_row, group_rows, mine, s_vis,
+                                                      tile_flags, tile);
+                                     });
+    });
 }
 
 #define QSA_SCORER_KERNEL(name, PAGE, F16)                                                                         \

@@ -21,9 +21,10 @@
 //   2  cuts the group's columns [0, basis), basis = the group's widest visible count, into `split` GRID_TILE-aligned
 //      chunks (grid_topk.cu's chunk, from basis instead of the row's count: every row of the group shares the CTA's
 //      column range, so one pass over the keys scores all of them), and scores its chunk's 64-column tiles once per
-//      distinct request of the group through the scorer's 4-stage cp.async pipeline (issue_tile, score_tile,
-//      head_sums), the scorer's own epilogue (store_scores) writing the fp32 scores into a per-row area of shared
-//      memory (`stash`, group_rows x cap words) instead of HBM (and into `scores` where asked);
+//      distinct request of the group with the scorer's own functions (for_each_request, the walk over the requests;
+//      score_tiles, the 4-stage cp.async pipeline: stage_tile, score_tile, head_sums), its epilogue the scorer's
+//      (store_scores) writing the fp32 scores into a per-row area of shared memory (`stash`, group_rows x cap words)
+//      instead of HBM (and into `scores` where asked);
 //   3  per row of the group, runs the grid select's tail on its area (grid_row_keys): the source FusedKeys turns the
 //      row's scores into order-preserving keys in place and histograms them (phase A), then the rounds, the tagged
 //      counts and the ordered output with the expansion fused (phases B, R, C; grid_topk.cu).
@@ -91,8 +92,10 @@ struct FusedKeys {
 };
 
 // Scores the CTA's columns [col0, col0 + chunk) of the group's rows into the stash (row i at stash + i * cap: the
-// scorer's epilogue over a view whose column col0 is the stash row's word 0), and into `scores` where asked.  Once per
-// distinct request of the group, as score_kernel walks it.  Ends with a barrier.
+// scorer's epilogue over a view whose column col0 is the stash row's word 0), and into `scores` where asked: the
+// scorer's walk over the group's distinct requests (for_each_request) and its tile pipeline (score_tiles) over the
+// chunk's tiles, 16-bit keys (KIND QSA_KIND_16BIT: q's fragments, the scale and the source carry no quantised keys'
+// parts).  Ends with a barrier.
 template <int PAGE, bool F16>
 __device__ __forceinline__ void fused_score(const KeySource& base, const unsigned (&a)[QSA_K_STEPS][4],
                                             const int* s_req, const int* s_vis, int group_rows, long long first_row,
@@ -101,50 +104,19 @@ __device__ __forceinline__ void fused_score(const KeySource& base, const unsigne
                                             int scores_ld) {
     KeySource src = base;
     float* view = reinterpret_cast<float*>(stash) - col0;
-    for (int i = 0; i < group_rows; ++i) {
-        const int req = s_req[i];
-        if (req < 0 || s_vis[i] <= 0) continue;
-        bool seen = false;
-        unsigned mine = 0;
-        int req_visible = 0;
-        for (int j = 0; j < group_rows; ++j) {
-            if (s_req[j] != req || s_vis[j] <= 0) continue;
-            seen |= j < i;
-            mine |= 1u << j;
-            req_visible = s_vis[j] > req_visible ? s_vis[j] : req_visible;
-        }
-        if (seen) continue;
-        src.page_row =
-            static_cast<const char*>(base.page_row) + (long long)req * table_stride * (src.wide_pages ? 8 : 4);
+    const unsigned char* table = static_cast<const unsigned char*>(base.page_row);
+    for_each_request(s_req, s_vis, group_rows, [&](int req, unsigned mine, int req_visible) {
+        src.page_row = request_page_row(table, req, table_stride, src.wide_pages);
         const int last = col0 + chunk < req_visible ? col0 + chunk : req_visible;
         const int begin = col0 / QSA_TILE, end = (last + QSA_TILE - 1) / QSA_TILE;
-        if (begin >= end) continue;
-#pragma unroll 1
-        for (int s = 0; s < QSA_STAGES - 1; ++s) {
-            if (begin + s < end)
-                issue_tile<PAGE>(src, begin + s, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
-            cp_async_commit();
-        }
-        for (int tile = begin; tile < end; ++tile) {
-            cp_async_wait<QSA_STAGES - 2>();
-            __syncthreads();
-            const int next = tile + QSA_STAGES - 1;
-            if (next < end) {
-                const int s = (next - begin) % QSA_STAGES;
-                issue_tile<PAGE>(src, next, req_visible, tiles + s * QSA_TILE_BYTES, flags + s * QSA_TILE);
-            }
-            cp_async_commit();
-            const int s = (tile - begin) % QSA_STAGES;
-            float acc[2][4];
-            score_tile<F16>(tiles + s * QSA_TILE_BYTES, a, acc);
-            head_sums(acc, scale);
-            store_scores(acc, view, cap, 0, group_rows, mine, s_vis, flags + s * QSA_TILE, tile);
-            if (scores != nullptr)
-                store_scores(acc, scores, scores_ld, first_row, group_rows, mine, s_vis, flags + s * QSA_TILE, tile);
-        }
-        cp_async_wait<0>();
-        __syncthreads();
-    }
+        score_tiles<PAGE, F16, QSA_KIND_16BIT>(
+            src, a, scale, begin, end, req_visible, tiles, flags,
+            [&](const float (&acc)[2][4], const unsigned char* tile_flags, int tile) {
+                store_scores(acc, view, cap, 0, group_rows, mine, s_vis, tile_flags, tile);
+                if (scores != nullptr)
+                    store_scores(acc, scores, scores_ld, first_row, group_rows, mine, s_vis, tile_flags, tile);
+            });
+    });
     __syncthreads();  // the stash is in every thread's view
 }
 
