@@ -136,7 +136,7 @@ def test_off_unless_asked_for_imports_nothing_and_composite_serves(gfx950, rng):
     assert rocm.flydsl_k1_reasons(selection_problem(args)) == [OFF]
     assert rocm._loaded == {}, "not imported while off"
     report = qsa_aiter.explain_selection(*args, TOKEN_TOPK, K1_RATIO)
-    assert "selection: " in report and "candidates (order flydsl_k1 > composite):" in report
+    assert "selection: " in report and "candidates (order flydsl_k1 > composite > " in report
     assert f"- flydsl_k1: {OFF}" in report and "* composite: serves" in report
     assert "\nqsa_paged_mqa_logits: " in report and "\nblock top-k: " in report
 
