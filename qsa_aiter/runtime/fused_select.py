@@ -33,13 +33,8 @@ def fused_select_reasons(problem, platform: Platform, settings) -> list[str]:
     host facts only: CUDA GPU tensors of a CUDA build of torch, the kernels' own limits (``kernels.SPEC.reasons``: the
     scorer's dtype, heads, head_dim, page size, prefill, strides and compute capability, then a group's scores held
     in shared memory across a co-resident grid), and NVRTC and the CUDA driver library loadable."""
-    found = []
-    if problem.device_type != "cuda":
-        found.append(f"needs CUDA GPU tensors (tensors are on {problem.device_type})")
-    if torch.version.hip is not None:
-        found.append("no AMD version yet (a ROCm build of torch; the scorer's matrix primitives are NVIDIA's)")
-    elif torch.version.cuda is None:
-        found.append(f"needs a CUDA build of torch (torch {torch.__version__} has none)")
+    found = native.cuda_only_reasons(
+        problem.device_type, "no AMD version yet (a ROCm build of torch; the scorer's matrix primitives are NVIDIA's)")
     if problem.device_type == "cuda" and torch.version.cuda is not None:
         found += kernels.SPEC.reasons(problem, platform)
     else:

@@ -47,14 +47,9 @@ def grid_topk_reasons(problem, platform: Platform, settings) -> list[str]:
     facts only: CUDA GPU tensors on a CUDA build of torch (no cooperative launch is wired for ROCm), the kernels'
     own limits on the platform and the shape (``kernels.SPEC.reasons``: an NVIDIA GPU of compute capability 8.0+, a
     row's scores held in shared memory across a co-resident grid), NVRTC and the CUDA driver library loadable."""
-    found = []
-    if problem.device_type != "cuda":
-        found.append(f"needs CUDA GPU tensors (tensors are on {problem.device_type})")
-    if torch.version.hip is not None:
-        found.append("needs a CUDA build of torch (no cooperative launch is wired for ROCm yet)")
-    elif torch.version.cuda is None:
-        found.append(f"needs a CUDA build of torch (torch {torch.__version__} has none)")
-    elif problem.device_type == "cuda":
+    found = native.cuda_only_reasons(problem.device_type,
+                                     "needs a CUDA build of torch (no cooperative launch is wired for ROCm yet)")
+    if problem.device_type == "cuda" and torch.version.cuda is not None:
         found += kernels.SPEC.reasons(problem, platform)
     return found + (native.unavailable_reasons("cuda") if torch.version.hip is None else [])
 

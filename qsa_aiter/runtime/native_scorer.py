@@ -25,13 +25,9 @@ def native_scorer_reasons(problem, platform: Platform, settings) -> list[str]:
     an NVIDIA GPU of compute capability 8.0+, a bf16, fp16, fp8 e4m3fn or MXFP4 (bf16 queries) cache, 4 heads,
     head_dim 128, pages of 16 or 64, no prefill beyond 256 rows), the per-row histogram (which it does not count),
     and NVRTC and the driver library loadable."""
-    found = []
-    if problem.device_type != "cuda":
-        found.append(f"needs CUDA GPU tensors (tensors are on {problem.device_type})")
-    if torch.version.hip is not None:
-        found.append("no AMD version yet (a ROCm build of torch; the matrix primitives of native_mma.h are NVIDIA's)")
-    elif torch.version.cuda is None:
-        found.append(f"needs a CUDA build of torch (torch {torch.__version__} has none)")
+    found = native.cuda_only_reasons(
+        problem.device_type, "no AMD version yet (a ROCm build of torch; the matrix primitives of native_mma.h are "
+        "NVIDIA's)")
     if problem.device_type == "cuda" and torch.version.cuda is not None:
         found += kernels.SPEC.reasons(problem, platform)
     else:

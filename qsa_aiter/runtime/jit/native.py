@@ -16,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import torch
+
 from ...kernels.native_spec import target_of
 from ..settings import QsaSettings, get_settings
 from . import cuda_driver, hip_driver, hiprtc, nvrtc
@@ -46,6 +48,20 @@ def unavailable_reasons(vendor: str) -> list[str]:
     else:
         found = (hiprtc.unavailable_reason(), hip_driver.driver_reason())
     return [reason for reason in found if reason]
+
+
+def cuda_only_reasons(device_type: str, on_rocm: str) -> list[str]:
+    """The host facts a native kernel with no AMD version needs before its own limits: tensors on a CUDA GPU
+    (``device_type``) and a CUDA build of torch (``on_rocm``: why a ROCm build does not serve). NVRTC and the driver
+    come after the kernel's limits (``unavailable_reasons("cuda")``)."""
+    found = []
+    if device_type != "cuda":
+        found.append(f"needs CUDA GPU tensors (tensors are on {device_type})")
+    if torch.version.hip is not None:
+        found.append(on_rocm)
+    elif torch.version.cuda is None:
+        found.append(f"needs a CUDA build of torch (torch {torch.__version__} has none)")
+    return found
 
 
 def kernel_for(source: str, kernel: str, defines: tuple[str, ...], device: int, arch: str,
