@@ -126,14 +126,22 @@ def add_page_sizes(parser: argparse.ArgumentParser, default: tuple[int, ...] = (
                         renamed_to="--page-sizes")
 
 
-def add_selection_point_options(parser: argparse.ArgumentParser, replays: bool = True) -> None:
+def add_selection_point_options(parser: argparse.ArgumentParser, replays: bool = True,
+                                many_caches: bool = False) -> None:
     """The options of the selection benchmarks (``benchmarks/selection.py`` and its kin): ``--points`` (default the
-    selection targets' points), ``--page-size`` (default 64), ``--cache`` (default bf16) and ``--replays`` (default
-    30)."""
+    selection targets' points), ``--page-size`` (default 64), ``--cache`` (default bf16; with ``many_caches``
+    ``--caches``, a comma-separated list stored as a tuple, ``--cache`` its one-format spelling) and ``--replays``
+    (default 30)."""
     parser.add_argument("--points", type=work_point_list, default=",".join(SELECTION_POINTS),
                         help="comma-separated work points (default the selection targets')")
     add_page_size(parser)
-    parser.add_argument("--cache", type=cache_format, default="bf16", help="index-cache format (docs/cache_formats.md)")
+    if many_caches:
+        parser.add_argument("--caches", type=cache_formats, default=("bf16",),
+                            help="index-cache formats, comma-separated (default bf16; docs/cache_formats.md)")
+        parser.add_argument("--cache", dest="caches", type=cache_formats, help=argparse.SUPPRESS)
+    else:
+        parser.add_argument("--cache", type=cache_format, default="bf16",
+                            help="index-cache format (docs/cache_formats.md)")
     if replays:
         parser.add_argument("--replays", type=positive_int, default=30, help="CUDA-graph replays per median")
 

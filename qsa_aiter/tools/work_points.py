@@ -19,8 +19,8 @@ K = 1024
 #: top-k budget (2048 tokens: 512 groups).
 HEADS, HEAD_DIM, COMPRESS_RATIO, TOKEN_TOPK = 4, 128, 4, 2048
 #: The points of the selection targets (docs/selection.md), which the selection benchmarks time by default.
-SELECTION_POINTS = ("9x4@64K-128K", "4x4@262K", "1x1@262K", "64x4@98K", "128x1@98K", "prefill 4096@32K",
-                    "prefill 16K@96K")
+SELECTION_POINTS = ("9x4@64K-128K", "16x4@32K", "64x4@32K", "64x4@98K", "4x4@262K", "64x1@32K", "16x1@98K",
+                    "1x1@262K", "128x1@98K", "prefill 4096@32K", "prefill 16K@96K")
 
 
 @dataclass(frozen=True)
