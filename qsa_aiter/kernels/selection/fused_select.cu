@@ -70,13 +70,18 @@
 
 #define QSA_FUSED_THREADS QSA_THREADS
 #define QSA_FUSED_CTAS_PER_SM 2
-// Dynamic shared memory (bytes): the scorer's (stages | flags | rows) | the grid's fixed words | the scores' stash.
+// Dynamic shared memory (bytes): the scorer's (stages | flags | rows) | the grid tail's scan and res words | the
+// scores' stash.  The tail's per-row histograms (GRID_MAX_ROWS x 2048 words) live in the tile stages, free once a
+// group is scored, so they cost the stash nothing.
 #define QSA_FUSED_GRID_OFFSET QSA_SHARED_BYTES
-#define QSA_FUSED_STASH_OFFSET (QSA_FUSED_GRID_OFFSET + GRID_FIXED_WORDS * 4)
+#define QSA_FUSED_STASH_OFFSET (QSA_FUSED_GRID_OFFSET + GRID_TAIL_WORDS * 4)
 
 static_assert(QSA_SHARED_BYTES % 16 == 0, "the grid's words and the stash start 16-byte aligned");
-static_assert(GRID_BINS % QSA_FUSED_THREADS == 0 && QSA_FUSED_THREADS >= GRID_MAX_SPLIT,
+static_assert(GRID_BINS % QSA_FUSED_THREADS == 0 && QSA_FUSED_THREADS >= GRID_MAX_ROWS * GRID_MAX_SPLIT,
               "the grid tail's scan and polls fit the scorer's CTA");
+static_assert(QSA_MAX_GROUP_ROWS <= GRID_MAX_ROWS, "a row group goes through the tail's rounds together");
+static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET,
+              "the tail's histograms fit the tile stages, below the page flags and the group's rows");
 
 // Phase A's source: the row's fp32 scores are already in `keys` (the scorer's epilogue wrote them there); turn them
 // into order-preserving keys in place and histogram their top 11 bits.
@@ -89,6 +94,12 @@ struct FusedKeys {
             atomicAdd(&H[k >> 21], 1u);
         }
     }
+};
+
+// The group's visible counts for the grid tail (s_vis, read by thread r for row r).
+struct FusedCounts {
+    const int* vis;
+    __device__ __forceinline__ int operator()(int r) const { return vis[r]; }
 };
 
 // Scores the CTA's columns [col0, col0 + chunk) of the group's rows into the stash (row i at stash + i * cap: the
@@ -143,17 +154,18 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     unsigned char* flags = tiles + QSA_FLAGS_OFFSET;
     int* s_req = reinterpret_cast<int*>(tiles + QSA_ROWS_OFFSET);
     int* s_vis = s_req + QSA_MAX_GROUP_ROWS;
-    unsigned* gsm = reinterpret_cast<unsigned*>(tiles + QSA_FUSED_GRID_OFFSET);
+    unsigned* hist = reinterpret_cast<unsigned*>(tiles);  // the tail's histograms, once a group is scored
+    unsigned* tail = reinterpret_cast<unsigned*>(tiles + QSA_FUSED_GRID_OFFSET);
     unsigned* stash = reinterpret_cast<unsigned*>(tiles + QSA_FUSED_STASH_OFFSET);
     wait_for_prior_grid();
     const int part = blockIdx.x % split, slot = blockIdx.x / split;
     unsigned* ws = workspace + (long long)slot * GRID_SLOT_WORDS;
-    for (int i = threadIdx.x; i < GRID_BINS; i += QSA_FUSED_THREADS) gsm[i] = 0u;
+    constexpr int GEN_WORD = GRID_RES_WORD - GRID_SCAN_WORD + 5;
     if (threadIdx.x == 0)
-        gsm[GRID_RES_WORD + 5] =
+        tail[GEN_WORD] =
             (unsigned)(grid_load_acquire(reinterpret_cast<const unsigned long long*>(ws + GRID_FLAG_WORD)) >> 32);
     __syncthreads();
-    unsigned gen = gsm[GRID_RES_WORD + 5];
+    unsigned gen = tail[GEN_WORD];
     __syncthreads();
     const float scale = __uint_as_float((unsigned)scale_bits);
     // grid_tokens' index widths: positions 1, contexts 2, requests 4.
@@ -162,6 +174,8 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     const KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,
                            slot_stride, aligned != 0};
     const FusedKeys source = {};
+    const GridExpand x = {query_positions, context_lens, token_to_request, tokens, num_requests, ratio, tok_ld,
+                          idx_wide};
     for (int group = slot; group < row_groups; group += slots) {
         const long long first_row = (long long)group * group_rows;
         unsigned a[QSA_K_STEPS][4];
@@ -182,16 +196,15 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
             wide_row |= s_vis[i] > K;
         }
         const int chunk = ((basis + split - 1) / split + GRID_TILE - 1) / GRID_TILE * GRID_TILE;
-        if (wide_row)  // CTA-uniform
+        if (wide_row) {  // CTA-uniform
             fused_score<PAGE, F16>(src, a, s_req, s_vis, group_rows, first_row, part * chunk, chunk, table_stride,
                                    scale, tiles, flags, stash, cap, scores, scores_ld);
-        for (int i = 0; i < group_rows && first_row + i < num_tokens; ++i) {
-            const int row = (int)(first_row + i);
-            const GridTokens ts = grid_tokens(row, query_positions, context_lens, token_to_request, tokens,
-                                              num_requests, ratio, tok_ld, idx_wide);
-            gen = grid_row_keys<QSA_FUSED_THREADS>(row, s_vis[i], basis, part, source, out, ts, ws, K, split, width,
-                                                   gen, gsm, stash + (long long)i * cap);
+            for (int i = threadIdx.x; i < group_rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
+            __syncthreads();
         }
+        const int rows = num_tokens - first_row < group_rows ? (int)(num_tokens - first_row) : group_rows;
+        gen = grid_rows_keys<QSA_FUSED_THREADS>((int)first_row, rows, FusedCounts{s_vis}, basis, part, source, out,
+                                                x, ws, K, split, width, gen, hist, tail, stash, cap);
         __syncthreads();  // s_req, s_vis and the stash are free for the next group
     }
 }

@@ -90,7 +90,7 @@ def assert_clean(workspace: torch.Tensor, plan: fs.Plan) -> None:
     """Every slot's histogram and arrival counter are zero again after a launch (the next one needs no zeroing; the
     flag's generation and the tagged words only move forward)."""
     slots = workspace[: plan.workspace_words].view(plan.slots, gt.SLOT_WORDS)
-    assert not slots[:, : gt.HISTOGRAM_BINS + 1].any(), "the launch left the workspace dirty"
+    assert not slots[:, : gt.CLEAN_WORDS].any(), "the launch left the workspace dirty"
 
 
 def check(batch, token_topk: int, hints: dict, **kwargs):
