@@ -25,16 +25,18 @@
 //      score_tiles, the 4-stage cp.async pipeline: stage_tile, score_tile, head_sums), its epilogue the scorer's
 //      (store_scores) writing the fp32 scores into a per-row area of shared memory (`stash`, group_rows x cap words)
 //      instead of HBM (and into `scores` where asked);
-//   3  per row of the group, runs the grid select's tail on its area (grid_row_keys): the source FusedKeys turns the
-//      row's scores into order-preserving keys in place and histograms them (phase A), then the rounds, the tagged
-//      counts and the ordered output with the expansion fused (phases B, R, C; grid_topk.cu).
+//   3  runs the grid select's tail once for the whole group (grid_rows_keys): per row, the source FusedKeys turns
+//      the row's scores into order-preserving keys in place and histograms them (phase A, a histogram a row in the
+//      tile stages, free once the group is scored); then the group's rows go through the same rounds (one arrival a
+//      round for every row still undecided), one tagged counts exchange, and the ordered output per row with the
+//      expansion fused (phases B, R, C; grid_topk.cu).
 // Rows whose visible count is at most K take 0 .. visible-1 without a score read; a group none of whose rows sees
 // more than K columns is not scored at all.
 //
 // One CTA shape for both halves: 128 threads (4 warps).  The scorer's warps each score 16 of a tile's 64 columns: it
 // is built for exactly 4 warps.  The grid tail is a template on BLOCK that needs BLOCK to be a multiple of the warp
-// and NB = 2048 bins a multiple of BLOCK (16 bins a thread in the last arriver's scan) and at most 32 * 32 threads
-// polling the per-CTA words (split <= 32 <= 128): BLOCK = 128 serves it, so no warp idles in either phase.
+// and NB = 2048 bins a multiple of BLOCK (16 bins a thread in the last arriver's scan) and a thread per polled
+// word (at most 4 rows x 31 lower CTAs <= 128): BLOCK = 128 serves it, so no warp idles in either phase.
 //
 // Time model (estimates; nothing is measured yet).  Keys: the call reads each visible key once per row group, 256 B a
 // column in bf16, so the floor is sum over groups of (visible keys of the group x 256 B) / HBM bandwidth (H100 SXM
@@ -42,17 +44,21 @@
 // the bandwidth (split 2: 16K columns, 4 MB a CTA); the MMAs are a tenth of that (native_scorer.cu).  What the
 // composite path adds and this saves: the logits' write and read (4 B a row and column: 3% of the key bytes for one
 // row a group, 12% for four) and one launch.
-// Selection: the grid select's rounds after the scoring, per row of the group, one after another: the
-// histogram over the CTA's chunk in shared memory (c / 128 keys a thread), 1 to 3 rounds of about 2.5-3 us (an L2
-// round trip for the arrival, the last arriver's 2048-bin read and scan, the release and the waiters' poll), the
-// tagged counts (~1 us) and the ordered output: about 10 us a row, so a verify group of 4 rows adds about 40 us to its
-// keys' time, a decode row about 10 us, whatever the context (flat in its length while the chunk stays small).  So
+// Selection: the grid select's tail after the scoring, once for the group: the histograms over the CTA's chunk in
+// shared memory (c / 128 keys a thread and row), 1 to 3 rounds shared by the group's rows (a round: an L2 round trip
+// for the one arrival, the last arriver's read of every undecided row's 2048 bins at once and a block scan a row, the
+// release and the waiters' poll and payload read: about 2.5-3 us, plus ~0.3 us a further row), one tagged counts
+// exchange (~1 us) and the ordered output per row: about 10 us for a decode row and, estimated, about 12-15 us for a
+// verify group of 4 rows (was about 40 us with a row's rounds one after another), whatever the context (flat in its
+// length while the chunk stays small; estimates, nothing measured).  So
 // the fused path wins where the keys' time is short against a launch and the logits round trip (decode and draft of
 // modest contexts) and needs measuring elsewhere: it is ranked after the composite path until tuned rows say so.
-// Shared memory: the scorer's stages (64 KB + flags), the grid's fixed 8.75 KB, and group_rows x cap x 4 B of scores:
-// the co-resident grid limits cap (at most 32768 keys, 9792 for 4 rows on 227 KB) and so the context a call serves.
+// Shared memory: the scorer's stages (64 KB + flags; the tail's 4 x 8 KB histograms reuse them), the tail's scan and
+// res words (1.25 KB), and group_rows x cap x 4 B of scores: the co-resident grid limits cap (at most 32768 keys,
+// 10304 for 4 rows on 227 KB) and so the context a call serves.
 //
-// Workspace: the grid select's slots (GRID_SLOT_WORDS words a slot: histogram, arrival counter, flag, per-CTA words),
+// Workspace: the grid select's slots (GRID_SLOT_WORDS words a slot: a histogram a row, arrival counter, flag, payload
+// words, per CTA and row words),
 // zeroed once and left clean by every launch (a CUDA graph replays it with new lengths), and out (rows x K int32).
 //
 // Kernels (extern "C"; fused_select.py beside this file declares them): qsa_fused_<bf16|fp16>_page<16|64>.  With

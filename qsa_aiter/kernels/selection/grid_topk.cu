@@ -15,22 +15,29 @@
 // b % split of slot b / split; slot s takes rows s, s + slots, s + 2 * slots, ...; a row's `split` CTAs each own a
 // contiguous, GRID_TILE-aligned range of its columns: chunk = round_up(ceil(n / split), GRID_TILE) columns, part j
 // the columns [j * chunk, min((j + 1) * chunk, n)).  The score source is a type (phase A below: `tile_keys`): here
-// GridLogits, the logits; in the fused kernel (fused_select.cu, through grid_row_keys) the scorer's scores of the
+// GridLogits, the logits; in the fused kernel (fused_select.cu, through grid_rows_keys) the scorer's scores of the
 // same columns, already in the keys' area.
+// Rows at once: the tail (grid_rows_keys) takes up to GRID_MAX_ROWS rows of a slot together (the fused kernel's row
+// group, one request's verify rows); the grid kernels give it one row a call.  The rows share their CTAs' column
+// ranges and every barrier below: one arrival a round for all rows still undecided, one counts exchange.
 //
 // Method (per long row, n > K), on order-preserving keys (grid_key) with digits of 11 + 11 + 10 bits:
 //   A  every CTA reads its columns once into shared memory as keys and histograms the top 11 bits there (2048 bins,
 //      shared atomics), then adds its non-zero bins to the slot's global histogram (relaxed global atomics).
-//   B  a round barrier (grid_round): each CTA fences and arrives on the slot's counter; the CTA that arrives last
-//      reads the global histogram (zeroing it as it reads), finds the threshold bin and the rank still to place in
-//      it (a block-wide suffix scan) and publishes (bin, done, rank) in the slot's flag word with the next
-//      generation (one 64-bit release store); the others wait on that word (acquire loads).
+//   B  a round barrier (grid_round): each CTA adds the bins of every row still undecided to that row's histogram
+//      in the slot, fences and arrives once on the slot's counter; the CTA that arrives last reads each such
+//      histogram (zeroing it as it reads), finds the row's threshold bin and the rank still to place in it (a
+//      block-wide suffix scan), writes each row's (bin, done, rank) in the slot's payload words and publishes the
+//      next generation in the flag word (one 64-bit release store; row 0's payload rides in it, so one row costs
+//      no extra load); the others wait on the flag (acquire loads), then read the payload words.  A decided row
+//      drops out of the rounds; the rounds end when every row is decided (the same payloads in every CTA).
 //   R  refinement: while the threshold bin holds more keys than the rank still to place, the same round again over
 //      the keys of that bin only (read from shared memory, never from the logits) with the next 11, then 10 bits.
 //      The result is a key T and a count e: a column is selected iff key > T, or key == T and it is among the
 //      first e columns with key == T (e = all where the whole bin is taken: then T is the bin's lowest key).
-//   C  counts: each CTA counts its keys > T and == T and publishes both in its own tagged word of the slot (no
-//      atomic: the tag is the round's generation); CTA j waits for the words of CTAs 0..j-1 only, and the prefix
+//   C  counts: each CTA counts its keys > T and == T and publishes both in its own tagged word of the slot, one a
+//      row (no atomic: the tag is the round's generation); CTA j waits for the words of CTAs 0..j-1 only (all rows
+//      in one poll, the (row, CTA) pairs spread over its threads), and the prefix
 //      gives it its output offset and its share of the ties (ties go to the lower column: CTA j takes the first
 //      e - (ties of CTAs < j) of its own).  It then writes its selected columns in column order (block-wide scans
 //      of packed per-thread counts; no sort).  The output is the top-K of the row by (-score, column), identical
@@ -38,7 +45,8 @@
 //   Expansion (tokens != nullptr): each selected group's tokens go where its slot says (slot * R: every kept group
 //      before it is a lower group and keeps all R); the tail starts at the row's kept-token total, which is K * R
 //      where the context covers every visible group (limit >= n * R, the case of visible counts from the scorer);
-//      otherwise each CTA publishes its token count in a second tagged word and the row's last CTA sums them.
+//      otherwise each CTA publishes its token count in a second tagged word and the row's last CTA sums them
+//      (every such row of the call in one poll).
 //
 // Time model (one long row, `split` CTAs; estimates from the native top-k's measured steps, not yet timed here):
 //   A   n * 4 bytes from HBM over `split` CTAs (a CTA's read rate is bounded by the loads it keeps in flight, so
@@ -51,14 +59,19 @@
 //   C   one tagged store and a poll of the lower CTAs' words (~1 us), a count and an ordered pass over the chunk.
 //   So a decode row costs about (1-2) + 3 x 2.7 + 1 us, flat in its length while chunk stays small: the rounds'
 //   L2 round trips dominate; the logits' HBM write and read (and one launch) are what a fused kernel saves.
-//   Rows per CTA: slots rows run at once; a slot's rows run one after another.
+//   Rows per CTA: slots rows (groups) run at once; a slot's calls run one after another.  The rows of one call
+//   share the rounds: a round costs its L2 round trips once (the last CTA reads every undecided row's histogram
+//   with its loads in flight together) plus a block scan a row (~0.3 us), so a 4-row group's tail is about one
+//   row's plus a few us, not four rows' (estimates, not measured).
 // Workspace (unsigned words, GRID_SLOT_WORDS per slot, zeroed once at allocation, reusable without re-zeroing, so
-// a CUDA graph replays it with new lengths): histogram[2048] (zero between rounds: the last CTA zeroes what it
-// reads) | arrival counter (zero between rounds: the last CTA resets it) | flag (u64: generation << 32 | payload,
-// only ever increasing) | per CTA two tagged u64 words (counts, tokens).  Each CTA reads its slot's generation
-// once at its start; every round adds one; all CTAs of a slot see the same sequence, so no reset is needed.
+// a CUDA graph replays it with new lengths): histogram[GRID_MAX_ROWS][2048] (zero between rounds: the last CTA
+// zeroes what it reads) | arrival counter (zero between rounds: the last CTA resets it) | flag (u64: generation
+// << 32 | row 0's payload, only ever increasing) | payload words (one a row, rewritten every round: a CTA reads them
+// before it arrives again) | per CTA and row two tagged u64 words (counts, tokens).  Each CTA reads its slot's
+// generation once at its start; every round adds one; all CTAs of a slot see the same sequence, so no reset is
+// needed.
 //
-// Kernels (extern "C", dynamic shared memory [H 2048 | scan 64 | res 128 | keys cap] words; the plan that sizes
+// Kernels (extern "C", dynamic shared memory [H 2048 | scan 64 | res 256 | keys cap] words; the plan that sizes
 // them is grid_topk.py beside this file): grid_topk_256, grid_topk_512 (threads per CTA).  With -DTOPK_SINGLE
 // -DTOPK_KERNEL_<name> only <name> is built.  The cross-CTA primitives (grid_load_acquire, grid_store_release,
 // grid_fence, grid_pause) are native_compat.h's.
@@ -351,6 +364,21 @@ __device__ __forceinline__ void grid_round(unsigned* ws, int split, int rows, un
     }
     __syncthreads();
     if (s_res[3]) {  // CTA-uniform: the last CTA
+        if (rows > 1) {
+            // Several rows: their histograms into their (zero) shared bins first, every row's loads in flight
+            // together (one L2 round trip for the group, not one a row); the scans below read them from there.
+#pragma unroll
+            for (int r = 0; r < GRID_MAX_ROWS; ++r) {
+                if (r >= rows || st[r * GRID_STATE_WORDS + GS_MODE] != 1u) continue;
+                unsigned* G = ws + r * GRID_BINS;
+#pragma unroll
+                for (int i = 0; i < PER; ++i) {
+                    const int b = NB - 1 - (threadIdx.x * PER + i);
+                    H[r * GRID_BINS + b] = (unsigned)load_cg(reinterpret_cast<const int*>(G + b));
+                    G[b] = 0u;
+                }
+            }
+        }
         int parity = 0;
 #pragma unroll 1
         for (int r = 0; r < rows; ++r) {
@@ -361,8 +389,13 @@ __device__ __forceinline__ void grid_round(unsigned* ws, int split, int rows, un
 #pragma unroll
             for (int i = 0; i < PER; ++i) {
                 const int b = NB - 1 - (threadIdx.x * PER + i);
-                loc[i] = (unsigned)load_cg(reinterpret_cast<const int*>(G + b));
-                G[b] = 0u;
+                if (rows > 1) {  // staged above by this thread: its own bins, no barrier needed
+                    loc[i] = H[r * GRID_BINS + b];
+                    H[r * GRID_BINS + b] = 0u;
+                } else {
+                    loc[i] = (unsigned)load_cg(reinterpret_cast<const int*>(G + b));
+                    G[b] = 0u;
+                }
                 sum += loc[i];
             }
             unsigned total;
