@@ -25,16 +25,18 @@
 //      score_tiles, the 4-stage cp.async pipeline: stage_tile, score_tile, head_sums), its epilogue the scorer's
 //      (store_scores) writing the fp32 scores into a per-row area of shared memory (`stash`, group_rows x cap words)
 //      instead of HBM (and into `scores` where asked);
-//   3  per row of the group, runs the grid select's tail on its area (grid_row_keys): the source FusedKeys turns the
-//      row's scores into order-preserving keys in place and histograms them (phase A), then the rounds, the tagged
-//      counts and the ordered output with the expansion fused (phases B, R, C; grid_topk.cu).
+//   3  runs the grid select's tail once for the whole group (grid_rows_keys): per row, the source FusedKeys turns
+//      the row's scores into order-preserving keys in place and histograms them (phase A, a histogram a row in the
+//      tile stages, free once the group is scored); then the group's rows go through the same rounds (one arrival a
+//      round for every row still undecided), one tagged counts exchange, and the ordered output per row with the
+//      expansion fused (phases B, R, C; grid_topk.cu).
 // Rows whose visible count is at most K take 0 .. visible-1 without a score read; a group none of whose rows sees
 // more than K columns is not scored at all.
 //
 // One CTA shape for both halves: 128 threads (4 warps).  The scorer's warps each score 16 of a tile's 64 columns: it
 // is built for exactly 4 warps.  The grid tail is a template on BLOCK that needs BLOCK to be a multiple of the warp
-// and NB = 2048 bins a multiple of BLOCK (16 bins a thread in the last arriver's scan) and at most 32 * 32 threads
-// polling the per-CTA words (split <= 32 <= 128): BLOCK = 128 serves it, so no warp idles in either phase.
+// and NB = 2048 bins a multiple of BLOCK (16 bins a thread in the last arriver's scan) and a thread per polled
+// word (at most 4 rows x 31 lower CTAs <= 128): BLOCK = 128 serves it, so no warp idles in either phase.
 //
 // Time model (estimates; nothing is measured yet).  Keys: the call reads each visible key once per row group, 256 B a
 // column in bf16, so the floor is sum over groups of (visible keys of the group x 256 B) / HBM bandwidth (H100 SXM
@@ -42,17 +44,21 @@
 // the bandwidth (split 2: 16K columns, 4 MB a CTA); the MMAs are a tenth of that (native_scorer.cu).  What the
 // composite path adds and this saves: the logits' write and read (4 B a row and column: 3% of the key bytes for one
 // row a group, 12% for four) and one launch.
-// Selection: the grid select's rounds after the scoring, per row of the group, one after another: the
-// histogram over the CTA's chunk in shared memory (c / 128 keys a thread), 1 to 3 rounds of about 2.5-3 us (an L2
-// round trip for the arrival, the last arriver's 2048-bin read and scan, the release and the waiters' poll), the
-// tagged counts (~1 us) and the ordered output: about 10 us a row, so a verify group of 4 rows adds about 40 us to its
-// keys' time, a decode row about 10 us, whatever the context (flat in its length while the chunk stays small).  So
+// Selection: the grid select's tail after the scoring, once for the group: the histograms over the CTA's chunk in
+// shared memory (c / 128 keys a thread and row), 1 to 3 rounds shared by the group's rows (a round: an L2 round trip
+// for the one arrival, the last arriver's read of every undecided row's 2048 bins at once and a block scan a row, the
+// release and the waiters' poll and payload read: about 2.5-3 us, plus ~0.3 us a further row), one tagged counts
+// exchange (~1 us) and the ordered output per row: about 10 us for a decode row and, estimated, about 12-15 us for a
+// verify group of 4 rows (was about 40 us with a row's rounds one after another), whatever the context (flat in its
+// length while the chunk stays small; estimates, nothing measured).  So
 // the fused path wins where the keys' time is short against a launch and the logits round trip (decode and draft of
 // modest contexts) and needs measuring elsewhere: it is ranked after the composite path until tuned rows say so.
-// Shared memory: the scorer's stages (64 KB + flags), the grid's fixed 8.75 KB, and group_rows x cap x 4 B of scores:
-// the co-resident grid limits cap (at most 32768 keys, 9792 for 4 rows on 227 KB) and so the context a call serves.
+// Shared memory: the scorer's stages (64 KB + flags; the tail's 4 x 8 KB histograms reuse them), the tail's scan and
+// res words (1.25 KB), and group_rows x cap x 4 B of scores: the co-resident grid limits cap (at most 32768 keys,
+// 10304 for 4 rows on 227 KB) and so the context a call serves.
 //
-// Workspace: the grid select's slots (GRID_SLOT_WORDS words a slot: histogram, arrival counter, flag, per-CTA words),
+// Workspace: the grid select's slots (GRID_SLOT_WORDS words a slot: a histogram a row, arrival counter, flag, payload
+// words, per CTA and row words),
 // zeroed once and left clean by every launch (a CUDA graph replays it with new lengths), and out (rows x K int32).
 //
 // Kernels (extern "C"; fused_select.py beside this file declares them): qsa_fused_<bf16|fp16>_page<16|64>.  With
@@ -70,13 +76,18 @@
 
 #define QSA_FUSED_THREADS QSA_THREADS
 #define QSA_FUSED_CTAS_PER_SM 2
-// Dynamic shared memory (bytes): the scorer's (stages | flags | rows) | the grid's fixed words | the scores' stash.
+// Dynamic shared memory (bytes): the scorer's (stages | flags | rows) | the grid tail's scan and res words | the
+// scores' stash.  The tail's per-row histograms (GRID_MAX_ROWS x 2048 words) live in the tile stages, free once a
+// group is scored, so they cost the stash nothing.
 #define QSA_FUSED_GRID_OFFSET QSA_SHARED_BYTES
-#define QSA_FUSED_STASH_OFFSET (QSA_FUSED_GRID_OFFSET + GRID_FIXED_WORDS * 4)
+#define QSA_FUSED_STASH_OFFSET (QSA_FUSED_GRID_OFFSET + GRID_TAIL_WORDS * 4)
 
 static_assert(QSA_SHARED_BYTES % 16 == 0, "the grid's words and the stash start 16-byte aligned");
-static_assert(GRID_BINS % QSA_FUSED_THREADS == 0 && QSA_FUSED_THREADS >= GRID_MAX_SPLIT,
+static_assert(GRID_BINS % QSA_FUSED_THREADS == 0 && QSA_FUSED_THREADS >= GRID_MAX_ROWS * GRID_MAX_SPLIT,
               "the grid tail's scan and polls fit the scorer's CTA");
+static_assert(QSA_MAX_GROUP_ROWS <= GRID_MAX_ROWS, "a row group goes through the tail's rounds together");
+static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET,
+              "the tail's histograms fit the tile stages, below the page flags and the group's rows");
 
 // Phase A's source: the row's fp32 scores are already in `keys` (the scorer's epilogue wrote them there); turn them
 // into order-preserving keys in place and histogram their top 11 bits.
@@ -89,6 +100,12 @@ struct FusedKeys {
             atomicAdd(&H[k >> 21], 1u);
         }
     }
+};
+
+// The group's visible counts for the grid tail (s_vis, read by thread r for row r).
+struct FusedCounts {
+    const int* vis;
+    __device__ __forceinline__ int operator()(int r) const { return vis[r]; }
 };
 
 // Scores the CTA's columns [col0, col0 + chunk) of the group's rows into the stash (row i at stash + i * cap: the
@@ -143,17 +160,18 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     unsigned char* flags = tiles + QSA_FLAGS_OFFSET;
     int* s_req = reinterpret_cast<int*>(tiles + QSA_ROWS_OFFSET);
     int* s_vis = s_req + QSA_MAX_GROUP_ROWS;
-    unsigned* gsm = reinterpret_cast<unsigned*>(tiles + QSA_FUSED_GRID_OFFSET);
+    unsigned* hist = reinterpret_cast<unsigned*>(tiles);  // the tail's histograms, once a group is scored
+    unsigned* tail = reinterpret_cast<unsigned*>(tiles + QSA_FUSED_GRID_OFFSET);
     unsigned* stash = reinterpret_cast<unsigned*>(tiles + QSA_FUSED_STASH_OFFSET);
     wait_for_prior_grid();
     const int part = blockIdx.x % split, slot = blockIdx.x / split;
     unsigned* ws = workspace + (long long)slot * GRID_SLOT_WORDS;
-    for (int i = threadIdx.x; i < GRID_BINS; i += QSA_FUSED_THREADS) gsm[i] = 0u;
+    constexpr int GEN_WORD = GRID_RES_WORD - GRID_SCAN_WORD + 5;
     if (threadIdx.x == 0)
-        gsm[GRID_RES_WORD + 5] =
+        tail[GEN_WORD] =
             (unsigned)(grid_load_acquire(reinterpret_cast<const unsigned long long*>(ws + GRID_FLAG_WORD)) >> 32);
     __syncthreads();
-    unsigned gen = gsm[GRID_RES_WORD + 5];
+    unsigned gen = tail[GEN_WORD];
     __syncthreads();
     const float scale = __uint_as_float((unsigned)scale_bits);
     // grid_tokens' index widths: positions 1, contexts 2, requests 4.
@@ -162,6 +180,8 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     const KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,
                            slot_stride, aligned != 0};
     const FusedKeys source = {};
+    const GridExpand x = {query_positions, context_lens, token_to_request, tokens, num_requests, ratio, tok_ld,
+                          idx_wide};
     for (int group = slot; group < row_groups; group += slots) {
         const long long first_row = (long long)group * group_rows;
         unsigned a[QSA_K_STEPS][4];
@@ -182,16 +202,15 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
             wide_row |= s_vis[i] > K;
         }
         const int chunk = ((basis + split - 1) / split + GRID_TILE - 1) / GRID_TILE * GRID_TILE;
-        if (wide_row)  // CTA-uniform
+        if (wide_row) {  // CTA-uniform
             fused_score<PAGE, F16>(src, a, s_req, s_vis, group_rows, first_row, part * chunk, chunk, table_stride,
                                    scale, tiles, flags, stash, cap, scores, scores_ld);
-        for (int i = 0; i < group_rows && first_row + i < num_tokens; ++i) {
-            const int row = (int)(first_row + i);
-            const GridTokens ts = grid_tokens(row, query_positions, context_lens, token_to_request, tokens,
-                                              num_requests, ratio, tok_ld, idx_wide);
-            gen = grid_row_keys<QSA_FUSED_THREADS>(row, s_vis[i], basis, part, source, out, ts, ws, K, split, width,
-                                                   gen, gsm, stash + (long long)i * cap);
+            for (int i = threadIdx.x; i < group_rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
+            __syncthreads();
         }
+        const int rows = num_tokens - first_row < group_rows ? (int)(num_tokens - first_row) : group_rows;
+        gen = grid_rows_keys<QSA_FUSED_THREADS>((int)first_row, rows, FusedCounts{s_vis}, basis, part, source, out,
+                                                x, ws, K, split, width, gen, hist, tail, stash, cap);
         __syncthreads();  // s_req, s_vis and the stash are free for the next group
     }
 }

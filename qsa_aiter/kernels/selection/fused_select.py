@@ -35,8 +35,9 @@ HEADERS = (scorer.SOURCE_PATH, COMPAT_PATH, scorer.MMA_HEADER_PATH, grid.SOURCE_
 #: Threads per CTA (the scorer's 4 warps; the grid tail runs at the same width) and the CTAs per multiprocessor its
 #: launch bounds promise (``QSA_FUSED_THREADS``, ``QSA_FUSED_CTAS_PER_SM``).
 THREADS, CTAS_PER_SM = scorer.THREADS, 2
-#: Shared memory a CTA needs besides the scores: the scorer's stages, flags and rows, the grid select's fixed words.
-BASE_SHARED_BYTES = scorer.SHARED_BYTES + grid.FIXED_BYTES
+#: Shared memory a CTA needs besides the scores: the scorer's stages, flags and rows, the grid tail's scan and res
+#: words (its histograms reuse the stages once a group is scored).
+BASE_SHARED_BYTES = scorer.SHARED_BYTES + grid.TAIL_BYTES
 #: Rows a call may have (decode, draft and verify; prefill goes the composite way: ``native_scorer.shape_reasons``).
 INT_LIMIT = 2**31
 

@@ -33,15 +33,22 @@ from .native_topk import COMPAT_PATH, EXPANSION_SCALARS, INT_LIMIT, NO_EXPANSION
 SOURCE_PATH = Path(__file__).with_name("grid_topk.cu")
 #: Bins of a round's histogram (the top 11 bits of the order-preserving key; the last round has 1024).
 HISTOGRAM_BINS = 2048
-#: Fixed part of a CTA's shared memory: H[2048] | scan[64] | res[128] (``GRID_FIXED_WORDS``), then the keys.
-FIXED_BYTES = 2240 * 4
+#: Fixed part of a CTA's shared memory: H[2048] | scan[64] | res[256] (``GRID_FIXED_WORDS``), then the keys.
+FIXED_BYTES = 2368 * 4
+#: The tail's own shared words (scan | res, ``GRID_TAIL_WORDS``): what a fused kernel adds, its histograms elsewhere.
+TAIL_BYTES = 320 * 4
+#: The most rows one call of the tail takes through the same rounds (a fused kernel's row group; ``GRID_MAX_ROWS``).
+MAX_ROWS = 4
 #: A CTA's columns start at a multiple of this (a scorer's column tile; 16-byte aligned rows stay aligned).
 TILE = 64
 #: The most CTAs a row is split across (the per-CTA words of a workspace slot; ``GRID_MAX_SPLIT``).
 MAX_SPLIT = 32
-#: Words of one workspace slot (``GRID_SLOT_WORDS``): the histogram, the arrival counter, the flag, the per-CTA
-#: words; a slot per row in flight, zeroed once.
-SLOT_WORDS = 2240
+#: Words of one workspace slot (``GRID_SLOT_WORDS``): ``MAX_ROWS`` histograms, the arrival counter, the flag, the
+#: payload words, the per-CTA and row words; a slot per row (group) in flight, zeroed once.
+SLOT_WORDS = 8800
+#: The slot's words a launch leaves zero (the histograms and the arrival counter, ``GRID_ARRIVE_WORD``): the next
+#: launch needs no zeroing.
+CLEAN_WORDS = MAX_ROWS * HISTOGRAM_BINS + 1
 #: The most keys one CTA holds: its counts of keys above and at the threshold share one 32-bit word (16 bits each).
 MAX_CHUNK = 32768
 #: The most columns a row is split finer than: a CTA takes at least this many (fewer only where the row is shorter).

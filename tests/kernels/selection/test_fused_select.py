@@ -90,7 +90,7 @@ def assert_clean(workspace: torch.Tensor, plan: fs.Plan) -> None:
     """Every slot's histogram and arrival counter are zero again after a launch (the next one needs no zeroing; the
     flag's generation and the tagged words only move forward)."""
     slots = workspace[: plan.workspace_words].view(plan.slots, gt.SLOT_WORDS)
-    assert not slots[:, : gt.HISTOGRAM_BINS + 1].any(), "the launch left the workspace dirty"
+    assert not slots[:, : gt.CLEAN_WORDS].any(), "the launch left the workspace dirty"
 
 
 def check(batch, token_topk: int, hints: dict, **kwargs):
@@ -289,6 +289,71 @@ def test_emulated_repeats_splits_orders_and_a_row_alone_are_bitwise_alike(rng):
         assert torch.equal(alone, first[t:t + 1]) and torch.equal(alone_tokens, tokens[t:t + 1]), t
         seen = ~torch.isnan(alone_scores[0])
         assert torch.equal(alone_scores[0][seen].view(torch.int32), scores[t][seen].view(torch.int32)), t
+
+
+def _rounds(scores: torch.Tensor, n: int, k: int) -> int:
+    """The grid select's rounds for one row (0 where ``n <= k``): the order-preserving keys of its scores on ``[0,
+    n)``, digits of 11 + 11 + 10 bits, a round deciding where its threshold bin is taken whole or in the last one."""
+    if n <= k:
+        return 0
+    bits = scores[:n].contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    bits = torch.where(bits == 0x80000000, 0, bits)
+    keys = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    keys = torch.where(torch.isnan(scores[:n]), 0xFFFFFFFF, keys)
+    krem = k
+    for d, (shift, width) in enumerate(((21, 11), (10, 11), (0, 10))):
+        digits = (keys >> shift) & ((1 << width) - 1)
+        counts = torch.bincount(digits, minlength=1 << width).flip(0)  # from the top bin down
+        above = torch.cumsum(counts, 0) - counts
+        at = int(((above < krem) & (above + counts >= krem)).nonzero()[0, 0])
+        rank, top = krem - int(above[at]), (1 << width) - 1 - at
+        if rank == int(counts[at]) or d == 2:
+            return d + 1
+        keys, krem = keys[digits == top], rank
+    raise AssertionError("unreachable")
+
+
+def _generation(workspace: torch.Tensor, slot: int) -> int:
+    """The slot's flag generation (``GRID_FLAG_WORD``'s upper word): one a round, whatever the rows."""
+    flag = int(re.search(r"#define GRID_FLAG_WORD (\d+)", gt.source()).group(1))
+    return int(workspace[slot * gt.SLOT_WORDS + flag + 1])
+
+
+@needs_emulator
+def test_emulated_a_group_s_rows_share_their_rounds(rng):
+    """Two 4-row groups whose rows need different rounds: a row whose K best columns share one bin and nothing else
+    does (decided in round 1), random rows (2-3 rounds), a row with fewer visible groups than K (none), a constant row
+    (3 rounds, ties to the lowest columns) and a padded row (visible 0).  Each slot's generation moves by the rounds of
+    its group's slowest row (the rows go through the same rounds), not their sum; then again on the same workspace
+    with new lengths (shorter positions), the workspace clean after each launch."""
+    k, ratio = 16, 4
+    batch = make_batch([2000, 1800, 60, 1500, 900], [1, 2, 1, 2, 1], page_size=16, generator=rng, padded_rows=1)
+    cache, table = batch.compressed_k_cache, batch.page_table
+
+    def column(r: int, c: int):
+        return cache[table[r, c // 16], c % 16]
+
+    for r in (0, 3):  # request 0: zero keys but K strong ones (one bin, taken whole); request 3: every key zero
+        for page in table[r][table[r] >= 0].tolist():
+            cache[page] = 0
+    strong = [3, 40, 41, 90, 130, 131, 200, 201, 250, 300, 301, 330, 400, 401, 440, 470]
+    for c in strong:
+        column(0, c).copy_(batch.q[0, 0])
+    workspace, generations = torch.zeros(2 * gt.SLOT_WORDS, dtype=torch.int32), [0, 0]
+    for step in range(2):
+        blocks, _, scores, plan = check(batch, k * ratio, dict(max_query_len=4), split=2, workspace=workspace)
+        _, visible = reference_paged_mqa_logits(*batch.args())
+        assert (plan.group_rows, plan.row_groups, plan.slots) == (4, 2, 2)
+        rounds = [_rounds(scores[t], int(visible[t]), k) for t in range(8)]
+        if step == 0:
+            assert blocks[0].tolist() == strong and rounds[0] == 1 and rounds[3] == 0 and rounds[7] == 0, rounds
+            assert blocks[4].tolist() == list(range(k)) and rounds[4] == 3, rounds
+            assert max(rounds[:4]) > 1 and sum(rounds[:4]) > max(rounds[:4]), rounds  # the rows differ
+        for slot in (0, 1):
+            moved = _generation(workspace, slot) - generations[slot]
+            assert moved == max(rounds[4 * slot:4 * slot + 4]), (step, slot, rounds)
+            generations[slot] += moved
+        batch.query_positions -= torch.tensor([1500, 600, 0, 900, 20, 10, 0, 0], dtype=batch.query_positions.dtype)
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ def _grid(logits, visible, k, plan, **kwargs) -> torch.Tensor:
 def _assert_clean(workspace: torch.Tensor, plan: gt.Plan) -> None:
     """Every slot's histogram and arrival counter are zero again after a launch (the next one needs no zeroing)."""
     slots = workspace[: plan.workspace_words].view(plan.slots, gt.SLOT_WORDS)
-    assert not slots[:, : gt.HISTOGRAM_BINS + 1].any()
+    assert not slots[:, : gt.CLEAN_WORDS].any()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -172,7 +172,7 @@ def test_a_corrupted_workspace_is_reported_as_a_deadlock():
     _, logits, visible, _ = _case("deadlock", rows, columns, k, "random")
     plan = gt.split_plan(2, rows, columns, H200, threads=256, slots=1)
     workspace = torch.zeros(plan.workspace_words, dtype=torch.int32)
-    workspace[2048] = 5  # the slot's arrival counter (GRID_ARRIVE_WORD)
+    workspace[gt.CLEAN_WORDS - 1] = 5  # the slot's arrival counter (GRID_ARRIVE_WORD)
     with pytest.raises(emulated.EmulationError, match="deadlock"):
         _grid(logits, torch.full((rows,), columns, dtype=torch.int32), k, plan, workspace=workspace)
 

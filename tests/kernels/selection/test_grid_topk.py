@@ -55,13 +55,18 @@ def test_the_layouts_match_the_source():
     assert gt.FIXED_BYTES == 4 * _define("GRID_FIXED_WORDS") and gt.SLOT_WORDS == _define("GRID_SLOT_WORDS")
     assert (gt.TILE, gt.MAX_SPLIT, gt.HISTOGRAM_BINS) == (_define("GRID_TILE"), _define("GRID_MAX_SPLIT"),
                                                           _define("GRID_BINS"))
-    # the slot: histogram | counter (its own 128-byte line) | flag (u64) | two u64 words per CTA
-    assert _define("GRID_ARRIVE_WORD") == gt.HISTOGRAM_BINS and _define("GRID_FLAG_WORD") % 32 == 0
+    # the slot: a histogram a row | counter (its own 128-byte line) | flag (u64) | payload words | two u64 words per
+    # CTA and row
+    assert gt.MAX_ROWS == _define("GRID_MAX_ROWS") and gt.CLEAN_WORDS == _define("GRID_ARRIVE_WORD") + 1
+    assert _define("GRID_ARRIVE_WORD") == gt.MAX_ROWS * gt.HISTOGRAM_BINS and _define("GRID_FLAG_WORD") % 32 == 0
     assert _define("GRID_FLAG_WORD") - _define("GRID_ARRIVE_WORD") >= 32
-    assert _define("GRID_ENTRY_WORD") + 4 * gt.MAX_SPLIT <= gt.SLOT_WORDS and gt.SLOT_WORDS % 32 == 0
-    # shared memory: H | scan | res, then the keys 16-byte aligned
+    assert _define("GRID_PAYLOAD_WORD") - _define("GRID_FLAG_WORD") >= 32
+    assert _define("GRID_ENTRY_WORD") - _define("GRID_PAYLOAD_WORD") >= gt.MAX_ROWS
+    assert _define("GRID_ENTRY_WORD") + 4 * gt.MAX_ROWS * gt.MAX_SPLIT <= gt.SLOT_WORDS and gt.SLOT_WORDS % 32 == 0
+    # shared memory: H | scan | res, then the keys 16-byte aligned; scan | res is the tail's own part
     assert _define("GRID_SCAN_WORD") == gt.HISTOGRAM_BINS and _define("GRID_RES_WORD") == _define("GRID_SCAN_WORD") + 64
-    assert _define("GRID_FIXED_WORDS") == _define("GRID_RES_WORD") + 128 and gt.FIXED_BYTES % 16 == 0
+    assert _define("GRID_FIXED_WORDS") == _define("GRID_RES_WORD") + 256 and gt.FIXED_BYTES % 16 == 0
+    assert gt.TAIL_BYTES == 4 * _define("GRID_TAIL_WORDS") == gt.FIXED_BYTES - 4 * gt.HISTOGRAM_BINS
     assert gt.MAX_CHUNK < 1 << 16 and gt.MAX_BLOCK_TOPK < 0xFFFFF  # the packed counts and the payload's rank field
 
 
@@ -282,7 +287,7 @@ def test_grid_select_equals_the_oracle(monkeypatch, rows, columns, block_topk, k
     assert torch.equal(qsa_aiter.qsa_block_topk(poisoned, visible, block_topk), want), "not bitwise repeatable"
     plan = gt.choose_plan(rows, columns, block_topk, Platform.of(logits.device))
     workspace = runtime.workspace_for(logits.device, plan.workspace_words)
-    assert not workspace[: plan.workspace_words].view(-1, gt.SLOT_WORDS)[:, : gt.HISTOGRAM_BINS + 1].any()
+    assert not workspace[: plan.workspace_words].view(-1, gt.SLOT_WORDS)[:, : gt.CLEAN_WORDS].any()
 
 
 @pytest.mark.gpu
