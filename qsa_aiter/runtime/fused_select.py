@@ -17,11 +17,11 @@ import math
 import torch
 
 from ..kernels.platform import Platform
-from ..kernels.quant.formats import view_strides
 from ..kernels.scoring import native_scorer as scorer
 from ..kernels.selection import fused_select as kernels
 from . import grid_topk
 from .jit import emulated, native
+from .native_scorer import cache_layout, scales_of
 
 #: The fused selection's name among the selection candidates (``QSA_AITER_SELECT_BACKEND=native_fused``).
 CANDIDATE = "native_fused"
@@ -31,8 +31,9 @@ FUSED_SELECT_LAUNCH = "fused_select"
 def fused_select_reasons(problem, platform: Platform, settings) -> list[str]:
     """Why the fused selection does not serve ``problem`` (a ``registries.SelectionProblem``; empty: it serves), from
     host facts only: CUDA GPU tensors of a CUDA build of torch, the kernels' own limits (``kernels.SPEC.reasons``: the
-    scorer's dtype, heads, head_dim, page size, prefill, strides and compute capability, then a group's scores held
-    in shared memory across a co-resident grid), and NVRTC and the CUDA driver library loadable."""
+    scorer's cache formats (bf16, fp16, fp8 e4m3fn, MXFP4 with bf16 queries), heads, head_dim, page size, prefill,
+    strides and compute capability, then a group's scores held in shared memory across a co-resident grid), and NVRTC
+    and the CUDA driver library loadable."""
     found = native.cuda_only_reasons(
         problem.device_type, "no AMD version yet (a ROCm build of torch; the scorer's matrix primitives are NVIDIA's)")
     if problem.device_type == "cuda" and torch.version.cuda is not None:
@@ -58,10 +59,8 @@ def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, w
     contiguous) for the debug scores, or None."""
     score = problem.score
     cache, table = args.k_cache, args.page_table
-    pages, page_size, _, head_dim = cache.shape
-    strides = view_strides(cache)
-    page_stride, slot_stride = strides if strides is not None else (page_size * head_dim, head_dim)
-    aligned = cache.data_ptr() % 16 == 0 and page_stride % 8 == 0 and slot_stride % 8 == 0
+    pages = cache.shape[0]
+    page_stride, slot_stride, aligned = cache_layout(cache)  # the scorer's: 16-bit, fp8 or MXFP4 elements
     tokens, ratio, block_topk = score.num_tokens, score.compress_ratio, problem.block_topk
     if (workspace.dtype != torch.int32 or not workspace.is_contiguous()
             or workspace.numel() < plan.workspace_words):
@@ -78,13 +77,13 @@ def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, w
         num_tokens=tokens, num_requests=table.shape[0], num_pages=pages, num_columns=score.num_columns,
         table_width=table.shape[1], table_stride=table.stride(0) if table.shape[0] > 1 else table.shape[1],
         page_stride=page_stride, slot_stride=slot_stride, K=block_topk, ratio=ratio,
-        scale_bits=scorer.float_bits(1.0 / math.sqrt(head_dim)), wide=wide, aligned=int(aligned),
+        scale_bits=scorer.float_bits(1.0 / math.sqrt(score.head_dim)), wide=wide, aligned=int(aligned),
         width=problem.token_topk + ratio - 1, tok_ld=out.stride(0) if tokens > 1 else 0,
         scores_ld=0 if scores is None else (scores.stride(0) if tokens > 1 else scores.shape[1]),
     )
     call = kernels.launch_arguments(plan, values)
-    addresses = [t.data_ptr() for t in (args.q, cache, table, args.token_to_request, args.query_positions,
-                                        args.context_lens, blocks, out)]
+    addresses = [t.data_ptr() for t in (args.q, cache, scales_of(args), table, args.token_to_request,
+                                        args.query_positions, args.context_lens, blocks, out)]
     addresses += [0 if scores is None else scores.data_ptr(), workspace.data_ptr()]
     return call, addresses
 

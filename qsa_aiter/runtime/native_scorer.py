@@ -46,19 +46,33 @@ def _wide(tensor: torch.Tensor, bit: int) -> int:
     return bit if tensor.dtype == torch.int64 else 0
 
 
+def cache_layout(cache: torch.Tensor) -> tuple[int, int, bool]:
+    """``(page_stride, slot_stride, aligned)`` of a key cache ``[pages, P, 1, width]`` as the kernels read it (the
+    native scorer's and the fused selection's): strides in its elements (2 bytes, or 1 for fp8 and MXFP4), pages
+    and slots any distance apart (its last dim dense); ``aligned``: cp.async copies a key in 16-byte pieces, so the
+    base and both strides in bytes are multiples of 16 (else plain loads)."""
+    _, page_size, _, width = cache.shape
+    strides = view_strides(cache)
+    page_stride, slot_stride = strides if strides is not None else (page_size * width, width)
+    item = cache.dtype.itemsize
+    aligned = cache.data_ptr() % 16 == 0 and (page_stride * item) % 16 == 0 and (slot_stride * item) % 16 == 0
+    return page_stride, slot_stride, aligned
+
+
+def scales_of(args) -> torch.Tensor:
+    """The ``k_scale`` argument's tensor: the quantised caches' scales (fp8: fp32 ``[pages, P]``; MXFP4: e8m0
+    ``[pages, P, 1, 4]``), 4 bytes a key, contiguous (validated); a 16-bit cache passes its own address, unread."""
+    return args.k_scale if args.k_scale is not None else args.k_cache
+
+
 def native_scorer_call(problem, args, plan: kernels.Plan):
     """The launch of ``plan`` for the scoring call ``args`` (a ``ScoreArgs`` validated into ``problem``): ``(call,
     addresses)``, the ``NativeLaunch`` and its pointer arguments' addresses in the kernel's order. The tensors are
     passed as they are: q, the metadata and the page table's last dim are contiguous (validated), the cache's pages
     and slots any distance apart (its last dim dense), the logits' rows any stride."""
     cache, table, logits = args.k_cache, args.page_table, args.logits
-    pages, page_size, _, width = cache.shape
-    strides = view_strides(cache)
-    page_stride, slot_stride = strides if strides is not None else (page_size * width, width)
-    # cp.async copies a key in 16-byte pieces: the cache's base and strides (in elements of 2 bytes, or 1 for fp8 and
-    # MXFP4) must keep them aligned (else plain loads)
-    item = cache.dtype.itemsize
-    aligned = cache.data_ptr() % 16 == 0 and (page_stride * item) % 16 == 0 and (slot_stride * item) % 16 == 0
+    pages = cache.shape[0]
+    page_stride, slot_stride, aligned = cache_layout(cache)
     tokens = args.q.shape[0]
     wide = (_wide(table, kernels.WIDE_PAGES) | _wide(args.token_to_request, kernels.WIDE_REQUESTS)
             | _wide(args.query_positions, kernels.WIDE_POSITIONS) | _wide(args.context_lens, kernels.WIDE_CONTEXTS))
@@ -70,11 +84,8 @@ def native_scorer_call(problem, args, plan: kernels.Plan):
         aligned=int(aligned),
     )
     call = kernels.launch_arguments(plan, values)
-    # The quantised caches' scales (fp8: fp32 [pages, P]; MXFP4: e8m0 [pages, P, 1, 4]): 4 bytes a key, contiguous
-    # (validated); a 16-bit cache passes its own address, unread.
-    scales = args.k_scale if args.k_scale is not None else cache
-    addresses = [t.data_ptr() for t in (args.q, cache, scales, table, args.token_to_request, args.query_positions,
-                                        args.context_lens, logits, args.visible)]
+    addresses = [t.data_ptr() for t in (args.q, cache, scales_of(args), table, args.token_to_request,
+                                        args.query_positions, args.context_lens, logits, args.visible)]
     return call, addresses
 
 

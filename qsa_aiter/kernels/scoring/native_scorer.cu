@@ -242,6 +242,8 @@ struct QuantKeys {
     static constexpr int SCALES = QSA_TILE * BYTES;  // offset of the keys' scales in a stage (4 bytes a key)
 };
 static_assert(QuantKeys<QSA_KIND_FP8>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES, "a stage holds fp8 keys and scales");
+static_assert(QuantKeys<QSA_KIND_FP4>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES,
+              "a stage holds MXFP4 keys and exponents");
 static_assert(QSA_HEAD_DIM == 128, "the quantised fragments assume 128 dims: 8 k-steps, one MX block per lane");
 
 // The page id of key `key` of a tile among the tile's page ids (selects, no indexed register array).
@@ -349,6 +351,25 @@ __device__ __forceinline__ void load_query_fragments_quant(const unsigned short*
         a[ks][2] = lo_ok ? (unsigned)lo[d + 2] | (unsigned)lo[d + 3] << 16 : 0u;
         a[ks][3] = hi_ok ? (unsigned)hi[d + 2] | (unsigned)hi[d + 3] << 16 : 0u;
     }
+}
+
+// q of the group as the MMA's A operand in the k order of the keys of format KIND (load_query_fragments for 16-bit
+// keys): the scorer's and fused_select.cu's kernels load it so.
+template <int KIND>
+__device__ __forceinline__ void load_query_fragments_of(const unsigned short* __restrict__ q, long long first_row,
+                                                        int group_rows, int num_tokens,
+                                                        unsigned (&a)[QSA_K_STEPS][4]) {
+    if constexpr (KIND == QSA_KIND_16BIT)
+        load_query_fragments(q, first_row, group_rows, num_tokens, a);
+    else
+        load_query_fragments_quant<KIND>(q, first_row, group_rows, num_tokens, a);
+}
+
+// The factor of the head sums (head_sums' scale): 1 / score_divisor (fp32 bits in scale_bits), times 2**8 for fp8
+// keys decoded to fp16 (e4m3x16_to_pairs gives the values times 2**-8): exact.  The scorer's and fused_select.cu's.
+template <bool F16, int KIND>
+__device__ __forceinline__ float score_scale(int scale_bits) {
+    return __uint_as_float((unsigned)scale_bits) * (KIND == QSA_KIND_FP8 && F16 ? 256.0f : 1.0f);
 }
 
 // An e4m3fn byte (bits 0..7 of x) as fp32, exactly: its 7 magnitude bits placed under fp32's exponent field are the
@@ -627,10 +648,7 @@ __device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
     const long long first_row = (long long)group * group_rows;
     // q first: its loads depend on nothing, so they overlap the metadata's chain (request id, then context length).
     unsigned a[QSA_K_STEPS][4];
-    if constexpr (KIND == QSA_KIND_16BIT)
-        load_query_fragments(q, first_row, group_rows, num_tokens, a);
-    else
-        load_query_fragments_quant<KIND>(q, first_row, group_rows, num_tokens, a);
+    load_query_fragments_of<KIND>(q, first_row, group_rows, num_tokens, a);
     if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
         int req = -1, vis = 0;
         if ((int)threadIdx.x < group_rows)
@@ -642,9 +660,7 @@ __device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
             visible[first_row + threadIdx.x] = vis;
     }
     __syncthreads();
-    // fp8 keys in fp16 are the values times 2**-8 (e4m3x16_to_pairs): times 2**8 here, exactly.
-    const float scale =
-        __uint_as_float((unsigned)scale_bits) * (KIND == QSA_KIND_FP8 && F16 ? 256.0f : 1.0f);
+    const float scale = score_scale<F16, KIND>(scale_bits);  // fp8 keys in fp16: times 2**8 here
     KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,
                      slot_stride, aligned != 0, static_cast<const unsigned char*>(k_scale)};
     const unsigned char* table = static_cast<const unsigned char*>(page_table);

@@ -1,8 +1,9 @@
 // fused_select.cu -- the indexer step in one launch: scoring on the tensor cores (native_scorer.cu's tile), the exact
 // block top-k of the scores (grid_topk.cu's grid select) and the expansion to tokens, with no logits in HBM.
 //
-// Contract (SPEC.md sections 1, 2; qsa_select_paged_tokens for 16-bit caches, 4 heads, head_dim 128): for query row t
-// with visible[t] as native_scorer.cu defines it and scores s[t, c] (c < visible[t]) as it computes them,
+// Contract (SPEC.md sections 1, 2; qsa_select_paged_tokens for the native scorer's caches: bf16, fp16, fp8 e4m3fn with
+// bf16 or fp16 queries, MXFP4 with bf16 queries; 4 heads, head_dim 128): for query row t with visible[t] as
+// native_scorer.cu defines it and scores s[t, c] (c < visible[t]) as it computes them,
 //   out[t, :]    = the K best columns of [0, visible[t]) ranked by (-s, column), ascending, exactly K (visible <= K:
 //                  0 .. visible-1 then -1, nothing scored for such a row alone);
 //   tokens[t, :] = their expansion (qsa_expand_block_indices' contract), width = K * R + R - 1 slots.
@@ -16,13 +17,14 @@
 // the whole grid is co-resident or the launch fails).  CTA b is part b % split of slot b / split; slot s takes the row
 // groups s, s + slots, ... (a group: group_rows <= 4 consecutive rows, which the host sizes to one request's rows, as
 // the scorer's).  For its group, a CTA
-//   1  loads q of the group as the MMA's A operand and the rows' visible counts (native_scorer.cu:
-//      load_query_fragments, row_visibility);
+//   1  loads q of the group as the MMA's A operand, in the k order of the cache's format, and the rows' visible
+//      counts (native_scorer.cu: load_query_fragments_of, row_visibility);
 //   2  cuts the group's columns [0, basis), basis = the group's widest visible count, into `split` GRID_TILE-aligned
 //      chunks (grid_topk.cu's chunk, from basis instead of the row's count: every row of the group shares the CTA's
 //      column range, so one pass over the keys scores all of them), and scores its chunk's 64-column tiles once per
 //      distinct request of the group with the scorer's own functions (for_each_request, the walk over the requests;
-//      score_tiles, the 4-stage cp.async pipeline: stage_tile, score_tile, head_sums), its epilogue the scorer's
+//      score_tiles, the 4-stage cp.async pipeline: stage_tile, score_tile or score_quant_tile, head_sums with the
+//      scorer's factor score_scale, scale_columns for fp8's per-key scales), its epilogue the scorer's
 //      (store_scores) writing the fp32 scores into a per-row area of shared memory (`stash`, group_rows x cap words)
 //      instead of HBM (and into `scores` where asked);
 //   3  runs the grid select's tail once for the whole group (grid_rows_keys): per row, the source FusedKeys turns
@@ -53,15 +55,19 @@
 // length while the chunk stays small; estimates, nothing measured).  So
 // the fused path wins where the keys' time is short against a launch and the logits round trip (decode and draft of
 // modest contexts) and needs measuring elsewhere: it is ranked after the composite path until tuned rows say so.
-// Shared memory: the scorer's stages (64 KB + flags; the tail's 4 x 8 KB histograms reuse them), the tail's scan and
-// res words (1.25 KB), and group_rows x cap x 4 B of scores: the co-resident grid limits cap (at most 32768 keys,
-// 10304 for 4 rows on 227 KB) and so the context a call serves.
+// Quantised caches read fewer key bytes (fp8 132 B, MXFP4 68 B a column with the scales: native_scorer.cu's time
+// model), so the keys' floor above falls by about 2x and 4x against the same selection tail.
+// Shared memory: the scorer's stages (64 KB + flags; a quantised stage holds its keys and their scales within a
+// 16-bit stage's bytes, so one plan serves every format; the tail's 4 x 8 KB histograms reuse them), the tail's
+// scan and res words (1.25 KB), and group_rows x cap x 4 B of scores: the co-resident grid limits cap (at most 32768
+// keys, 10304 for 4 rows on 227 KB) and so the context a call serves.
 //
 // Workspace: the grid select's slots (GRID_SLOT_WORDS words a slot: a histogram a row, arrival counter, flag, payload
 // words, per CTA and row words),
 // zeroed once and left clean by every launch (a CUDA graph replays it with new lengths), and out (rows x K int32).
 //
-// Kernels (extern "C"; fused_select.py beside this file declares them): qsa_fused_<bf16|fp16>_page<16|64>.  With
+// Kernels (extern "C"; fused_select.py beside this file declares them): qsa_fused_<bf16|fp16>_page<16|64> (16-bit
+// caches), qsa_fused_fp8_<bf16|fp16>_page<16|64> and qsa_fused_fp4_bf16_page<16|64> (the scorer's names).  With
 // -DQSA_FUSED_SINGLE -DQSA_FUSED_KERNEL_<name> only <name> is built.  The scorer's and the grid select's own kernels
 // are compiled out (QSA_NATIVE_SINGLE, TOPK_SINGLE with no kernel named).
 
@@ -88,6 +94,9 @@ static_assert(GRID_BINS % QSA_FUSED_THREADS == 0 && QSA_FUSED_THREADS >= GRID_MA
 static_assert(QSA_MAX_GROUP_ROWS <= GRID_MAX_ROWS, "a row group goes through the tail's rounds together");
 static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET,
               "the tail's histograms fit the tile stages, below the page flags and the group's rows");
+static_assert(QuantKeys<QSA_KIND_FP8>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES &&
+                  QuantKeys<QSA_KIND_FP4>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES,
+              "a quantised stage (keys and their scales) fits a 16-bit stage: one shared-memory plan for every format");
 
 // Phase A's source: the row's fp32 scores are already in `keys` (the scorer's epilogue wrote them there); turn them
 // into order-preserving keys in place and histogram their top 11 bits.
@@ -111,9 +120,10 @@ struct FusedCounts {
 // Scores the CTA's columns [col0, col0 + chunk) of the group's rows into the stash (row i at stash + i * cap: the
 // scorer's epilogue over a view whose column col0 is the stash row's word 0), and into `scores` where asked: the
 // scorer's walk over the group's distinct requests (for_each_request) and its tile pipeline (score_tiles) over the
-// chunk's tiles, 16-bit keys (KIND QSA_KIND_16BIT: q's fragments, the scale and the source carry no quantised keys'
-// parts).  Ends with a barrier.
-template <int PAGE, bool F16>
+// chunk's tiles, keys of format KIND (native_scorer.cu's QSA_KIND_*: q's fragments in its k order, the scale with
+// its fp8-in-fp16 factor and the source's scales come from the caller, as score_kernel makes them).  Ends with a
+// barrier.
+template <int PAGE, bool F16, int KIND>
 __device__ __forceinline__ void fused_score(const KeySource& base, const unsigned (&a)[QSA_K_STEPS][4],
                                             const int* s_req, const int* s_vis, int group_rows, long long first_row,
                                             int col0, int chunk, int table_stride, float scale, unsigned char* tiles,
@@ -126,7 +136,7 @@ __device__ __forceinline__ void fused_score(const KeySource& base, const unsigne
         src.page_row = request_page_row(table, req, table_stride, src.wide_pages);
         const int last = col0 + chunk < req_visible ? col0 + chunk : req_visible;
         const int begin = col0 / QSA_TILE, end = (last + QSA_TILE - 1) / QSA_TILE;
-        score_tiles<PAGE, F16, QSA_KIND_16BIT>(
+        score_tiles<PAGE, F16, KIND>(
             src, a, scale, begin, end, req_visible, tiles, flags,
             [&](const float (&acc)[2][4], const unsigned char* tile_flags, int tile) {
                 store_scores(acc, view, cap, 0, group_rows, mine, s_vis, tile_flags, tile);
@@ -139,21 +149,23 @@ __device__ __forceinline__ void fused_score(const KeySource& base, const unsigne
 
 // Kernel parameters: the pointers, then the scalars (fused_select.py declares them once, PARAMS; every scalar a C
 // int).  out: the block indices [rows, K] (a workspace); tokens: the expansion [rows, tok_ld apart]; scores: the
-// debug scores or null; workspace: the slots' words.  wide: native_scorer.cu's QSA_WIDE_* bits.
+// debug scores or null; workspace: the slots' words.  k_scale: the quantised caches' per-key scales (4 bytes a key,
+// where the scorer takes them: after keys; unread for 16-bit caches).  wide: native_scorer.cu's QSA_WIDE_* bits.
 #define QSA_FUSED_PARAMS                                                                                          \
     const unsigned short *__restrict__ q, const unsigned short *__restrict__ keys,                                 \
-        const void *__restrict__ page_table, const void *__restrict__ token_to_request,                            \
-        const void *__restrict__ query_positions, const void *__restrict__ context_lens, int *__restrict__ out,    \
+        const void *__restrict__ k_scale, const void *__restrict__ page_table,                                     \
+        const void *__restrict__ token_to_request, const void *__restrict__ query_positions,                       \
+        const void *__restrict__ context_lens, int *__restrict__ out,                                              \
         int *__restrict__ tokens, float *__restrict__ scores, unsigned *workspace, int num_tokens,                 \
         int num_requests, int num_pages, int num_columns, int table_width, int table_stride, int page_stride,      \
         int slot_stride, int group_rows, int row_groups, int split, int slots, int cap, int K, int ratio,          \
         int scale_bits, int wide, int aligned, int width, int tok_ld, int scores_ld
 #define QSA_FUSED_ARGS                                                                                            \
-    q, keys, page_table, token_to_request, query_positions, context_lens, out, tokens, scores, workspace,          \
+    q, keys, k_scale, page_table, token_to_request, query_positions, context_lens, out, tokens, scores, workspace, \
         num_tokens, num_requests, num_pages, num_columns, table_width, table_stride, page_stride, slot_stride,     \
         group_rows, row_groups, split, slots, cap, K, ratio, scale_bits, wide, aligned, width, tok_ld, scores_ld
 
-template <int PAGE, bool F16>
+template <int PAGE, bool F16, int KIND>
 __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem);
     unsigned char* tiles = reinterpret_cast<unsigned char*>(smem);
@@ -173,19 +185,19 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     __syncthreads();
     unsigned gen = tail[GEN_WORD];
     __syncthreads();
-    const float scale = __uint_as_float((unsigned)scale_bits);
+    const float scale = score_scale<F16, KIND>(scale_bits);  // the scorer's: fp8 keys in fp16 times 2**8
     // grid_tokens' index widths: positions 1, contexts 2, requests 4.
     const int idx_wide = ((wide & QSA_WIDE_POSITIONS) ? 1 : 0) | ((wide & QSA_WIDE_CONTEXTS) ? 2 : 0) |
                          ((wide & QSA_WIDE_REQUESTS) ? 4 : 0);
     const KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,
-                           slot_stride, aligned != 0};
+                           slot_stride, aligned != 0, static_cast<const unsigned char*>(k_scale)};
     const FusedKeys source = {};
     const GridExpand x = {query_positions, context_lens, token_to_request, tokens, num_requests, ratio, tok_ld,
                           idx_wide};
     for (int group = slot; group < row_groups; group += slots) {
         const long long first_row = (long long)group * group_rows;
         unsigned a[QSA_K_STEPS][4];
-        load_query_fragments(q, first_row, group_rows, num_tokens, a);
+        load_query_fragments_of<KIND>(q, first_row, group_rows, num_tokens, a);
         if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
             int req = -1, vis = 0;
             if ((int)threadIdx.x < group_rows)
@@ -203,7 +215,7 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
         }
         const int chunk = ((basis + split - 1) / split + GRID_TILE - 1) / GRID_TILE * GRID_TILE;
         if (wide_row) {  // CTA-uniform
-            fused_score<PAGE, F16>(src, a, s_req, s_vis, group_rows, first_row, part * chunk, chunk, table_stride,
+            fused_score<PAGE, F16, KIND>(src, a, s_req, s_vis, group_rows, first_row, part * chunk, chunk, table_stride,
                                    scale, tiles, flags, stash, cap, scores, scores_ld);
             for (int i = threadIdx.x; i < group_rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
             __syncthreads();
@@ -215,20 +227,40 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     }
 }
 
-#define QSA_FUSED_KERNEL(name, PAGE, F16)                                                                         \
-    extern "C" __global__ void TOPK_LAUNCH_BOUNDS(QSA_FUSED_THREADS, QSA_FUSED_CTAS_PER_SM) name(QSA_FUSED_PARAMS) { \
-        fused_kernel<PAGE, F16>(QSA_FUSED_ARGS);                                                                  \
+// KIND: native_scorer.cu's QSA_KIND_16BIT, QSA_KIND_FP8 or QSA_KIND_FP4; F16 the query's (and the MMA's) type.
+#define QSA_FUSED_KERNEL(name, PAGE, F16, KIND)                                                                   \
+    extern "C" __global__ void TOPK_LAUNCH_BOUNDS(QSA_FUSED_THREADS, QSA_FUSED_CTAS_PER_SM)                       \
+        name(QSA_FUSED_PARAMS) {                                                                                  \
+        fused_kernel<PAGE, F16, KIND>(QSA_FUSED_ARGS);                                                            \
     }
 
 #if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_bf16_page16)
-QSA_FUSED_KERNEL(qsa_fused_bf16_page16, 16, false)
+QSA_FUSED_KERNEL(qsa_fused_bf16_page16, 16, false, QSA_KIND_16BIT)
 #endif
 #if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_bf16_page64)
-QSA_FUSED_KERNEL(qsa_fused_bf16_page64, 64, false)
+QSA_FUSED_KERNEL(qsa_fused_bf16_page64, 64, false, QSA_KIND_16BIT)
 #endif
 #if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_fp16_page16)
-QSA_FUSED_KERNEL(qsa_fused_fp16_page16, 16, true)
+QSA_FUSED_KERNEL(qsa_fused_fp16_page16, 16, true, QSA_KIND_16BIT)
 #endif
 #if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_fp16_page64)
-QSA_FUSED_KERNEL(qsa_fused_fp16_page64, 64, true)
+QSA_FUSED_KERNEL(qsa_fused_fp16_page64, 64, true, QSA_KIND_16BIT)
+#endif
+#if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_fp8_bf16_page16)
+QSA_FUSED_KERNEL(qsa_fused_fp8_bf16_page16, 16, false, QSA_KIND_FP8)
+#endif
+#if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_fp8_bf16_page64)
+QSA_FUSED_KERNEL(qsa_fused_fp8_bf16_page64, 64, false, QSA_KIND_FP8)
+#endif
+#if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_fp8_fp16_page16)
+QSA_FUSED_KERNEL(qsa_fused_fp8_fp16_page16, 16, true, QSA_KIND_FP8)
+#endif
+#if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_fp8_fp16_page64)
+QSA_FUSED_KERNEL(qsa_fused_fp8_fp16_page64, 64, true, QSA_KIND_FP8)
+#endif
+#if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_fp4_bf16_page16)
+QSA_FUSED_KERNEL(qsa_fused_fp4_bf16_page16, 16, false, QSA_KIND_FP4)
+#endif
+#if !defined(QSA_FUSED_SINGLE) || defined(QSA_FUSED_KERNEL_qsa_fused_fp4_bf16_page64)
+QSA_FUSED_KERNEL(qsa_fused_fp4_bf16_page64, 64, false, QSA_KIND_FP4)
 #endif

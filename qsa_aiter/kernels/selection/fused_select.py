@@ -8,8 +8,9 @@ sum and the epilogue, writing into shared memory) and the grid select's (``grid_
 the ordered output and the fused expansion), both spliced into one program. The design, the time model and the
 workspace are at the top of the ``.cu`` file and in docs/selection.md.
 
-- ``VARIANTS``: one kernel per key dtype (bf16, fp16) and page size (16, 64), each one program
-  (``-DQSA_FUSED_SINGLE -DQSA_FUSED_KERNEL_<name>``).
+- ``VARIANTS``: one kernel per cache format of the scorer (``scorer.FORMATS``: bf16, fp16, fp8 with bf16 or fp16
+  queries, MXFP4 with bf16 queries) and page size (16, 64), each one program
+  (``-DQSA_FUSED_SINGLE -DQSA_FUSED_KERNEL_<name>``), named as the scorer's (``qsa_fused_`` for ``qsa_score_``).
 - ``PARAMS``: the kernels' parameters, the one declaration of them (the source's ``QSA_FUSED_PARAMS``).
 - ``choose_plan(problem, platform)`` / ``split_plan(...)``: row groups, the split (CTAs a group), the groups in flight
   and the scores' room a CTA (``Plan``), chosen so that the whole grid is co-resident.
@@ -36,17 +37,20 @@ HEADERS = (scorer.SOURCE_PATH, COMPAT_PATH, scorer.MMA_HEADER_PATH, grid.SOURCE_
 #: launch bounds promise (``QSA_FUSED_THREADS``, ``QSA_FUSED_CTAS_PER_SM``).
 THREADS, CTAS_PER_SM = scorer.THREADS, 2
 #: Shared memory a CTA needs besides the scores: the scorer's stages, flags and rows, the grid tail's scan and res
-#: words (its histograms reuse the stages once a group is scored).
+#: words (its histograms reuse the stages once a group is scored). The same for every cache format: a quantised stage
+#: holds its keys and their scales within a 16-bit stage's bytes (static-asserted in the source).
 BASE_SHARED_BYTES = scorer.SHARED_BYTES + grid.TAIL_BYTES
 #: Rows a call may have (decode, draft and verify; prefill goes the composite way: ``native_scorer.shape_reasons``).
 INT_LIMIT = 2**31
 
-#: The kernels' parameters, in order (the source's ``QSA_FUSED_PARAMS``): the scorer's inputs, ``out`` (the block
+#: The kernels' parameters, in order (the source's ``QSA_FUSED_PARAMS``): the scorer's inputs (``k_scale`` after
+#: ``keys`` as in the scorer's: the quantised caches' per-key scales, unread for 16-bit caches), ``out`` (the block
 #: indices, a workspace ``[rows, K]``), ``tokens`` (the expansion), ``scores`` (the debug scores, null in
 #: production), ``workspace`` (the grid select's slots), then the scalars (C ``int``).
 PARAMS = params(
-    ("q", "const unsigned short*"), ("keys", "const unsigned short*"), ("page_table", "const void*"),
-    ("token_to_request", "const void*"), ("query_positions", "const void*"), ("context_lens", "const void*"),
+    ("q", "const unsigned short*"), ("keys", "const unsigned short*"), ("k_scale", "const void*"),
+    ("page_table", "const void*"), ("token_to_request", "const void*"), ("query_positions", "const void*"),
+    ("context_lens", "const void*"),
     ("out", "int*"), ("tokens", "int*"), ("scores", "float*"), ("workspace", "unsigned*"),
     *((name, "int") for name in ("num_tokens", "num_requests", "num_pages", "num_columns", "table_width",
                                  "table_stride", "page_stride", "slot_stride", "group_rows", "row_groups", "split",
@@ -64,11 +68,13 @@ def source() -> str:
 
 @dataclass(frozen=True)
 class Variant:
-    """One kernel: its ``extern "C"`` name, key dtype (``bf16``, ``fp16``) and page size."""
+    """One kernel: its ``extern "C"`` name, key dtype (``bf16``, ``fp16``: the query's and the MMA's), page size and
+    cache format ``kv`` (the scorer's: ``bf16`` for 16-bit keys, ``fp8``, ``fp4``)."""
 
     name: str
     key_dtype: str
     page_size: int
+    kv: str = "bf16"
     threads: int = THREADS
     blocks_per_multiprocessor: int = CTAS_PER_SM
     cluster: int = 1
@@ -83,14 +89,20 @@ class Variant:
         return 65536 // (self.threads * self.blocks_per_multiprocessor)
 
 
-VARIANTS = tuple(Variant(f"qsa_fused_{dtype}_page{page}", dtype, page)
-                 for dtype in ("bf16", "fp16") for page in scorer.PAGE_SIZES)
+def fused_name(scorer_variant: scorer.Variant) -> str:
+    """The fused kernel of a scorer kernel's format and page size: ``qsa_fused_`` for its ``qsa_score_``."""
+    return scorer_variant.name.replace("qsa_score_", "qsa_fused_", 1)
+
+
+VARIANTS = tuple(Variant(fused_name(v), v.key_dtype, v.page_size, v.kv) for v in scorer.VARIANTS)
 BY_NAME = {variant.name: variant for variant in VARIANTS}
 
 
-def variant_for(key_dtype, page_size: int) -> Variant:
-    """The kernel of ``key_dtype`` keys in pages of ``page_size`` (``ValueError`` where none is)."""
-    return BY_NAME[scorer.variant_for(key_dtype, page_size).name.replace("qsa_score_", "qsa_fused_")]
+def variant_for(key_dtype, page_size: int, q_dtype=None) -> Variant:
+    """The kernel of ``key_dtype`` keys (bf16, fp16; ``float8_e4m3fn`` or ``float4_e2m1fn_x2`` with queries of
+    ``q_dtype``) in pages of ``page_size``, as the scorer chooses its own (``scorer.variant_for``; ``ValueError``
+    where none is)."""
+    return BY_NAME[fused_name(scorer.variant_for(key_dtype, page_size, q_dtype))]
 
 
 def variants_for(platform: Platform) -> tuple[Variant, ...]:
@@ -161,8 +173,8 @@ def split_plan(split: int, variant: Variant, group_rows: int, row_groups: int, c
 def _shape(problem) -> tuple[Variant, int, int, int, int]:
     score = problem.score
     group_rows = scorer.group_rows_of(score)
-    return (variant_for(score.cache_dtype, score.block_size), group_rows, cdiv(max(score.num_tokens, 1), group_rows),
-            score.num_columns, problem.block_topk)
+    return (variant_for(score.cache_dtype, score.block_size, score.q_dtype), group_rows,
+            cdiv(max(score.num_tokens, 1), group_rows), score.num_columns, problem.block_topk)
 
 
 def plan_reason(problem, platform: Platform) -> str | None:
@@ -258,13 +270,11 @@ class FusedSelectSpec(NativeKernelSpec):
         return variants_for(platform)
 
     def reasons(self, problem, platform: Platform) -> list[str]:
-        """The scorer's (``native_scorer.SPEC.reasons``: an NVIDIA GPU of compute capability 8.0+, a cache it serves,
-        4 heads, head_dim 128, pages of 16 or 64, no prefill beyond 256 rows, strides), a 16-bit cache (the fused
-        loop has the scorer's 16-bit tiles only), then the shape's (``plan_reason``) where the scorer serves it."""
+        """The scorer's (``native_scorer.SPEC.reasons``: an NVIDIA GPU of compute capability 8.0+, a cache it serves
+        -- bf16, fp16, fp8 e4m3fn with bf16 or fp16 queries, MXFP4 with bf16 queries; not fp8 e4m3fnuz, nor MXFP4
+        with fp16 queries --, 4 heads, head_dim 128, pages of 16 or 64, no prefill beyond 256 rows, strides), then
+        the shape's (``plan_reason``) where the scorer serves it: the fused kernels are the scorer's formats'."""
         found = scorer.SPEC.reasons(problem.score, platform)
-        if not found and problem.score.cache_dtype not in scorer.KEY_DTYPES:
-            found.append(f"serves 16-bit (bf16, fp16) caches only so far (got {problem.score.cache_dtype}): the "
-                         "scorer's quantised tiles are not in its loop yet")
         if not found:
             shape = plan_reason(problem, platform)
             found += [shape] if shape else []

@@ -10,15 +10,17 @@ expansion in one cooperative launch; its spec ``fused_select.SPEC``, its launch 
   visible)`` (nothing written past it); verify and decode shapes, page 16 and 64, int32 and int64 metadata, bad page
   ids, padded rows, uneven contexts, identical keys (ties to the lower group), rows shorter than the budget, 1 to 4
   CTAs a group; repeats and thread orders bitwise alike, the workspace clean after each launch, a row alone equal to
-  it in its batch.
+  it in its batch; fp8 (bf16 and fp16 queries) and MXFP4 caches, their scores against the oracle on the dequantised
+  cache.
 - NVRTC (marked ``nvrtc``): every variant compiles for sm_90 without spills; warm-up builds them, ``jit list`` lists
   them.
-- On a GPU (marked ``gpu``): the op forced to ``native_fused`` against its composite path, wider rows, and a
-  CUDA-graph capture replayed with new lengths.
+- On a GPU (marked ``gpu``): the op forced to ``native_fused`` against its composite path (every cache format),
+  wider rows, and a CUDA-graph capture replayed with new lengths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -73,7 +75,7 @@ def emulate(batch, token_topk: int, hints: dict, *, split: int = 2, order_seed: 
     plan)``."""
     problem, args = selection(batch, token_topk, hints)
     score = problem.score
-    variant = fs.variant_for(batch.compressed_k_cache.dtype, batch.compressed_k_cache.shape[1])
+    variant = fs.variant_for(batch.compressed_k_cache.dtype, batch.compressed_k_cache.shape[1], batch.q.dtype)
     groups = -(-score.num_tokens // fs.scorer.group_rows_of(score))
     columns = max(score.num_columns, 1) if score.num_columns > problem.block_topk else 1
     plan = fs.split_plan(split, variant, fs.scorer.group_rows_of(score), groups, columns, SM90,
@@ -98,7 +100,7 @@ def check(batch, token_topk: int, hints: dict, **kwargs):
     written past a row's visible count, the workspace clean."""
     blocks, tokens, scores, workspace, plan = emulate(batch, token_topk, hints, **kwargs)
     ratio, block_topk = batch.compress_ratio, token_topk // batch.compress_ratio
-    ref_logits, visible = reference_paged_mqa_logits(*batch.args())
+    ref_logits, visible = reference_paged_mqa_logits(*batch.args(), **batch.kwargs())
     columns = torch.arange(scores.shape[1])[None, :]
     inside = columns < visible.long()[:, None]
     wide = (visible > block_topk)
@@ -130,6 +132,13 @@ def test_the_source_spells_the_declared_parameters_and_splices_both_halves():
     for name in ("native_scorer.cu", "native_compat.h", "native_mma.h", "grid_topk.cu"):
         assert f'#line 1 "{name}"' in text, name
     assert "#include" not in text
+    # Each declared variant is instantiated once, with its page size, query type and the scorer's format; k_scale is
+    # where the scorer takes it (after keys).
+    kinds = {"bf16": "QSA_KIND_16BIT", "fp8": "QSA_KIND_FP8", "fp4": "QSA_KIND_FP4"}
+    instantiated = {m[0]: m[1:] for m in re.findall(r"\nQSA_FUSED_KERNEL\((\w+), (\d+), (true|false), (\w+)\)", text)}
+    assert instantiated == {v.name: (str(v.page_size), "true" if v.key_dtype == "fp16" else "false", kinds[v.kv])
+                            for v in fs.VARIANTS}
+    assert [p.name for p in fs.PARAMS[:3]] == [p.name for p in fs.scorer.PARAMS[:3]] == ["q", "keys", "k_scale"]
     binding = {name: (pointers, count) for name, pointers, count in fs.SPEC.emulator_kernels()}
     assert set(binding) == set(fs.BY_NAME) and len(fs.SCALARS) <= emulated.MAX_SCALARS
     assert len(fs.POINTERS) <= emulated.MAX_POINTERS
@@ -137,10 +146,23 @@ def test_the_source_spells_the_declared_parameters_and_splices_both_halves():
 
 def test_variants_the_catalog_and_plans():
     assert [v.name for v in fs.variants_for(SM90)] == [
-        "qsa_fused_bf16_page16", "qsa_fused_bf16_page64", "qsa_fused_fp16_page16", "qsa_fused_fp16_page64"]
+        "qsa_fused_bf16_page16", "qsa_fused_bf16_page64", "qsa_fused_fp16_page16", "qsa_fused_fp16_page64",
+        "qsa_fused_fp8_bf16_page16", "qsa_fused_fp8_bf16_page64", "qsa_fused_fp8_fp16_page16",
+        "qsa_fused_fp8_fp16_page64", "qsa_fused_fp4_bf16_page16", "qsa_fused_fp4_bf16_page64"]
+    assert [v.name.replace("qsa_fused_", "") for v in fs.VARIANTS] == [
+        v.name.replace("qsa_score_", "") for v in fs.scorer.VARIANTS]  # the scorer's formats, one for one
     assert fs.variants_for(Platform.named("gfx942")) == ()
     assert catalog.native_spec_named("fused_select") is fs.SPEC
     assert fs.variant_for(torch.float16, 64).name == "qsa_fused_fp16_page64"
+    assert fs.variant_for(torch.float8_e4m3fn, 16, torch.float16).name == "qsa_fused_fp8_fp16_page16"
+    assert fs.variant_for(torch.float4_e2m1fn_x2, 64, torch.bfloat16).name == "qsa_fused_fp4_bf16_page64"
+    with pytest.raises(ValueError, match="no native scorer kernel"):
+        fs.variant_for(torch.float4_e2m1fn_x2, 64, torch.float16)
+    for cache, dtype, name in (("fp8", torch.float16, "qsa_fused_fp8_fp16_page64"),
+                               ("fp4", torch.bfloat16, "qsa_fused_fp4_bf16_page64")):
+        quant, _ = selection(make_batch([5000, 3000], 4, page_size=64, cache=cache, dtype=dtype), 512,
+                             dict(max_query_len=4))
+        assert fs.choose_plan(quant, SM90).variant.name == name
     assert fs.SPEC.defines(fs.BY_NAME["qsa_fused_bf16_page16"], "sm_90")[:2] == (
         "QSA_FUSED_SINGLE", "QSA_FUSED_KERNEL_qsa_fused_bf16_page16")
     batch = make_batch([20000, 30000, 9000], 4, page_size=64)
@@ -164,7 +186,12 @@ def test_reasons_name_what_it_does_not_serve():
         return selection(batch, 512, dict(max_query_len=4))[0]
 
     assert fs.SPEC.reasons(problem_of(), SM90) == []
-    assert "16-bit (bf16, fp16) caches only" in fs.SPEC.reasons(problem_of(cache="fp8"), SM90)[0]
+    for cache, dtype in (("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp4", torch.bfloat16)):
+        assert fs.SPEC.reasons(problem_of(cache=cache, dtype=dtype), SM90) == [], (cache, dtype)
+    assert "float8_e4m3fnuz cache" in fs.SPEC.reasons(problem_of(cache="fp8_fnuz"), SM90)[0]
+    fp4_fp16 = dataclasses.replace(problem_of(cache="fp4"), score=dataclasses.replace(
+        problem_of(cache="fp4").score, q_dtype=torch.float16))
+    assert "MXFP4 keys with float16 queries" in fs.SPEC.reasons(fp4_fp16, SM90)[0]
     assert "needs 4 heads (got 8)" in fs.SPEC.reasons(problem_of(heads=8), SM90)[0]
     assert "needs head_dim 128 (got 64)" in fs.SPEC.reasons(problem_of(head_dim=64), SM90)[0]
     assert "no AMD version yet" in fs.SPEC.reasons(problem_of(), Platform.named("gfx942"))[0]
@@ -291,6 +318,53 @@ def test_emulated_repeats_splits_orders_and_a_row_alone_are_bitwise_alike(rng):
         assert torch.equal(alone_scores[0][seen].view(torch.int32), scores[t][seen].view(torch.int32)), t
 
 
+# Quantised caches: (cache format, query dtype) of each quantised kernel (the scorer's, test_native_scorer.py's).
+QUANT_FORMATS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp4", torch.bfloat16)]
+QUANT_IDS = ["fp8-bf16q", "fp8-fp16q", "fp4-bf16q"]
+
+
+@needs_emulator
+@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64), ids=("int32", "int64"))
+@pytest.mark.parametrize("page_size", (16, 64))
+@pytest.mark.parametrize("cache,dtype", QUANT_FORMATS, ids=QUANT_IDS)
+def test_emulated_quantised_caches_match_their_scores_and_the_oracle(rng, cache, dtype, page_size, index_dtype):
+    """fp8 (bf16 and fp16 queries) and MXFP4 caches: verify rows (groups straddle requests, a padded row, uneven
+    contexts) with 2 CTAs a group, then decode rows (one a request, one shorter than the budget) with 3: the blocks
+    and tokens are the torch top-k of the kernel's own scores, and those the oracle's on the dequantised cache within
+    the scorer's tolerance."""
+    batch = widened(make_batch([2000, 900, 1300], [4, 3, 2], page_size=page_size, cache=cache, dtype=dtype,
+                               generator=rng, padded_rows=1), index_dtype)
+    _, _, scores, plan = check(batch, 64, dict(max_query_len=4), split=2)
+    assert plan.variant.kv == cache and plan.variant.key_dtype == fs.scorer.KEY_DTYPES[dtype]
+    assert plan.variant.name == f"qsa_fused_{cache}_{plan.variant.key_dtype}_page{page_size}"
+    assert torch.isfinite(scores[~torch.isnan(scores)]).all()
+    decode = widened(make_batch([1500, 100, 700], 1, page_size=page_size, cache=cache, dtype=dtype, generator=rng),
+                     index_dtype)
+    blocks, _, _, _ = check(decode, 128, dict(phase="decode"), split=3)
+    assert blocks[1].tolist() == list(range(25)) + [-1] * 7
+
+
+@needs_emulator
+@pytest.mark.parametrize("cache", ("fp8", "fp4"))
+def test_emulated_quantised_bad_pages_and_strided_unaligned_caches(rng, cache):
+    """Bad page ids score -inf (their keys and scales never read); the cache a view of a wider byte buffer (its gaps
+    e4m3fn NaN bytes) at 16-byte strides (cp.async) and at an odd offset and slot stride (byte loads)."""
+    batch = widened(make_batch([1500, 1100], [4, 2], page_size=16, cache=cache, generator=rng), torch.int64)
+    pages = batch.compressed_k_cache.shape[0]
+    for r, slot, value in [(0, 5, -3), (1, 0, pages), (1, 2, 2**32 + 1)]:
+        batch.page_table[r, slot] = value
+    _, _, scores, _ = check(batch, 64, dict(max_query_len=4), split=2)
+    assert torch.isneginf(scores[:4, 80:96]).all() and torch.isneginf(scores[4:, :16]).all()
+    raw = batch.compressed_k_cache.view(torch.uint8)
+    key, dtype = raw.shape[-1], batch.compressed_k_cache.dtype
+    for width, offset in ((key + 48, 16), (key + 11, 3)):
+        wide = torch.full((*raw.shape[:3], width), 0x7F, dtype=torch.uint8)
+        wide[..., offset:offset + key] = raw
+        batch.compressed_k_cache = wide[..., offset:offset + key].view(dtype)
+        _, _, again, _ = check(batch, 64, dict(max_query_len=4), split=3)
+        assert torch.equal(again.view(torch.int32), scores.view(torch.int32)), (width, offset)
+
+
 def _rounds(scores: torch.Tensor, n: int, k: int) -> int:
     """The grid select's rounds for one row (0 where ``n <= k``): the order-preserving keys of its scores on ``[0,
     n)``, digits of 11 + 11 + 10 bits, a round deciding where its threshold bin is taken whole or in the last one."""
@@ -385,7 +459,7 @@ def test_every_variant_compiles_without_spills_and_warm_up_lists_it(tmp_path, ca
     assert sorted(r.kernel for r in records) == sorted(fs.BY_NAME)
     for record in records:
         print(record.kernel, record.registers, record.spill_store_bytes, record.spill_load_bytes, record.stack_bytes)
-        assert (record.spill_store_bytes, record.spill_load_bytes) == (0, 0), record.report
+        assert (record.spill_store_bytes, record.spill_load_bytes, record.stack_bytes) == (0, 0, 0), record.report
         assert 0 < record.registers <= fs.BY_NAME[record.kernel].max_registers
     assert main(["jit", "list", "--jit-dir", str(root)]) == 0
     listing = capsys.readouterr().out
@@ -403,18 +477,20 @@ def run_op(monkeypatch, batch, token_topk: int, hints: dict, backend: str) -> to
     monkeypatch.setenv("QSA_AITER_SELECT_BACKEND", backend)
     out = torch.full((batch.q.shape[0], token_topk + batch.compress_ratio - 1), -5, dtype=torch.int32,
                      device=batch.q.device)
-    return qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], token_topk, batch.compress_ratio, out=out, **hints)
+    return qsa_aiter.qsa_select_paged_tokens(*batch.args()[:6], token_topk, batch.compress_ratio, out=out,
+                                             **batch.kwargs(), **hints)
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("cache,dtype", [(None, torch.bfloat16), (None, torch.float16), *QUANT_FORMATS],
+                         ids=["bf16", "fp16", *QUANT_IDS])
 @pytest.mark.parametrize("page_size", (16, 64))
 @pytest.mark.parametrize("shape", ("verify", "decode", "wide"))
-def test_gpu_matches_its_own_scores_and_the_composite_path(monkeypatch, rng, shape, page_size, dtype):
+def test_gpu_matches_its_own_scores_and_the_composite_path(monkeypatch, rng, shape, page_size, cache, dtype):
     """The op forced to native_fused equals the torch top-k of the kernel's own debug scores (exact), and the
     composite path's tokens wherever their scores agree bitwise (scores within the scorer's tolerance of the
-    oracle)."""
+    oracle, on the dequantised cache for fp8 and MXFP4)."""
     from qsa_aiter.runtime.fused_select import fused_select
 
     contexts, rows, hints, token_topk = {
@@ -422,12 +498,13 @@ def test_gpu_matches_its_own_scores_and_the_composite_path(monkeypatch, rng, sha
         "decode": ([9000, 20000, 3000, 14000, 60000, 1000], 1, dict(phase="decode"), 2048),
         "wide": ([120000, 250000], 4, dict(max_query_len=4), 2048),
     }[shape]
-    batch = make_batch(contexts, rows, page_size=page_size, dtype=dtype, generator=rng, device="cuda", padded_rows=1)
+    batch = make_batch(contexts, rows, page_size=page_size, cache=cache, dtype=dtype, generator=rng, device="cuda",
+                       padded_rows=1)
     problem, args = selection(batch, token_topk, hints, out=torch.empty(
         (batch.q.shape[0], token_topk + 3), dtype=torch.int32, device="cuda"))
     scores = torch.full((problem.score.num_tokens, problem.score.num_columns), float("nan"), device="cuda")
     blocks = fused_select(problem, args, scores=scores)
-    ref_logits, visible = reference_paged_mqa_logits(*batch.args())
+    ref_logits, visible = reference_paged_mqa_logits(*batch.args(), **batch.kwargs())
     inside = torch.arange(scores.shape[1], device="cuda")[None, :] < visible.long()[:, None]
     wide = (visible > problem.block_topk).nonzero().flatten()
     torch.testing.assert_close(scores[wide][inside[wide]], ref_logits[wide][inside[wide]], rtol=1e-4, atol=1e-4)
@@ -438,6 +515,7 @@ def test_gpu_matches_its_own_scores_and_the_composite_path(monkeypatch, rng, sha
     torch_expand_block_indices(want, batch.query_positions, batch.context_lens, batch.token_to_request, 4, token_topk,
                                want_tokens)
     assert torch.equal(args.out, want_tokens)
+    assert fs.choose_plan(problem, Platform.of(batch.q.device)).variant.kv == (cache or "bf16")
     fused = run_op(monkeypatch, batch, token_topk, hints, CANDIDATE)
     assert torch.equal(fused, want_tokens) and torch.equal(run_op(monkeypatch, batch, token_topk, hints, CANDIDATE),
                                                            fused)
