@@ -103,3 +103,16 @@ def _clean_qsa_state(monkeypatch):
 def rng(request) -> torch.Generator:
     """A CPU generator seeded from the test's id: fresh inputs per test, reproducible run to run."""
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def without_shipped_topk_rows(monkeypatch):
+    """The tuned tables without the shipped top-k rows (``configs/topk.csv``): tests of the top-k choice's rules
+    give their own rows and must not meet the measured ones."""
+    from qsa_aiter.runtime import tuned
+
+    monkeypatch.setattr(tuned, "SHIPPED", tuple(name for name in tuned.SHIPPED if name != "topk.csv"))
+    tuned.reload()
+    yield
+    monkeypatch.undo()
+    tuned.reload()

@@ -20,6 +20,7 @@ from qsa_aiter.runtime import native_topk as native_topk_runtime
 from qsa_aiter.runtime.jit import cuda_driver, hiprtc, native
 from qsa_aiter.runtime.settings import ConfigurationError
 from qsa_aiter.tools.workloads import make_batch
+from qsa_aiter.tools import topk_tuning
 
 
 def _batch(rng):
@@ -240,7 +241,7 @@ def test_a_failing_triton_writer_falls_back_to_the_reference_writer(monkeypatch,
     assert "- triton: marked broken" in registries.WRITER.explain(problem)
 
 
-def test_explain_prints_the_native_plan_and_that_rocm_has_no_clusters(monkeypatch):
+def test_explain_prints_the_native_plan_and_that_rocm_has_no_clusters(monkeypatch, without_shipped_topk_rows):
     """A chosen native top-k's plan is in the report: on gfx942 one workgroup per row, with the reason no cluster is
     planned; on sm_90 a cluster of a long row."""
     _native_serving(monkeypatch)
@@ -280,7 +281,7 @@ def _on(monkeypatch, platform: Platform) -> None:
 AMPERE = dataclasses.replace(Platform.named("sm_90"), arch="sm_80", capability=(8, 0))
 
 
-def test_without_topk_rows_the_table_order_and_the_heuristic_plan(monkeypatch):
+def test_without_topk_rows_the_table_order_and_the_heuristic_plan(monkeypatch, without_shipped_topk_rows):
     _on(monkeypatch, Platform.named("sm_90"))
     decision = registries.TOPK.select(WIDE)
     assert decision.chosen == "native" and decision.rule == "table order"
@@ -291,7 +292,19 @@ def test_without_topk_rows_the_table_order_and_the_heuristic_plan(monkeypatch):
         registries.TOPK.explain(WIDE)
 
 
-def test_the_triton_topk_measured_faster_runs_and_explain_says_why(monkeypatch, tmp_path):
+def test_the_shipped_rows_choose_the_top_k_by_measurement(monkeypatch):
+    """The shipped top-k table (configs/topk.csv, measured on an H100) holds sm_90 rows of every tuned candidate at
+    64 rows of 8192 columns (16x4 and 64x1 @ 32K, where the table order once chose a slower top-k): the choice there
+    is the fastest measured row's candidate."""
+    _on(monkeypatch, Platform.named("sm_90"))
+    table = tuned.load_tables(())
+    fastest = {name: min(row.us for row in table.measured_topk("sm_90", name, WIDE))
+               for name in topk_tuning.tuned_candidates()}
+    decision = registries.TOPK.select(WIDE)
+    assert decision.rule.startswith("measurement") and decision.chosen == min(fastest, key=fastest.get)
+
+
+def test_the_triton_topk_measured_faster_runs_and_explain_says_why(monkeypatch, tmp_path, without_shipped_topk_rows):
     """The shape of 16x4 and 64x1 @ 32K: the Triton top-k measured faster than every native plan there."""
     _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
                 "sm_90,512,64,8192,native,rows_256,16.7,1,t", "sm_90,512,64,8192,native,cluster4,17.4,1,t")
@@ -304,7 +317,7 @@ def test_the_triton_topk_measured_faster_runs_and_explain_says_why(monkeypatch, 
     assert "* triton: serves" in report
 
 
-def test_the_native_topk_measured_faster_runs_its_measured_plan(monkeypatch, tmp_path):
+def test_the_native_topk_measured_faster_runs_its_measured_plan(monkeypatch, tmp_path, without_shipped_topk_rows):
     _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
                 "sm_90,512,64,8192,native,rows_256,9.7,1,my sweep", "sm_90,512,64,8192,native,cluster4,17.4,1,t")
     _on(monkeypatch, Platform.named("sm_90"))
@@ -320,7 +333,7 @@ def test_the_native_topk_measured_faster_runs_its_measured_plan(monkeypatch, tmp
             and "measured plan rows_256: 9.70 us at 64 rows x 8192 columns (my sweep)" in report)
 
 
-def test_the_measured_plan_reaches_the_launch(monkeypatch, tmp_path):
+def test_the_measured_plan_reaches_the_launch(monkeypatch, tmp_path, without_shipped_topk_rows):
     """``native_block_topk`` without a plan launches ``plan_choice``'s (the launch is stopped where it would build
     the call's arguments, on this machine without a GPU)."""
     _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,native,rows_512,9.7,1,t")
@@ -340,7 +353,7 @@ def test_the_measured_plan_reaches_the_launch(monkeypatch, tmp_path):
     assert seen[0].variant.name == "topk_rows_512" and seen[0].cached
 
 
-def test_a_forced_topk_beats_the_table(monkeypatch, tmp_path):
+def test_a_forced_topk_beats_the_table(monkeypatch, tmp_path, without_shipped_topk_rows):
     _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
                 "sm_90,512,64,8192,native,rows_256,16.7,1,t")
     _on(monkeypatch, Platform.named("sm_90"))
@@ -353,7 +366,7 @@ def test_a_forced_topk_beats_the_table(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["other-bucket", "not-measured", "other-arch", "other-block-topk", "triton-only"])
-def test_topk_measurements_that_do_not_compare_leave_the_table_order(monkeypatch, tmp_path, case):
+def test_topk_measurements_that_do_not_compare_leave_the_table_order(monkeypatch, tmp_path, case, without_shipped_topk_rows):
     rows = {"triton": "sm_90,512,64,8192,triton,,11.2,1,t", "native": "sm_90,512,64,8192,native,rows_256,16.7,1,t"}
     if case == "other-bucket":  # the native rows were measured at 16x the rows: not the bucket Triton was timed at
         rows["native"] = "sm_90,512,1024,8192,native,rows_256,16.7,1,t"
@@ -371,7 +384,7 @@ def test_topk_measurements_that_do_not_compare_leave_the_table_order(monkeypatch
     assert decision.chosen == "native" and decision.rule == "table order", decision.rule
 
 
-def test_a_measured_plan_that_does_not_serve_the_shape_is_passed_over(monkeypatch, tmp_path):
+def test_a_measured_plan_that_does_not_serve_the_shape_is_passed_over(monkeypatch, tmp_path, without_shipped_topk_rows):
     """On compute capability 8.0 no cluster plan exists: the fastest measured plan that serves runs, and explain
     names the faster one passed over."""
     _topk_table(monkeypatch, tmp_path, "sm_80,512,64,8192,triton,,11.2,1,t",
@@ -384,7 +397,7 @@ def test_a_measured_plan_that_does_not_serve_the_shape_is_passed_over(monkeypatc
             "sm_80: cluster4 9.00 us") in report
 
 
-def test_with_no_measured_plan_serving_the_heuristic_runs_and_explain_says_so(monkeypatch, tmp_path):
+def test_with_no_measured_plan_serving_the_heuristic_runs_and_explain_says_so(monkeypatch, tmp_path, without_shipped_topk_rows):
     """Only cluster plans measured, on a GPU without clusters: the native top-k runs choose_plan's plan, has no
     measurement to compare, and the table order stands."""
     _topk_table(monkeypatch, tmp_path, "sm_80,512,64,8192,triton,,11.2,1,t",
@@ -399,14 +412,14 @@ def test_with_no_measured_plan_serving_the_heuristic_runs_and_explain_says_so(mo
             ) in registries.TOPK.explain(WIDE)
 
 
-def test_rows_no_wider_than_block_topk_take_the_trivial_plan(monkeypatch, tmp_path):
+def test_rows_no_wider_than_block_topk_take_the_trivial_plan(monkeypatch, tmp_path, without_shipped_topk_rows):
     _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,native,rows_256,9.7,1,t")
     choice = native_topk_runtime.plan_choice(64, 512, 512, Platform.named("sm_90"))
     assert choice.row is None and choice.plan == native_topk_runtime.kernels.trivial_plan()
     assert choice.note == "the trivial plan (no row is wider than block_topk)"
 
 
-def test_explain_selection_names_the_measured_topk(monkeypatch, tmp_path, rng):
+def test_explain_selection_names_the_measured_topk(monkeypatch, tmp_path, rng, without_shipped_topk_rows):
     """``explain_selection`` at 16 requests x 4 rows @ 32K (a chunk of 64 rows x 8192 columns)."""
     batch = make_batch([32 * 1024] * 16, 4, page_size=64, head_dim=32, dtype=torch.bfloat16, generator=rng)
     _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
@@ -417,7 +430,7 @@ def test_explain_selection_names_the_measured_topk(monkeypatch, tmp_path, rng):
     assert "chosen by measurement: triton 11.20 us < native rows_256 16.70 us" in report
 
 
-def test_qsa_block_topk_runs_the_candidate_measured_faster(monkeypatch, tmp_path, rng):
+def test_qsa_block_topk_runs_the_candidate_measured_faster(monkeypatch, tmp_path, rng, without_shipped_topk_rows):
     """Dispatch itself (on CPU tensors, decisions as on an sm_90): the Triton top-k where it measured faster, the
     native one (stood in for) where it did."""
     logits = torch.randn(64, 1024, generator=rng)
@@ -435,7 +448,7 @@ def test_qsa_block_topk_runs_the_candidate_measured_faster(monkeypatch, tmp_path
         assert ran == expected
 
 
-def test_a_rewritten_table_takes_effect_after_reload(monkeypatch, tmp_path):
+def test_a_rewritten_table_takes_effect_after_reload(monkeypatch, tmp_path, without_shipped_topk_rows):
     """``tuned.reload()`` (what the tuner calls after writing rows) forgets the decisions made from the old rows."""
     _topk_table(monkeypatch, tmp_path, "sm_90,512,64,8192,triton,,11.2,1,t",
                 "sm_90,512,64,8192,native,rows_256,16.7,1,t")

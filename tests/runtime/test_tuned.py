@@ -308,7 +308,7 @@ def test_a_header_of_neither_kind_names_both(tmp_path):
         tuned.read_table(path)
 
 
-def test_tuned_config_files_of_both_kinds_merge_by_their_own_keys(tmp_path, monkeypatch):
+def test_tuned_config_files_of_both_kinds_merge_by_their_own_keys(tmp_path, monkeypatch, without_shipped_topk_rows):
     scoring = write_table(tmp_path, "scoring.csv", "cpu,stacked,bf16,16,4,64,4,4096,,,32,,,,,,,10.0,1,small")
     first = write_topk_table(tmp_path, "a.csv", "sm_90,512,64,8192,triton,,11.2,1,a",
                              "sm_90,512,64,8192,native,rows_256,16.7,1,a")
@@ -322,7 +322,7 @@ def test_tuned_config_files_of_both_kinds_merge_by_their_own_keys(tmp_path, monk
     assert [r.us for r in table.measured_topk("sm_90", "triton", _topk(64, 8192))] == [11.2]
 
 
-def test_topk_rows_are_looked_up_at_the_nearest_measured_bucket(tmp_path, monkeypatch):
+def test_topk_rows_are_looked_up_at_the_nearest_measured_bucket(tmp_path, monkeypatch, without_shipped_topk_rows):
     path = write_topk_table(tmp_path, "t.csv",
                             "sm_90,512,64,8192,triton,,11.2,1,small", "sm_90,512,256,25088,triton,,20.0,1,large",
                             "sm_90,512,36,32768,triton,,5.0,0,not measured: a report",
