@@ -22,7 +22,8 @@ import torch, qsa_aiter
 from qsa_aiter import jit
 from qsa_aiter.runtime import tuned
 from qsa_aiter.tools.workloads import make_batch
-rows = sum(len(v) for v in tuned.load_tables(()).rows.values())
+table = tuned.load_tables(())
+rows = sum(len(v) for v in table.rows.values()) + sum(len(v) for v in table.topk.values())
 batch = make_batch([300, 200], 2, head_dim=32, page_size=16)
 qsa_aiter.qsa_paged_mqa_logits(*batch.args(), max_query_len=2)
 print(tuned.CONFIG_DIR, rows, jit.jit_root())

@@ -218,7 +218,7 @@ def test_the_registry_ranks_it_after_the_composite_path_and_forcing_it_names_its
         qsa_aiter.qsa_select_paged_tokens(*args, max_query_len=4)
 
 
-def test_tuned_rows_time_it_against_the_composite_path(monkeypatch, tmp_path):
+def test_tuned_rows_time_it_against_the_composite_path(monkeypatch, tmp_path, without_shipped_topk_rows):
     """Rows of ``fused_select`` in the scoring table (the whole call's time) are compared with the composite path's
     measured scoring plus top-k at the same bucket: the faster is chosen; without the top-k's row the composite path
     has no measurement and the order stands."""
