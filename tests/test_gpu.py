@@ -166,7 +166,11 @@ def test_fp16(monkeypatch, phase, page_size, backend):
     check_gpu_call(args, label=f"fp16/{phase}/page{page_size}/{backend}", **hints)
 
 
-QUANTISED_POINTS = ("9x4@64K-128K", "4x4@262K", "128x1@8K-200K", "prefill-4096@96K")
+#: Tests that hold several GiB on the GPU: with ``-n N --dist loadgroup`` they run one after another on one worker, so
+#: parallel workers do not run the card out of memory together (on an 80 GB H100, 16 workers did).
+LARGE_GPU_MEMORY = pytest.mark.xdist_group("large_gpu_memory")
+QUANTISED_POINTS = ("9x4@64K-128K", "4x4@262K", pytest.param("128x1@8K-200K", marks=LARGE_GPU_MEMORY),
+                    pytest.param("prefill-4096@96K", marks=LARGE_GPU_MEMORY))
 
 
 @pytest.mark.parametrize("backend", CHOICES)
@@ -284,6 +288,7 @@ def test_device_mismatch_is_named():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@LARGE_GPU_MEMORY
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_cache_beyond_32_bit_offsets(monkeypatch, page_size):
     """A > 4 GiB bf16 cache (more than 2**31 elements); requests' pages at the highest ids and across 2**31."""
@@ -319,6 +324,7 @@ def test_cache_beyond_32_bit_offsets(monkeypatch, page_size):
     torch.cuda.empty_cache()
 
 
+@LARGE_GPU_MEMORY
 def test_output_beyond_32_bit_offsets(monkeypatch):
     """4096 rows x 540672 columns of fp32 logits: the last rows start past element 2**31."""
     page_size = 64
