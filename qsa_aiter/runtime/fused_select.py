@@ -52,11 +52,12 @@ def _wide(tensor: torch.Tensor, bit: int) -> int:
 
 
 def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, workspace: torch.Tensor,
-                      scores: torch.Tensor | None = None):
+                      scores: torch.Tensor | None = None, stamps: torch.Tensor | None = None):
     """The launch of ``plan`` for the call ``args`` (a ``SelectionArgs`` validated into ``problem``): ``(call,
     addresses)``. ``blocks``: int32 ``[rows, block_topk]`` contiguous (the block indices); ``workspace``: int32, at
     least ``plan.workspace_words``, zeroed before its first launch; ``scores``: fp32 ``[rows, columns]`` (last dim
-    contiguous) for the debug scores, or None."""
+    contiguous) for the debug scores, or None; ``stamps``: int64, at least ``plan.stamp_words``, contiguous, for the
+    debug phase stamps (``stamp_buffer``), or None."""
     score = problem.score
     cache, table = args.k_cache, args.page_table
     pages = cache.shape[0]
@@ -70,6 +71,9 @@ def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, w
     if scores is not None and (scores.dtype != torch.float32 or scores.shape[1] < score.num_columns
                                or (scores.shape[1] > 1 and scores.stride(1) != 1)):
         raise ValueError(f"scores must be fp32 [{tokens}, >= {score.num_columns}] with a contiguous last dim")
+    if stamps is not None and (stamps.dtype != torch.int64 or not stamps.is_contiguous()
+                               or stamps.numel() < plan.stamp_words):
+        raise ValueError(f"stamps must be a contiguous int64 tensor of at least {plan.stamp_words} words")
     out = args.out
     wide = (_wide(table, scorer.WIDE_PAGES) | _wide(args.token_to_request, scorer.WIDE_REQUESTS)
             | _wide(args.query_positions, scorer.WIDE_POSITIONS) | _wide(args.context_lens, scorer.WIDE_CONTEXTS))
@@ -84,7 +88,8 @@ def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, w
     call = kernels.launch_arguments(plan, values)
     addresses = [t.data_ptr() for t in (args.q, cache, scales_of(args), table, args.token_to_request,
                                         args.query_positions, args.context_lens, blocks, out)]
-    addresses += [0 if scores is None else scores.data_ptr(), workspace.data_ptr()]
+    addresses += [0 if scores is None else scores.data_ptr(), 0 if stamps is None else stamps.data_ptr(),
+                  workspace.data_ptr()]
     return call, addresses
 
 
@@ -93,28 +98,37 @@ def _checked_out(args):
         raise ValueError("the output must have a contiguous last dim")
 
 
+def resident_fused_plan(problem, device: torch.device, plan: kernels.Plan | None = None, settings=None):
+    """``(kernel, plan)``: the kernel of ``plan`` (default ``choose_plan``'s for ``problem`` on ``device``, a CUDA
+    device) compiled or loaded, and the plan a launch runs (``grid_topk.resident_plan``: no more groups in flight
+    than the driver fits at once; the one to size ``stamp_buffer`` by)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    platform = Platform.of(torch.device("cuda", index))
+    plan = plan or kernels.choose_plan(problem, platform)
+    variant = plan.variant
+    kernel = native.kernel_for(kernels.source(), variant.name, kernels.SPEC.defines(variant, platform.arch), index,
+                               platform.arch, settings)
+    return kernel, grid_topk.resident_plan(plan, kernel, platform, plan.row_groups)
+
+
 def fused_select(problem, args, settings=None, plan: kernels.Plan | None = None,
-                 scores: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                 scores: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+                 stamps: torch.Tensor | None = None) -> torch.Tensor:
     """The fused selection of the call ``args`` (CUDA tensors, validated into ``problem``) into ``args.out``: one
     cooperative launch on the current stream, no more groups in flight than the driver fits at once
     (``grid_topk.resident_plan``), the kernel compiled into the JIT cache, or loaded from it, at its first use in a
     process (load it before capturing a graph). ``scores``: the debug scores' output; ``plan``/``workspace``: as
-    ``grid_topk.grid_block_topk``'s. Returns the block indices."""
+    ``grid_topk.grid_block_topk``'s; ``stamps``: the debug phase stamps' output (``stamp_buffer`` of the plan the
+    launch runs: ``resident_fused_plan``'s, passed as ``plan``). Returns the block indices."""
     _checked_out(args)
     score = problem.score
     blocks = torch.empty((score.num_tokens, problem.block_topk), dtype=torch.int32, device=args.device)
     if score.num_tokens == 0:
         return blocks
-    device = args.q.device.index if args.q.device.index is not None else torch.cuda.current_device()
-    platform = Platform.of(torch.device("cuda", device))
-    plan = plan or kernels.choose_plan(problem, platform)
-    variant = plan.variant
-    kernel = native.kernel_for(kernels.source(), variant.name, kernels.SPEC.defines(variant, platform.arch), device,
-                               platform.arch, settings)
-    plan = grid_topk.resident_plan(plan, kernel, platform, plan.row_groups)
+    kernel, plan = resident_fused_plan(problem, args.q.device, plan, settings)
     if workspace is None:
         workspace = grid_topk.workspace_for(args.q.device, plan.workspace_words)
-    call, addresses = fused_select_call(problem, args, plan, blocks, workspace, scores)
+    call, addresses = fused_select_call(problem, args, plan, blocks, workspace, scores, stamps)
     native.PreparedLaunch(FUSED_SELECT_LAUNCH, kernel, call.grid, call.block, call.shared_bytes,
                           tuple(name for name, _ in call.pointers), call.scalars, cooperative=True)(*addresses)
     return blocks
@@ -125,7 +139,8 @@ EMULATED_FUSED_KERNELS = kernels.SPEC.emulator_kernels()
 
 
 def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tensor | None = None,
-                          workspace: torch.Tensor | None = None, order_seed: int = 0):
+                          workspace: torch.Tensor | None = None, order_seed: int = 0,
+                          stamps: torch.Tensor | None = None):
     """``fused_select`` on CPU tensors through the CUDA emulator (a cooperative launch: every CTA of the grid
     together), for tests on machines without a GPU: ``(blocks, workspace)``. Raises ``emulated.EmulationError``
     where the emulated kernel fails (a deadlock included)."""
@@ -135,7 +150,35 @@ def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tenso
     blocks = torch.full((problem.score.num_tokens, problem.block_topk), -9, dtype=torch.int32)
     if problem.score.num_tokens == 0:
         return blocks, workspace
-    call, addresses = fused_select_call(problem, args, plan, blocks, workspace, scores)
+    call, addresses = fused_select_call(problem, args, plan, blocks, workspace, scores, stamps)
     lib = emulated.build(kernels.SOURCE_PATH, EMULATED_FUSED_KERNELS, ("TOPK_WARP_SIZE=32",), kernels.source())
     emulated.run(lib, call, addresses, 1, order_seed, cooperative=True)
     return blocks, workspace
+
+
+def stamp_buffer(plan: kernels.Plan, device=None) -> torch.Tensor:
+    """A zeroed int64 buffer for ``plan``'s debug phase stamps (``plan.stamp_words``: ``STAMP_COUNT`` timer words
+    for each CTA and row group of its slot, CTA ``b``'s ``i``-th group at ``(b * plan.slot_groups + i) *
+    STAMP_COUNT``); entries of groups a CTA does not take stay zero."""
+    return torch.zeros(plan.stamp_words, dtype=torch.int64, device=device)
+
+
+def phase_times(stamps: torch.Tensor, plan: kernels.Plan) -> dict[str, float]:
+    """The debug stamps of a launch of ``plan`` as durations in microseconds: for each phase of ``kernels.PHASES``
+    the median over the recorded (CTA, group) records of its duration (the next stamp less its own), and ``"span"``:
+    the median over CTAs of the last group's end less the first group's start. Records left zero (groups a CTA
+    did not take) are left out."""
+    records = stamps[: plan.stamp_words].detach().to("cpu", torch.int64)
+    records = records.view(plan.grid, plan.slot_groups, kernels.STAMP_COUNT)
+    used = records[..., 0] != 0
+    flat = records[used].double()
+    times = {}
+    for i, name in enumerate(kernels.PHASES):
+        times[name] = float((flat[:, i + 1] - flat[:, i]).median()) / 1e3 if len(flat) else float("nan")
+    spans = []
+    for cta in range(plan.grid):
+        mine = records[cta][used[cta]]
+        if len(mine):
+            spans.append(float(mine[-1, -1] - mine[0, 0]))
+    times["span"] = float(torch.tensor(spans, dtype=torch.float64).median()) / 1e3 if spans else float("nan")
+    return times

@@ -1,6 +1,7 @@
 """Inputs at a work point, for timing: the scoring kernels' rotated input sets (``point_inputs``: the benchmark and
 the tuner), one scored batch with the selection ops' buffers (``selection_inputs``: the selection and host-path
-benchmarks), and the physical floor of a batch's memory traffic (``floor_bytes``)."""
+benchmarks), a batch's selection call as a selection candidate takes it (``selection_call``: the fused selection's
+tests and ``benchmarks/fused_phases.py``), and the physical floor of a batch's memory traffic (``floor_bytes``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from ..kernels.scoring.base import ScoreArgs
 from ..ops.scoring import describe_call, qsa_paged_mqa_logits
-from ..ops.selection import qsa_select_paged_tokens
+from ..ops.selection import qsa_select_paged_tokens, validate_selection_call
+from ..runtime.registries import SelectionArgs, SelectionProblem
 from .work_points import TOKEN_TOPK, WorkPoint
 from .workloads import ScoringBatch, make_batch
 
@@ -122,3 +124,19 @@ def selection_inputs(point: WorkPoint, page_size: int, cache: str = "bf16", devi
     return SelectionInputs(args, hints, batch, logits, visible,
                            torch.empty((tokens, TOKEN_TOPK // ratio), dtype=torch.int32, device=device),
                            torch.empty((tokens, TOKEN_TOPK + ratio - 1), dtype=torch.int32, device=device))
+
+
+def selection_call(batch: ScoringBatch, token_topk: int, hints: dict, out: torch.Tensor | None = None):
+    """``(problem, args)`` of a ``qsa_select_paged_tokens`` call on ``batch`` (validated as the op validates it: a
+    ``registries.SelectionProblem`` and ``SelectionArgs``), as a selection candidate (``runtime.fused_select``) takes
+    it; ``hints``: ``phase``, ``max_query_len``; ``out``: the tokens' output, else a fresh one filled with -5 on the
+    batch's device."""
+    b = batch
+    call = validate_selection_call(b.q, b.compressed_k_cache, b.page_table, b.token_to_request, b.query_positions,
+                                   b.context_lens, token_topk, b.compress_ratio, out, None, None, b.k_scale,
+                                   hints.get("phase"), hints.get("max_query_len"))
+    problem = SelectionProblem(call.problem, call.token_topk, call.chunk_rows)
+    result = call.out if out is not None else torch.full(call.out.shape, -5, dtype=torch.int32, device=b.q.device)
+    args = SelectionArgs(b.q, b.compressed_k_cache, b.page_table, b.token_to_request, b.query_positions,
+                         b.context_lens, b.k_scale, result, None)
+    return problem, args

@@ -149,19 +149,23 @@ __device__ __forceinline__ void fused_score(const KeySource& base, const unsigne
 
 // Kernel parameters: the pointers, then the scalars (fused_select.py declares them once, PARAMS; every scalar a C
 // int).  out: the block indices [rows, K] (a workspace); tokens: the expansion [rows, tok_ld apart]; scores: the
-// debug scores or null; workspace: the slots' words.  k_scale: the quantised caches' per-key scales (4 bytes a key,
+// debug scores or null; stamps: the debug timer records or null (QSA_STAMP_COUNT words a CTA and group the CTA's
+// slot takes: CTA b's i-th group at (b * ceil(row_groups / slots) + i) * QSA_STAMP_COUNT; native_compat.h's
+// qsa_stamp); workspace: the slots' words.  k_scale: the quantised caches' per-key scales (4 bytes a key,
 // where the scorer takes them: after keys; unread for 16-bit caches).  wide: native_scorer.cu's QSA_WIDE_* bits.
 #define QSA_FUSED_PARAMS                                                                                          \
     const unsigned short *__restrict__ q, const unsigned short *__restrict__ keys,                                 \
         const void *__restrict__ k_scale, const void *__restrict__ page_table,                                     \
         const void *__restrict__ token_to_request, const void *__restrict__ query_positions,                       \
         const void *__restrict__ context_lens, int *__restrict__ out,                                              \
-        int *__restrict__ tokens, float *__restrict__ scores, unsigned *workspace, int num_tokens,                 \
+        int *__restrict__ tokens, float *__restrict__ scores, unsigned long long *__restrict__ stamps,             \
+        unsigned *workspace, int num_tokens,                                                                       \
         int num_requests, int num_pages, int num_columns, int table_width, int table_stride, int page_stride,      \
         int slot_stride, int group_rows, int row_groups, int split, int slots, int cap, int K, int ratio,          \
         int scale_bits, int wide, int aligned, int width, int tok_ld, int scores_ld
 #define QSA_FUSED_ARGS                                                                                            \
-    q, keys, k_scale, page_table, token_to_request, query_positions, context_lens, out, tokens, scores, workspace, \
+    q, keys, k_scale, page_table, token_to_request, query_positions, context_lens, out, tokens, scores, stamps,    \
+        workspace,                                                                                                 \
         num_tokens, num_requests, num_pages, num_columns, table_width, table_stride, page_stride, slot_stride,     \
         group_rows, row_groups, split, slots, cap, K, ratio, scale_bits, wide, aligned, width, tok_ld, scores_ld
 
@@ -194,8 +198,12 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     const FusedKeys source = {};
     const GridExpand x = {query_positions, context_lens, token_to_request, tokens, num_requests, ratio, tok_ld,
                           idx_wide};
+    const int slot_groups = (row_groups + slots - 1) / slots;  // the stamps' records a CTA
     for (int group = slot; group < row_groups; group += slots) {
         const long long first_row = (long long)group * group_rows;
+        const long long record = (long long)blockIdx.x * slot_groups + (group - slot) / slots;
+        unsigned long long* const rec = stamps == nullptr ? nullptr : stamps + record * QSA_STAMP_COUNT;
+        qsa_stamp(rec, QSA_STAMP_START);
         unsigned a[QSA_K_STEPS][4];
         load_query_fragments_of<KIND>(q, first_row, group_rows, num_tokens, a);
         if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
@@ -207,6 +215,7 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
             s_vis[threadIdx.x] = vis;
         }
         __syncthreads();
+        qsa_stamp(rec, QSA_STAMP_QUERY);
         int basis = 0;
         bool wide_row = false;
         for (int i = 0; i < group_rows; ++i) {
@@ -220,10 +229,12 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
             for (int i = threadIdx.x; i < group_rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
             __syncthreads();
         }
+        qsa_stamp(rec, QSA_STAMP_SCORE);
         const int rows = num_tokens - first_row < group_rows ? (int)(num_tokens - first_row) : group_rows;
         gen = grid_rows_keys<QSA_FUSED_THREADS>((int)first_row, rows, FusedCounts{s_vis}, basis, part, source, out,
-                                                x, ws, K, split, width, gen, hist, tail, stash, cap);
+                                                x, ws, K, split, width, gen, hist, tail, stash, cap, rec);
         __syncthreads();  // s_req, s_vis and the stash are free for the next group
+        qsa_stamp(rec, QSA_STAMP_END);
     }
 }
 

@@ -46,18 +46,25 @@ INT_LIMIT = 2**31
 #: The kernels' parameters, in order (the source's ``QSA_FUSED_PARAMS``): the scorer's inputs (``k_scale`` after
 #: ``keys`` as in the scorer's: the quantised caches' per-key scales, unread for 16-bit caches), ``out`` (the block
 #: indices, a workspace ``[rows, K]``), ``tokens`` (the expansion), ``scores`` (the debug scores, null in
+#: production), ``stamps`` (the debug phase stamps, ``STAMP_COUNT`` timer words a CTA and row group, null in
 #: production), ``workspace`` (the grid select's slots), then the scalars (C ``int``).
 PARAMS = params(
     ("q", "const unsigned short*"), ("keys", "const unsigned short*"), ("k_scale", "const void*"),
     ("page_table", "const void*"), ("token_to_request", "const void*"), ("query_positions", "const void*"),
     ("context_lens", "const void*"),
-    ("out", "int*"), ("tokens", "int*"), ("scores", "float*"), ("workspace", "unsigned*"),
+    ("out", "int*"), ("tokens", "int*"), ("scores", "float*"), ("stamps", "unsigned long long*"),
+    ("workspace", "unsigned*"),
     *((name, "int") for name in ("num_tokens", "num_requests", "num_pages", "num_columns", "table_width",
                                  "table_stride", "page_stride", "slot_stride", "group_rows", "row_groups", "split",
                                  "slots", "cap", "K", "ratio", "scale_bits", "wide", "aligned", "width", "tok_ld",
                                  "scores_ld")),
 )
 POINTERS = tuple((p.name, p.ctype) for p in PARAMS if p.pointer)
+#: The debug stamps (the source's ``QSA_STAMP_COUNT``, native_compat.h): the timer words of a record (one a CTA and
+#: row group its slot takes), at the phase boundaries start, then the ends of ``PHASES`` (the group's start to the
+#: query's end is "query", ...; "end": the token tails and the group's last barrier).
+STAMP_COUNT = 8
+PHASES = ("query", "score", "keys", "rounds", "counts", "output", "end")
 SCALARS = tuple(p.name for p in PARAMS if not p.pointer)
 
 
@@ -132,6 +139,16 @@ class Plan:
         return self.slots * self.split
 
     @property
+    def slot_groups(self) -> int:
+        """The row groups a slot takes at most (the debug stamps' records a CTA)."""
+        return cdiv(self.row_groups, self.slots)
+
+    @property
+    def stamp_words(self) -> int:
+        """The debug stamps' words: ``STAMP_COUNT`` a CTA and row group of its slot."""
+        return self.grid * self.slot_groups * STAMP_COUNT
+
+    @property
     def workspace_words(self) -> int:
         """The grid select's slots (``grid.SLOT_WORDS`` a slot; zeroed once, left clean by every launch)."""
         return self.slots * grid.SLOT_WORDS
@@ -175,6 +192,13 @@ def _shape(problem) -> tuple[Variant, int, int, int, int]:
     group_rows = scorer.group_rows_of(score)
     return (variant_for(score.cache_dtype, score.block_size, score.q_dtype), group_rows,
             cdiv(max(score.num_tokens, 1), group_rows), score.num_columns, problem.block_topk)
+
+
+def problem_split_plan(problem, split: int, platform: Platform) -> Plan:
+    """``split_plan`` of ``split`` CTAs a group for the selection problem ``problem`` (its variant, row groups and
+    columns); ``ValueError`` where it does not fit."""
+    variant, group_rows, row_groups, columns, _ = _shape(problem)
+    return split_plan(split, variant, group_rows, row_groups, columns, platform)
 
 
 def plan_reason(problem, platform: Platform) -> str | None:

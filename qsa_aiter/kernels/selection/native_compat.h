@@ -143,6 +143,39 @@ __device__ __forceinline__ void grid_pause() { __nanosleep(32); }
 __device__ __forceinline__ void grid_fence() { __threadfence(); }
 #endif
 
+// The GPU's global timer (debug stamps only: fused_select.cu's phase boundaries): CUDA's %globaltimer in ns; HIP's
+// constant-rate wall clock (wall_clock64: ticks of the device's wall clock, 100 MHz on gfx942, not ns).  Under
+// TOPK_EMULATE the emulator defines it (cuda_emulator_grid.h: the host's steady clock in ns).
+#if !TOPK_EMULATE
+__device__ __forceinline__ unsigned long long qsa_clock_ns() {
+#if TOPK_HIP
+    return (unsigned long long)wall_clock64();
+#else
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+#endif
+}
+#endif
+
+// Debug stamps: QSA_STAMP_COUNT timer words a CTA and row group (a record), in the order of these phase boundaries;
+// qsa_stamp(record, phase) has thread 0 write one, and does nothing where the record is null (production).
+#define QSA_STAMP_COUNT 8
+enum {
+    QSA_STAMP_START = 0,  // the group's start (the CTA's first group: the kernel's start)
+    QSA_STAMP_QUERY,      // q and the rows' visible counts loaded
+    QSA_STAMP_SCORE,      // the group's scores in the stash
+    QSA_STAMP_KEYS,       // phase A: keys and histograms
+    QSA_STAMP_ROUNDS,     // the rounds: every row's threshold known
+    QSA_STAMP_COUNTS,     // the counts exchange
+    QSA_STAMP_OUTPUT,     // the ordered output and the kept groups' expansion
+    QSA_STAMP_END         // the group's end (the token tails)
+};
+static_assert(QSA_STAMP_END + 1 == QSA_STAMP_COUNT, "one stamp a phase boundary");
+__device__ __forceinline__ void qsa_stamp(unsigned long long* record, int phase) {
+    if (record != nullptr && threadIdx.x == 0) record[phase] = qsa_clock_ns();
+}
+
 // A programmatic dependent launch (CUDA sm_90+) may start while the kernel before it on the stream still runs: every
 // kernel waits for that one and its writes before its first global read.  A no-op in any other launch or target.
 __device__ __forceinline__ void wait_for_prior_grid() {

@@ -9,7 +9,16 @@
 // ordering on a GPU).
 #pragma once
 
+#include <chrono>
+
 inline unsigned long long grid_load_acquire(const unsigned long long* p) { return *p; }
 inline void grid_store_release(unsigned long long* p, unsigned long long v) { *p = v; }
 inline void grid_fence() {}
 inline void grid_pause() { emu::yield(); }
+// The debug stamps' timer (native_compat.h's qsa_clock_ns): the host's steady clock in ns, monotonic across the
+// emulated threads (one runs at a time).
+inline unsigned long long qsa_clock_ns() {
+    return (unsigned long long)std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}

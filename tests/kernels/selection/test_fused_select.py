@@ -35,11 +35,11 @@ from qsa_aiter.kernels.scoring.reference import reference_paged_mqa_logits
 from qsa_aiter.kernels.selection import fused_select as fs
 from qsa_aiter.kernels.selection import grid_topk as gt
 from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
-from qsa_aiter.ops.selection import validate_selection_call
 from qsa_aiter.runtime import registries
 from qsa_aiter.runtime.fused_select import CANDIDATE, emulated_fused_select, fused_select_reasons
 from qsa_aiter.runtime.jit import emulated
-from qsa_aiter.runtime.registries import SelectionArgs, SelectionProblem
+from qsa_aiter.runtime.registries import SelectionProblem
+from qsa_aiter.tools.inputs import selection_call
 from qsa_aiter.tools.workloads import ScoringBatch, make_batch
 
 SM90 = Platform.named("sm_90")
@@ -57,17 +57,8 @@ def widened(batch, index_dtype: torch.dtype):
     return batch
 
 
-def selection(batch, token_topk: int, hints: dict, out: torch.Tensor | None = None):
-    """``(problem, args)`` of a ``qsa_select_paged_tokens`` call on ``batch`` (validated as the op validates it)."""
-    b = batch
-    call = validate_selection_call(b.q, b.compressed_k_cache, b.page_table, b.token_to_request, b.query_positions,
-                                   b.context_lens, token_topk, b.compress_ratio, out, None, None, b.k_scale,
-                                   hints.get("phase"), hints.get("max_query_len"))
-    problem = SelectionProblem(call.problem, call.token_topk, call.chunk_rows)
-    result = call.out if out is not None else torch.full(call.out.shape, -5, dtype=torch.int32)
-    args = SelectionArgs(b.q, b.compressed_k_cache, b.page_table, b.token_to_request, b.query_positions,
-                         b.context_lens, b.k_scale, result, None)
-    return problem, args
+#: ``(problem, args)`` of a ``qsa_select_paged_tokens`` call on a batch (validated as the op validates it).
+selection = selection_call
 
 
 def emulate(batch, token_topk: int, hints: dict, *, split: int = 2, order_seed: int = 0, workspace=None):
