@@ -41,20 +41,6 @@ def torch_topk_then_sort(logits: torch.Tensor, visible: torch.Tensor, k: int) ->
     return torch.sort(torch.topk(masked, k, dim=1).indices, dim=1).values
 
 
-def time_graph_with_pdl(select, replays: int) -> float:
-    """``select`` timed as ``time_graph`` times it with ``QSA_AITER_TOPK_PDL=1`` (the native top-k launched as a
-    programmatic dependent of the scorer), the variable restored after."""
-    before = os.environ.get("QSA_AITER_TOPK_PDL")
-    os.environ["QSA_AITER_TOPK_PDL"] = "1"
-    try:
-        return time_graph(select, 1, replays)
-    finally:
-        if before is None:
-            del os.environ["QSA_AITER_TOPK_PDL"]
-        else:
-            os.environ["QSA_AITER_TOPK_PDL"] = before
-
-
 def time_graph_with(calls, replays: int, variable: str, value: str) -> float | None:
     """``calls`` timed as ``time_graph`` times it with the environment variable ``variable`` set to ``value`` (restored
     after); None where the forced path does not serve the call (the op raises a ValueError naming its reasons)."""
@@ -108,7 +94,8 @@ def measure_point(point, cache: str, page: int, replays: int, settings) -> None:
     scoring_native = time_graph_with(inputs.score, replays, "QSA_AITER_BACKEND", "native")
     selection = time_graph(inputs.select, 1, replays)
     picked = inputs.picked.clone()
-    selection_pdl = time_graph_with_pdl(inputs.select, replays)
+    # The native top-k launched as a programmatic dependent of the scorer.
+    selection_pdl = time_graph_with(inputs.select, replays, "QSA_AITER_TOPK_PDL", "1")
     if not torch.equal(inputs.picked, picked):
         raise SystemExit(f"{point.name}: selection with QSA_AITER_TOPK_PDL=1 picked other tokens")
     # The fused selection scores with its own kernel: its picks equal the composite path's up to near-ties of the
@@ -141,7 +128,7 @@ def measure_point(point, cache: str, page: int, replays: int, settings) -> None:
     fastest = min(times.values()) if times else float("nan")
     for name, us in times.items():
         print(f"{point.name},{cache},{page},{scoring:.2f},{optional(scoring_native)},{selection:.2f},"
-              f"{selection / scoring:.2f},{selection_pdl:.2f},{optional(fused)},{fused_ratio},{fused_agree},"
+              f"{selection / scoring:.2f},{optional(selection_pdl)},{optional(fused)},{fused_ratio},{fused_agree},"
               f"{name},{us:.2f},{torch_topk:.2f},{torch_topk / fastest:.2f}", flush=True)
 
 

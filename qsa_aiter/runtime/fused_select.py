@@ -21,7 +21,7 @@ from ..kernels.scoring import native_scorer as scorer
 from ..kernels.selection import fused_select as kernels
 from . import grid_topk
 from .jit import emulated, native
-from .native_scorer import cache_layout, scales_of
+from .native_scorer import cache_layout, scales_of, wide_bits
 
 #: The fused selection's name among the selection candidates (``QSA_AITER_SELECT_BACKEND=native_fused``).
 CANDIDATE = "native_fused"
@@ -45,10 +45,6 @@ def fused_select_reasons(problem, platform: Platform, settings) -> list[str]:
 
 def describe_plan(problem, platform: Platform) -> str:
     return kernels.SPEC.describe_plan(problem, platform)
-
-
-def _wide(tensor: torch.Tensor, bit: int) -> int:
-    return bit if tensor.dtype == torch.int64 else 0
 
 
 def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, workspace: torch.Tensor,
@@ -75,8 +71,7 @@ def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, w
                                or stamps.numel() < plan.stamp_words):
         raise ValueError(f"stamps must be a contiguous int64 tensor of at least {plan.stamp_words} words")
     out = args.out
-    wide = (_wide(table, scorer.WIDE_PAGES) | _wide(args.token_to_request, scorer.WIDE_REQUESTS)
-            | _wide(args.query_positions, scorer.WIDE_POSITIONS) | _wide(args.context_lens, scorer.WIDE_CONTEXTS))
+    wide = wide_bits(args)
     values = dict(
         num_tokens=tokens, num_requests=table.shape[0], num_pages=pages, num_columns=score.num_columns,
         table_width=table.shape[1], table_stride=table.stride(0) if table.shape[0] > 1 else table.shape[1],

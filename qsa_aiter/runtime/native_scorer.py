@@ -42,8 +42,13 @@ def describe_plan(problem, platform: Platform) -> str:
     return kernels.SPEC.describe_plan(problem, platform)
 
 
-def _wide(tensor: torch.Tensor, bit: int) -> int:
-    return bit if tensor.dtype == torch.int64 else 0
+def wide_bits(args) -> int:
+    """The kernels' ``wide`` argument (the scorer's and the fused selection's): a ``QSA_WIDE_*`` bit for each of the
+    page table, the rows' requests, positions and the context lengths that is int64."""
+    return sum(bit for tensor, bit in ((args.page_table, kernels.WIDE_PAGES),
+                                       (args.token_to_request, kernels.WIDE_REQUESTS),
+                                       (args.query_positions, kernels.WIDE_POSITIONS),
+                                       (args.context_lens, kernels.WIDE_CONTEXTS)) if tensor.dtype == torch.int64)
 
 
 def cache_layout(cache: torch.Tensor) -> tuple[int, int, bool]:
@@ -74,8 +79,7 @@ def native_scorer_call(problem, args, plan: kernels.Plan):
     pages = cache.shape[0]
     page_stride, slot_stride, aligned = cache_layout(cache)
     tokens = args.q.shape[0]
-    wide = (_wide(table, kernels.WIDE_PAGES) | _wide(args.token_to_request, kernels.WIDE_REQUESTS)
-            | _wide(args.query_positions, kernels.WIDE_POSITIONS) | _wide(args.context_lens, kernels.WIDE_CONTEXTS))
+    wide = wide_bits(args)
     values = dict(
         num_tokens=tokens, num_requests=table.shape[0], num_pages=pages, num_columns=args.num_columns,
         table_width=table.shape[1], table_stride=table.stride(0) if table.shape[0] > 1 else table.shape[1],
