@@ -1,16 +1,17 @@
-"""Where the fused selection's time goes, phase by phase, beside the grid top-k alone, on a GPU.
+"""Where the fused selection's time goes, phase by phase, on a GPU.
 
-    python benchmarks/fused_phases.py [--points 16x4@32K,1x1@262K,9x4@64K-128K] [--splits 1,2,4,8,16,32]
+    python benchmarks/fused_phases.py [--points 16x4@32K,1x1@262K,9x4@64K-128K] [--splits auto,64,128]
                                       [--page-size 64] [--cache bf16] [--replays 30]
 
-For each work point and each split that fits (``fused_select.split_plan`` names why another does not), the fused
-selection (``runtime.fused_select.fused_select``, the plan's split forced) is timed with the CUDA-graph replay
-(``qsa_aiter.tools.timing.time_graph``: median over ``--replays``); then one eager launch with a debug stamps buffer
-(``stamp_buffer``: thread 0 of each CTA records the GPU's global timer at each phase boundary of each row group it
-takes) gives the median over CTAs and groups of each phase (``fused_select.PHASES``: query, score, keys, rounds,
-counts, output, end) and the median CTA span, in us; its picks are checked equal to the timed launches'. The grid
-top-k alone (``grid_topk.grid_block_topk`` on the point's logits, the same split through ``grid_topk.split_plan``) is
-timed beside it. One row per point and split, ``#`` lines for what does not fit.
+For each work point and each split that fits (``auto``: the plan ``fused_select.choose_plan`` makes; a number: CTAs
+a row group through ``fused_select.split_plan``, which names why another does not fit), the fused selection
+(``runtime.fused_select.fused_select``) is timed with the CUDA-graph replay (``qsa_aiter.tools.timing.time_graph``:
+median over ``--replays``); then one eager launch with a debug stamps buffer (``stamp_buffer``: thread 0 of each CTA
+records the GPU's global timer at each phase boundary) gives the median over CTAs of each phase
+(``fused_select.PHASES``: query, score, offer, arrive, and finish over the CTAs that arrived last), the median CTA
+span (start to arrival) and the launch's span (first start to last finish), in us, and the candidates the rows wider
+than the budget offered (mean, and its ratio to their visible columns); its picks are checked equal to the timed
+launches'. One row per point and split, ``#`` lines for what does not fit.
 """
 
 from __future__ import annotations
@@ -21,43 +22,46 @@ import torch
 
 from qsa_aiter.kernels.platform import Platform
 from qsa_aiter.kernels.selection import fused_select as fs
-from qsa_aiter.kernels.selection import grid_topk as gt
-from qsa_aiter.runtime.fused_select import fused_select, phase_times, resident_fused_plan, stamp_buffer
-from qsa_aiter.runtime.grid_topk import grid_block_topk
-from qsa_aiter.tools.cli_args import add_selection_point_options, positive_ints, work_point_list
+from qsa_aiter.runtime import fused_select as runtime
+from qsa_aiter.runtime.grid_topk import workspace_for
+from qsa_aiter.tools.cli_args import add_selection_point_options, positive_int, work_point_list
 from qsa_aiter.tools.inputs import selection_call, selection_inputs
 from qsa_aiter.tools.timing import time_graph
 from qsa_aiter.tools.work_points import TOKEN_TOPK
 
 DEFAULT_POINTS = "16x4@32K,1x1@262K,9x4@64K-128K"
-DEFAULT_SPLITS = (1, 2, 4, 8, 16, 32)
+
+
+def split_list(text: str) -> tuple[int | None, ...]:
+    """argparse type: comma-separated splits, ``auto`` for the plan's own (None)."""
+    return tuple(None if v.strip() == "auto" else positive_int(v) for v in text.split(",") if v.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python benchmarks/fused_phases.py``."""
-    ap = argparse.ArgumentParser(description="the fused selection's phases and the grid top-k alone, per split")
+    ap = argparse.ArgumentParser(description="the fused selection's phases, per split")
     add_selection_point_options(ap)
     ap.set_defaults(points=work_point_list(DEFAULT_POINTS))
-    ap.add_argument("--splits", type=positive_ints, default=DEFAULT_SPLITS,
-                    help="CTAs a row group (fused) and a row (grid top-k), comma-separated (default 1,2,4,8,16,32)")
+    ap.add_argument("--splits", type=split_list, default=(None,),
+                    help="CTAs a row group, comma-separated, 'auto' for the plan's own (default auto)")
     return ap
 
 
 def header() -> str:
-    return ",".join(["point", "cache", "page", "split", "slots", "grid", "fused_us",
-                     *(f"{name}_us" for name in fs.PHASES), "span_us", "grid_topk_us"])
+    return ",".join(["point", "cache", "page", "split", "grid", "fused_us", *(f"{name}_us" for name in fs.PHASES),
+                     "span_us", "last_us", "candidates", "candidates_share"])
 
 
-def time_grid_topk(inputs, split: int, platform: Platform, replays: int) -> str:
-    """The grid top-k alone on the point's logits with ``split`` CTAs a row ('' where that split does not fit)."""
-    logits, visible, groups = inputs.logits, inputs.visible, inputs.groups
-    try:
-        plan = gt.split_plan(split, logits.shape[0], logits.shape[1], platform)
-    except ValueError as err:
-        print(f"# grid top-k split {split}: {err}")
-        return ""
-    block_topk = groups.shape[1]
-    return f"{time_graph(lambda: grid_block_topk(logits, visible, groups, block_topk, plan=plan), 1, replays):.2f}"
+def offered(problem, plan: fs.Plan, visible: torch.Tensor) -> tuple[float, float]:
+    """The mean candidates of the rows wider than the budget at the last launch, and their mean share of the rows'
+    visible columns (``visible``: int32 ``[rows]``), from the count words in the stream's candidates buffer."""
+    buffer = workspace_for(visible.device, plan.candidate_words, runtime.CANDIDATES)
+    rows = buffer[: plan.candidate_words].view(plan.row_groups * plan.group_rows, plan.scratch_row_words)
+    counts = rows[: problem.score.num_tokens, : plan.split].sum(-1).double()
+    wide = visible > problem.block_topk
+    if not wide.any():
+        return 0.0, 0.0
+    return float(counts[wide].mean()), float((counts[wide] / visible[wide].double()).mean())
 
 
 def measure_point(point, cache: str, page: int, splits, replays: int) -> None:
@@ -68,22 +72,23 @@ def measure_point(point, cache: str, page: int, splits, replays: int) -> None:
     platform = Platform.of(torch.device("cuda", torch.cuda.current_device()))
     for split in splits:
         try:
-            wanted = fs.problem_split_plan(problem, split, platform)
+            plan = fs.choose_plan(problem, platform) if split is None else fs.problem_split_plan(problem, split,
+                                                                                                 platform)
         except ValueError as err:
             print(f"# {point.name} split {split}: {err}")
             continue
-        _, plan = resident_fused_plan(problem, args.q.device, wanted)
-        fused_us = time_graph(lambda plan=plan: fused_select(problem, args, plan=plan), 1, replays)
+        fused_us = time_graph(lambda plan=plan: runtime.fused_select(problem, args, plan=plan), 1, replays)
         picked = args.out.clone()
-        stamps = stamp_buffer(plan, args.q.device)
-        fused_select(problem, args, plan=plan, stamps=stamps)
+        stamps = runtime.stamp_buffer(plan, args.q.device)
+        runtime.fused_select(problem, args, plan=plan, stamps=stamps)
         torch.cuda.synchronize()
         if not torch.equal(args.out, picked):
-            raise SystemExit(f"{point.name} split {split}: the stamped launch picked other tokens")
-        times = phase_times(stamps, plan)
-        grid_us = time_grid_topk(inputs, split, platform, replays)
-        print(",".join([point.name, cache, str(page), str(split), str(plan.slots), str(plan.grid), f"{fused_us:.2f}",
-                        *(f"{times[name]:.2f}" for name in (*fs.PHASES, "span")), grid_us]), flush=True)
+            raise SystemExit(f"{point.name} split {plan.split}: the stamped launch picked other tokens")
+        times = runtime.phase_times(stamps, plan)
+        mean, share = offered(problem, plan, inputs.visible)
+        print(",".join([point.name, cache, str(page), str(plan.split), str(plan.grid), f"{fused_us:.2f}",
+                        *(f"{times[name]:.2f}" for name in (*fs.PHASES, "span", "last")), f"{mean:.0f}",
+                        f"{share:.4f}"]), flush=True)
 
 
 def main() -> None:

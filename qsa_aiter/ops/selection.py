@@ -359,8 +359,8 @@ def explain_selection(call: Call) -> str:
                   TOPK.explain(registries.TopkProblem(problem.device_type, rows, problem.num_columns, block_topk,
                                                       fused=True))]
     elif chosen == "native_fused":
-        lines.append("native_fused: scoring, the block top-k and the expansion in one cooperative launch (every row "
-                     "at once, no logits chunks)")
+        lines.append("native_fused: scoring, the block top-k and the expansion in one launch (every row at once, "
+                     "no logits chunks; the last CTA of each row group selects its candidates)")
     else:
         lines.append(registries.EXPAND.explain(registries.ExpandProblem(
             problem.device_type, min(rows, problem.num_tokens), block_topk, selection.ratio, selection.token_topk)))

@@ -1,13 +1,15 @@
 """The fused selection at launch time: its reasons (``fused_select_reasons``, the ``native_fused`` candidate's of the
 ``SELECTION`` registry), the marshalling of a ``qsa_select_paged_tokens`` call (``SelectionArgs``) into its kernel's
-arguments (``fused_select_call``), the cooperative launch on a GPU (``fused_select``: compiled through NVRTC into the
-JIT cache, loaded and launched by ``runtime/jit/native.py``) and the run on the CPU through the CUDA emulator
-(``emulated_fused_select``, every CTA of the grid together). What the kernels are is declared once in
-``kernels/selection/fused_select.py`` (``SPEC``).
+arguments (``fused_select_call``), the launch on a GPU (``fused_select``: compiled through NVRTC into the JIT cache,
+loaded and launched by ``runtime/jit/native.py``) and the run on the CPU through the CUDA emulator
+(``emulated_fused_select``). What the kernels are is declared once in ``kernels/selection/fused_select.py``
+(``SPEC``).
 
-The workspace is the grid select's (``grid_topk.workspace_for``: the stream's own, zeroed once and left clean by every
-launch; a fresh zeroed one inside a CUDA-graph capture, its memset captured with the launch), plus the block indices
-``[rows, block_topk]`` int32 the expansion reads, allocated per call: no ``[rows, columns]`` logits anywhere.
+Two buffers come from ``grid_topk.workspace_for``, each the stream's own (a fresh zeroed one inside a CUDA-graph
+capture, its memset captured with the launch): the workspace (``Plan.workspace_words``: the rows' arrival counters,
+gates and histograms at fixed places, zeroed once and left clean by every launch) and the candidates
+(``Plan.candidate_words``: the rows' counts and candidates, written before they are read). The block indices
+``[rows, block_topk]`` int32 are allocated per call: no ``[rows, columns]`` fp32 logits anywhere.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from .native_scorer import cache_layout, scales_of, wide_bits
 #: The fused selection's name among the selection candidates (``QSA_AITER_SELECT_BACKEND=native_fused``).
 CANDIDATE = "native_fused"
 FUSED_SELECT_LAUNCH = "fused_select"
+#: The owners of the fused selection's buffers in ``grid_topk.workspace_for``.
+WORKSPACE, CANDIDATES = "native_fused", "native_fused.candidates"
 
 
 def fused_select_reasons(problem, platform: Platform, settings) -> list[str]:
     """Why the fused selection does not serve ``problem`` (a ``registries.SelectionProblem``; empty: it serves), from
     host facts only: CUDA GPU tensors of a CUDA build of torch, the kernels' own limits (``kernels.SPEC.reasons``: the
     scorer's cache formats (bf16, fp16, fp8 e4m3fn, MXFP4 with bf16 queries), heads, head_dim, page size, prefill,
-    strides and compute capability, then a group's scores held in shared memory across a co-resident grid), and NVRTC
+    strides and compute capability, then a group's scores held in shared memory, the workspace's size), and NVRTC
     and the CUDA driver library loadable."""
     found = native.cuda_only_reasons(
         problem.device_type, "no AMD version yet (a ROCm build of torch; the scorer's matrix primitives are NVIDIA's)")
@@ -48,10 +52,12 @@ def describe_plan(problem, platform: Platform) -> str:
 
 
 def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, workspace: torch.Tensor,
-                      scores: torch.Tensor | None = None, stamps: torch.Tensor | None = None):
+                      candidates: torch.Tensor, scores: torch.Tensor | None = None,
+                      stamps: torch.Tensor | None = None):
     """The launch of ``plan`` for the call ``args`` (a ``SelectionArgs`` validated into ``problem``): ``(call,
     addresses)``. ``blocks``: int32 ``[rows, block_topk]`` contiguous (the block indices); ``workspace``: int32, at
-    least ``plan.workspace_words``, zeroed before its first launch; ``scores``: fp32 ``[rows, columns]`` (last dim
+    least ``plan.workspace_words``, zeroed before its first launch; ``candidates``: int32, at least
+    ``plan.candidate_words``, any contents; ``scores``: fp32 ``[rows, columns]`` (last dim
     contiguous) for the debug scores, or None; ``stamps``: int64, at least ``plan.stamp_words``, contiguous, for the
     debug phase stamps (``stamp_buffer``), or None."""
     score = problem.score
@@ -59,9 +65,10 @@ def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, w
     pages = cache.shape[0]
     page_stride, slot_stride, aligned = cache_layout(cache)  # the scorer's: 16-bit, fp8 or MXFP4 elements
     tokens, ratio, block_topk = score.num_tokens, score.compress_ratio, problem.block_topk
-    if (workspace.dtype != torch.int32 or not workspace.is_contiguous()
-            or workspace.numel() < plan.workspace_words):
-        raise ValueError(f"workspace must be a contiguous int32 tensor of at least {plan.workspace_words} words")
+    for name, buffer, words in (("workspace", workspace, plan.workspace_words),
+                                ("candidates", candidates, plan.candidate_words)):
+        if buffer.dtype != torch.int32 or not buffer.is_contiguous() or buffer.numel() < words:
+            raise ValueError(f"{name} must be a contiguous int32 tensor of at least {words} words")
     if blocks.dtype != torch.int32 or not blocks.is_contiguous() or tuple(blocks.shape) != (tokens, block_topk):
         raise ValueError(f"blocks must be a contiguous int32 [{tokens}, {block_topk}] tensor")
     if scores is not None and (scores.dtype != torch.float32 or scores.shape[1] < score.num_columns
@@ -84,7 +91,7 @@ def fused_select_call(problem, args, plan: kernels.Plan, blocks: torch.Tensor, w
     addresses = [t.data_ptr() for t in (args.q, cache, scales_of(args), table, args.token_to_request,
                                         args.query_positions, args.context_lens, blocks, out)]
     addresses += [0 if scores is None else scores.data_ptr(), 0 if stamps is None else stamps.data_ptr(),
-                  workspace.data_ptr()]
+                  workspace.data_ptr(), candidates.data_ptr()]
     return call, addresses
 
 
@@ -93,39 +100,39 @@ def _checked_out(args):
         raise ValueError("the output must have a contiguous last dim")
 
 
-def resident_fused_plan(problem, device: torch.device, plan: kernels.Plan | None = None, settings=None):
+def fused_plan(problem, device: torch.device, plan: kernels.Plan | None = None, settings=None):
     """``(kernel, plan)``: the kernel of ``plan`` (default ``choose_plan``'s for ``problem`` on ``device``, a CUDA
-    device) compiled or loaded, and the plan a launch runs (``grid_topk.resident_plan``: no more groups in flight
-    than the driver fits at once; the one to size ``stamp_buffer`` by)."""
+    device) compiled or loaded, and the plan (the one to size ``stamp_buffer`` by)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     platform = Platform.of(torch.device("cuda", index))
     plan = plan or kernels.choose_plan(problem, platform)
     variant = plan.variant
     kernel = native.kernel_for(kernels.source(), variant.name, kernels.SPEC.defines(variant, platform.arch), index,
                                platform.arch, settings)
-    return kernel, grid_topk.resident_plan(plan, kernel, platform, plan.row_groups)
+    return kernel, plan
 
 
 def fused_select(problem, args, settings=None, plan: kernels.Plan | None = None,
                  scores: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
                  stamps: torch.Tensor | None = None) -> torch.Tensor:
     """The fused selection of the call ``args`` (CUDA tensors, validated into ``problem``) into ``args.out``: one
-    cooperative launch on the current stream, no more groups in flight than the driver fits at once
-    (``grid_topk.resident_plan``), the kernel compiled into the JIT cache, or loaded from it, at its first use in a
-    process (load it before capturing a graph). ``scores``: the debug scores' output; ``plan``/``workspace``: as
-    ``grid_topk.grid_block_topk``'s; ``stamps``: the debug phase stamps' output (``stamp_buffer`` of the plan the
-    launch runs: ``resident_fused_plan``'s, passed as ``plan``). Returns the block indices."""
+    launch on the current stream, the kernel compiled into the JIT cache, or loaded from it, at its first use in a
+    process (load it before capturing a graph). ``scores``: the debug scores' output; ``plan``: a ``kernels.Plan``
+    instead of ``choose_plan``'s (tests, benchmarks); ``workspace``: int32, at least ``plan.workspace_words``,
+    zeroed before its first launch and reused as the kernel leaves it (default: ``grid_topk.workspace_for``);
+    ``stamps``: the debug phase stamps' output (``stamp_buffer`` of the plan). Returns the block indices."""
     _checked_out(args)
     score = problem.score
     blocks = torch.empty((score.num_tokens, problem.block_topk), dtype=torch.int32, device=args.device)
     if score.num_tokens == 0:
         return blocks
-    kernel, plan = resident_fused_plan(problem, args.q.device, plan, settings)
+    kernel, plan = fused_plan(problem, args.q.device, plan, settings)
     if workspace is None:
-        workspace = grid_topk.workspace_for(args.q.device, plan.workspace_words)
-    call, addresses = fused_select_call(problem, args, plan, blocks, workspace, scores, stamps)
+        workspace = grid_topk.workspace_for(args.q.device, plan.workspace_words, WORKSPACE)
+    candidates = grid_topk.workspace_for(args.q.device, plan.candidate_words, CANDIDATES)
+    call, addresses = fused_select_call(problem, args, plan, blocks, workspace, candidates, scores, stamps)
     native.PreparedLaunch(FUSED_SELECT_LAUNCH, kernel, call.grid, call.block, call.shared_bytes,
-                          tuple(name for name, _ in call.pointers), call.scalars, cooperative=True)(*addresses)
+                          tuple(name for name, _ in call.pointers), call.scalars)(*addresses)
     return blocks
 
 
@@ -135,45 +142,46 @@ EMULATED_FUSED_KERNELS = kernels.SPEC.emulator_kernels()
 
 def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tensor | None = None,
                           workspace: torch.Tensor | None = None, order_seed: int = 0,
-                          stamps: torch.Tensor | None = None):
-    """``fused_select`` on CPU tensors through the CUDA emulator (a cooperative launch: every CTA of the grid
-    together), for tests on machines without a GPU: ``(blocks, workspace)``. Raises ``emulated.EmulationError``
-    where the emulated kernel fails (a deadlock included)."""
+                          stamps: torch.Tensor | None = None, candidates: torch.Tensor | None = None):
+    """``fused_select`` on CPU tensors through the CUDA emulator, for tests on machines without a GPU: ``(blocks,
+    workspace)``; ``candidates``: the candidates' buffer to use (default a poisoned one). The grid's CTAs run together where the emulator holds them all (``order_seed`` shuffles their
+    threads' turns, so CTAs offer and arrive in other orders), else one after another. Raises
+    ``emulated.EmulationError`` where the emulated kernel fails."""
     _checked_out(args)
     if workspace is None:
         workspace = torch.zeros(plan.workspace_words, dtype=torch.int32)
     blocks = torch.full((problem.score.num_tokens, problem.block_topk), -9, dtype=torch.int32)
     if problem.score.num_tokens == 0:
         return blocks, workspace
-    call, addresses = fused_select_call(problem, args, plan, blocks, workspace, scores, stamps)
+    if candidates is None:
+        candidates = torch.full((plan.candidate_words,), -7, dtype=torch.int32)  # never zeroed on a GPU either
+    call, addresses = fused_select_call(problem, args, plan, blocks, workspace, candidates, scores, stamps)
     lib = emulated.build(kernels.SOURCE_PATH, EMULATED_FUSED_KERNELS, ("TOPK_WARP_SIZE=32",), kernels.source())
-    emulated.run(lib, call, addresses, 1, order_seed, cooperative=True)
+    together = call.grid[0] * call.block[0] <= emulated.MAX_COOPERATIVE_THREADS
+    emulated.run(lib, call, addresses, 1, order_seed, cooperative=together)
     return blocks, workspace
 
 
 def stamp_buffer(plan: kernels.Plan, device=None) -> torch.Tensor:
     """A zeroed int64 buffer for ``plan``'s debug phase stamps (``plan.stamp_words``: ``STAMP_COUNT`` timer words
-    for each CTA and row group of its slot, CTA ``b``'s ``i``-th group at ``(b * plan.slot_groups + i) *
-    STAMP_COUNT``); entries of groups a CTA does not take stay zero."""
+    a CTA, CTA ``b``'s at ``b * STAMP_COUNT``; the finish stamp only in the CTAs that arrived last)."""
     return torch.zeros(plan.stamp_words, dtype=torch.int64, device=device)
 
 
 def phase_times(stamps: torch.Tensor, plan: kernels.Plan) -> dict[str, float]:
     """The debug stamps of a launch of ``plan`` as durations in microseconds: for each phase of ``kernels.PHASES``
-    the median over the recorded (CTA, group) records of its duration (the next stamp less its own), and ``"span"``:
-    the median over CTAs of the last group's end less the first group's start. Records left zero (groups a CTA
-    did not take) are left out."""
-    records = stamps[: plan.stamp_words].detach().to("cpu", torch.int64)
-    records = records.view(plan.grid, plan.slot_groups, kernels.STAMP_COUNT)
-    used = records[..., 0] != 0
-    flat = records[used].double()
+    the median over the CTAs of its duration (the next stamp less its own; "finish" over the CTAs that arrived last,
+    the only ones that write it), ``"span"``: the median over CTAs of their arrival less their start, and
+    ``"last"``: the latest finish less the earliest start (the kernel's span)."""
+    records = stamps[: plan.stamp_words].detach().to("cpu", torch.int64).view(plan.grid, kernels.STAMP_COUNT)
+    flat = records.double()
     times = {}
     for i, name in enumerate(kernels.PHASES):
-        times[name] = float((flat[:, i + 1] - flat[:, i]).median()) / 1e3 if len(flat) else float("nan")
-    spans = []
-    for cta in range(plan.grid):
-        mine = records[cta][used[cta]]
-        if len(mine):
-            spans.append(float(mine[-1, -1] - mine[0, 0]))
-    times["span"] = float(torch.tensor(spans, dtype=torch.float64).median()) / 1e3 if spans else float("nan")
+        rows = flat[flat[:, i + 1] != 0] if name == "finish" else flat
+        times[name] = float((rows[:, i + 1] - rows[:, i]).median()) / 1e3 if len(rows) else float("nan")
+    arrive = kernels.PHASES.index("arrive") + 1
+    times["span"] = float((flat[:, arrive] - flat[:, 0]).median()) / 1e3
+    finished = flat[:, -1][flat[:, -1] != 0]
+    ends = finished if len(finished) else flat[:, arrive]
+    times["last"] = float(ends.max() - flat[:, 0].min()) / 1e3
     return times

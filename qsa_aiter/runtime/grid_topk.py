@@ -32,7 +32,7 @@ from .jit.cuda_driver import current_stream, resident_blocks
 #: The grid select's name among the top-k candidates and in the tuned top-k table.
 CANDIDATE = "native_grid"
 GRID_TOPK_LAUNCH, GRID_TOPK_EXPAND_LAUNCH = "grid_topk", "grid_topk+expand"
-#: (device index, stream handle) -> the workspace of launches on that stream.
+#: (device index, stream handle, owner) -> the workspace of an owner's launches on that stream.
 _workspaces: dict[tuple[int, int], torch.Tensor] = {}
 #: (loaded kernel, threads, shared bytes) -> CTAs a multiprocessor holds, as the driver counts them.
 _resident: dict[tuple, int] = {}
@@ -59,15 +59,16 @@ def describe_plan(problem, platform: Platform) -> str:
     return kernels.SPEC.describe_plan(problem, platform)
 
 
-def workspace_for(device: torch.device, words: int) -> torch.Tensor:
+def workspace_for(device: torch.device, words: int, owner: str = CANDIDATE) -> torch.Tensor:
     """A workspace of at least ``words`` int32 words on CUDA ``device`` for a launch on its current stream: the
-    stream's own (zeroed when made, clean after every launch), or inside a graph capture a fresh zeroed one (its
-    memset captured with the launch). Grown to the larger size when a plan needs more (the old one is released in
-    stream order)."""
+    stream's own for ``owner`` (a layout: the grid select's slots, the fused selection's rows or its candidates; each
+    keeps its own buffer), zeroed when made and left as its kernels leave it, or inside a graph capture a fresh zeroed
+    one (its memset captured with the launch). Grown to the larger size when a plan needs more (the old one is
+    released in stream order)."""
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(words, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, current_stream(index))
+    key = (index, current_stream(index), owner)
     with _lock:
         found = _workspaces.get(key)
         if found is None or found.numel() < words:

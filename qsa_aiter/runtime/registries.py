@@ -17,7 +17,7 @@ how they are ordered, and the host-side problem each decides from.
 - ``WRITER`` (``qsa_write_index_cache``): the Triton writer, the torch reference writer.
 - ``SELECTION`` (``qsa_select_paged_tokens`` as a whole): AITER's FlyDSL fused selection (``flydsl_k1``, where
   ``ROCM_QSA_FLYDSL=1``), the composite path (scoring, then ``TOPK`` with the expansion), the native fused
-  selection (``native_fused``: one cooperative launch, ``runtime/fused_select.py``; ranked after the composite path).
+  selection (``native_fused``: one launch, ``runtime/fused_select.py``; ranked after the composite path).
   Forced by ``QSA_AITER_SELECT_BACKEND``.
 """
 
@@ -469,7 +469,7 @@ def _native_fused_measurement(problem: SelectionProblem, platform: Platform, set
 
 # One candidate per way of turning a call into its tokens: the composite path (which always serves), AITER's FlyDSL
 # K1 (opt-in: ranked first where asked for) and the native fused selection (scoring, top-k and expansion in one
-# cooperative launch: ranked after the composite path, so it runs where forced or where tuned rows time it faster
+# launch: ranked after the composite path, so it runs where forced or where tuned rows time it faster
 # than the composite path's scoring plus top-k at the call's bucket).
 SELECTION = register(Registry("selection", "selection", (
     Candidate("flydsl_k1", rocm.FLYDSL_K1_DESCRIPTION,

@@ -80,7 +80,7 @@ class QsaSettings(BaseSettings):
         alias="QSA_AITER_SELECT_BACKEND",
         description="`auto`, or the name of one selection candidate (`composite`: scoring, then the top-k, then the "
         "expansion, each chosen by its own registry; `flydsl_k1`: AITER's FlyDSL fused selection, which needs "
-        "`ROCM_QSA_FLYDSL=1`; `native_fused`: the native fused selection, one cooperative launch on NVIDIA GPUs) "
+        "`ROCM_QSA_FLYDSL=1`; `native_fused`: the native fused selection, one launch on NVIDIA GPUs) "
         "forced for `qsa_select_paged_tokens`. Checked at the first selection call; forcing a "
         "candidate that cannot serve the call is an error naming its reasons.",
     )

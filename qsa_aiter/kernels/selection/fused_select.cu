@@ -1,5 +1,5 @@
 // fused_select.cu -- the indexer step in one launch: scoring on the tensor cores (native_scorer.cu's tile), the exact
-// block top-k of the scores (grid_topk.cu's grid select) and the expansion to tokens, with no logits in HBM.
+// block top-k of the scores and the expansion to tokens, with no logits in HBM and no CTA ever waiting on another.
 //
 // Contract (SPEC.md sections 1, 2; qsa_select_paged_tokens for the native scorer's caches: bf16, fp16, fp8 e4m3fn with
 // bf16 or fp16 queries, MXFP4 with bf16 queries; 4 heads, head_dim 128): for query row t with visible[t] as
@@ -8,68 +8,67 @@
 //                  0 .. visible-1 then -1, nothing scored for such a row alone);
 //   tokens[t, :] = their expansion (qsa_expand_block_indices' contract), width = K * R + R - 1 slots.
 // The output is exactly the top-K of the kernel's own scores: bitwise the same on every repeat, whatever the split,
-// the thread order or the other rows of the call (a row's scores are the scorer's, which do not depend on them; the
-// selection counts with atomics only).  `scores` (null in production): a debug output that receives the fp32 scores
-// s[t, c] for c < visible[t] of every row of a row group that scores (one of its rows sees more than K columns), rows
-// scores_ld apart; tests check the output against the torch top-k of these, and these against the oracle.
+// the order in which CTAs finish or the other rows of the call (a row's scores are the scorer's, which do not depend
+// on them; the selection is exact over a superset of the top-K and counts with atomics only).  `scores` (null in
+// production): a debug output that receives the fp32 scores s[t, c] for c < visible[t] of every row of a row group
+// that scores (one of its rows sees more than K columns), rows scores_ld apart.
 //
-// Work.  A cooperative grid of slots * split CTAs of 128 threads (the launcher passes CU_LAUNCH_ATTRIBUTE_COOPERATIVE:
-// the whole grid is co-resident or the launch fails).  CTA b is part b % split of slot b / split; slot s takes the row
-// groups s, s + slots, ... (a group: group_rows <= 4 consecutive rows, which the host sizes to one request's rows, as
-// the scorer's).  For its group, a CTA
-//   1  loads q of the group as the MMA's A operand, in the k order of the cache's format, and the rows' visible
-//      counts (native_scorer.cu: load_query_fragments_of, row_visibility);
-//   2  cuts the group's columns [0, basis), basis = the group's widest visible count, into `split` GRID_TILE-aligned
-//      chunks (grid_topk.cu's chunk, from basis instead of the row's count: every row of the group shares the CTA's
-//      column range, so one pass over the keys scores all of them), and scores its chunk's 64-column tiles once per
-//      distinct request of the group with the scorer's own functions (for_each_request, the walk over the requests;
-//      score_tiles, the 4-stage cp.async pipeline: stage_tile, score_tile or score_quant_tile, head_sums with the
-//      scorer's factor score_scale, scale_columns for fp8's per-key scales), its epilogue the scorer's
-//      (store_scores) writing the fp32 scores into a per-row area of shared memory (`stash`, group_rows x cap words)
-//      instead of HBM (and into `scores` where asked);
-//   3  runs the grid select's tail once for the whole group (grid_rows_keys): per row, the source FusedKeys turns
-//      the row's scores into order-preserving keys in place and histograms them (phase A, a histogram a row in the
-//      tile stages, free once the group is scored); then the group's rows go through the same rounds (one arrival a
-//      round for every row still undecided), one tagged counts exchange, and the ordered output per row with the
-//      expansion fused (phases B, R, C; grid_topk.cu).
-// Rows whose visible count is at most K take 0 .. visible-1 without a score read; a group none of whose rows sees
-// more than K columns is not scored at all.
+// Work.  The scorer's grid: row_groups * split CTAs of 128 threads, CTA b part b % split of row group b / split (a
+// group: group_rows <= 4 consecutive rows, one request's verify rows or one decode row).  No CTA waits for another,
+// so the grid may be larger than what is resident (no cooperative launch).  A CTA
+//   1  loads q of the group as the MMA's A operand and the rows' visible counts (native_scorer.cu's
+//      load_query_fragments_of, row_visibility);
+//   2  scores its chunk, columns [part * chunk, (part + 1) * chunk) with chunk = round_up(ceil(basis / split), 64) and
+//      basis the group's widest visible count, once per distinct request of the group (for_each_request,
+//      score_tiles: the scorer's 4-stage cp.async pipeline), its epilogue (store_scores) writing the fp32 scores
+//      into a per-row area of shared memory, the stash (and into `scores` where asked);
+//   3  offers candidates, for each row that sees more than K columns (fused_offer): turns its scores into
+//      order-preserving keys (grid_key) and histograms their top 11 bits in shared memory; adds the non-zero bins to
+//      the row's histogram in the workspace with returning atomics, so that it learns lower bounds of the row's
+//      counts above each bin (its own plus whatever the CTAs before it added); from them the gate: the highest bin
+//      with at least K keys at or above it (the row's threshold bin can only be higher: the counts only grow),
+//      raised to the row's published gate and published in turn (atomicMax); then writes its keys at or above the
+//      gate, (key, column) pairs, into its own area of the row's candidates, and their number into its count word;
+//   4  arrives on the group's counter (a fence, then one atomic); the CTA that arrives last (fused_finish) has
+//      every candidate of the group's rows: all keys of every bin at or above each row's threshold bin, a superset
+//      of the row's top K.  It selects them exactly in shared memory: a radix select over the candidates' keys (11,
+//      11, 10 bits, stopping where the threshold's digit bin is taken whole), the ties at the threshold key to the
+//      lowest columns (the same radix select over the columns' complements), then writes the selected columns in
+//      ascending order (a bitmap of the row's columns in shared memory, 131072 columns a pass, and a block scan of
+//      its words' popcounts) with the expansion fused, and leaves the row's workspace clean for the next launch.
+// Rows whose visible count is at most K take 0 .. visible-1 from the last arriver, without a score read; a group none
+// of whose rows sees more than K columns is not scored at all.
 //
-// One CTA shape for both halves: 128 threads (4 warps).  The scorer's warps each score 16 of a tile's 64 columns: it
-// is built for exactly 4 warps.  The grid tail is a template on BLOCK that needs BLOCK to be a multiple of the warp
-// and NB = 2048 bins a multiple of BLOCK (16 bins a thread in the last arriver's scan) and a thread per polled
-// word (at most 4 rows x 31 lower CTAs <= 128): BLOCK = 128 serves it, so no warp idles in either phase.
-//
-// Time model (estimates; nothing is measured yet).  Keys: the call reads each visible key once per row group, 256 B a
-// column in bf16, so the floor is sum over groups of (visible keys of the group x 256 B) / HBM bandwidth (H100 SXM
-// about 3.35 TB/s; e.g. 64 decode rows over 32K columns: 537 MB, 160 us), a CTA's share its chunk's keys at 1/132 of
-// the bandwidth (split 2: 16K columns, 4 MB a CTA); the MMAs are a tenth of that (native_scorer.cu).  What the
-// composite path adds and this saves: the logits' write and read (4 B a row and column: 3% of the key bytes for one
-// row a group, 12% for four) and one launch.
-// Selection: the grid select's tail after the scoring, once for the group: the histograms over the CTA's chunk in
-// shared memory (c / 128 keys a thread and row), 1 to 3 rounds shared by the group's rows (a round: an L2 round trip
-// for the one arrival, the last arriver's read of every undecided row's 2048 bins at once and a block scan a row, the
-// release and the waiters' poll and payload read: about 2.5-3 us, plus ~0.3 us a further row), one tagged counts
-// exchange (~1 us) and the ordered output per row: about 10 us for a decode row and, estimated, about 12-15 us for a
-// verify group of 4 rows (was about 40 us with a row's rounds one after another), whatever the context (flat in its
-// length while the chunk stays small; estimates, nothing measured).  So
-// the fused path wins where the keys' time is short against a launch and the logits round trip (decode and draft of
-// modest contexts) and needs measuring elsewhere: it is ranked after the composite path until tuned rows say so.
-// Quantised caches read fewer key bytes (fp8 132 B, MXFP4 68 B a column with the scales: native_scorer.cu's time
-// model), so the keys' floor above falls by about 2x and 4x against the same selection tail.
+// Time model (estimates; docs/selection.md has the measured numbers).  The keys: as the scorer's grid reads them,
+// each visible key once per row group (256 B a column in bf16, 132 B fp8, 68 B MXFP4 with the scales), the floor
+// their bytes over HBM bandwidth.  Added to every CTA after its tiles: the histogram over its chunk in shared memory,
+// one round trip of returning atomics (its non-zero bins, all in flight together), a block scan of 2048 bins, the
+// candidates' stores, a fence and the arrival (~2-3 us, overlapped by the other CTAs' tiles where the grid is larger
+// than one wave).  Added once per group, after its last CTA: the counts and the candidates read from L2 (two round
+// trips), three radix passes over the candidates in shared memory, the ordered output (~3-5 us a row; the rows of a
+// group one after another).  Candidates: each CTA's keys at or above the gate it knows when it offers: all of them
+// for the first CTAs of a row (their counts alone do not reach K), then a shrinking share, about K x (1 + ln(CTAs a
+// row)) plus the threshold bin's keys for untied scores; constant or heavily tied rows offer more, up to every
+// column (the last arriver then reads them from L2 instead of shared memory: slower, never wrong).
 // Shared memory: the scorer's stages (64 KB + flags; a quantised stage holds its keys and their scales within a
-// 16-bit stage's bytes, so one plan serves every format; the tail's 4 x 8 KB histograms reuse them), the tail's
-// scan and res words (1.25 KB), and group_rows x cap x 4 B of scores: the co-resident grid limits cap (at most 32768
-// keys, 10304 for 4 rows on 227 KB) and so the context a call serves.
+// 16-bit stage's bytes, so one plan serves every format), the tail's words, and group_rows x cap fp32 scores (the
+// stash); after the tiles the stages hold the rows' histograms (4 x 8 KB) and, in the last arriver, the select's
+// histogram, the parts' offsets, the output bitmap and up to FUSED_CACHE candidates.
 //
-// Workspace: the grid select's slots (GRID_SLOT_WORDS words a slot: a histogram a row, arrival counter, flag, payload
-// words, per CTA and row words),
-// zeroed once and left clean by every launch (a CUDA graph replays it with new lengths), and out (rows x K int32).
+// Workspace, two buffers (fused_select.py's Plan.workspace_words and Plan.candidate_words):
+//   workspace   FUSED_ROW_CLEAN words a row, at the row's index whatever the plan: the arrival counter (a group's
+//               first row's word 0), the gate (word 1) and the histogram (words FUSED_ROW_HEAD ..).  Zeroed once and
+//               left clean by every launch (the last arriver zeroes what its group used), so calls of any plan share
+//               it and a CUDA graph replays it with new lengths.
+//   candidates  per row (at the row's index times the plan's scratch_row_words = round_up(split, 4) + 2 * split *
+//               cap): a count word a CTA, then a candidates area a CTA (cap (key, column) pairs); never zeroed: every
+//               launch writes them before they are read.
 //
 // Kernels (extern "C"; fused_select.py beside this file declares them): qsa_fused_<bf16|fp16>_page<16|64> (16-bit
 // caches), qsa_fused_fp8_<bf16|fp16>_page<16|64> and qsa_fused_fp4_bf16_page<16|64> (the scorer's names).  With
 // -DQSA_FUSED_SINGLE -DQSA_FUSED_KERNEL_<name> only <name> is built.  The scorer's and the grid select's own kernels
-// are compiled out (QSA_NATIVE_SINGLE, TOPK_SINGLE with no kernel named).
+// are compiled out (QSA_NATIVE_SINGLE, TOPK_SINGLE with no kernel named): this file uses the scorer's tile and the
+// grid select's keys, scans and expansion pieces.
 
 #ifndef QSA_NATIVE_SINGLE
 #define QSA_NATIVE_SINGLE 1
@@ -81,41 +80,71 @@
 #include "grid_topk.cu"
 
 #define QSA_FUSED_THREADS QSA_THREADS
-#define QSA_FUSED_CTAS_PER_SM 2
-// Dynamic shared memory (bytes): the scorer's (stages | flags | rows) | the grid tail's scan and res words | the
-// scores' stash.  The tail's per-row histograms (GRID_MAX_ROWS x 2048 words) live in the tile stages, free once a
-// group is scored, so they cost the stash nothing.
-#define QSA_FUSED_GRID_OFFSET QSA_SHARED_BYTES
-#define QSA_FUSED_STASH_OFFSET (QSA_FUSED_GRID_OFFSET + GRID_TAIL_WORDS * 4)
+#define QSA_FUSED_CTAS_PER_SM 3
+#define FUSED_NW (QSA_FUSED_THREADS / WS)
+// The tail's words (after the scorer's shared bytes): two scan buffers, then named words.
+#define FUSED_TAIL_WORDS 64
+#define FUSED_W_LAST 32       // 1 in the CTA that arrived last
+#define FUSED_W_GATE 36       // per row: the gate bin (offer), then the select's bin, rank and count (finish)
+#define FUSED_W_COUNT 40      // per row: the CTA's candidates
+#define FUSED_W_SEL 44        // the radix select's result: bin, rank, count
+#define FUSED_W_KEPT 48       // the row's kept tokens
+#define FUSED_STASH_OFFSET (QSA_SHARED_BYTES + FUSED_TAIL_WORDS * 4)
+// In the stages, once the tiles are scored (words): the rows' histograms (offer), or in the last arriver the select's
+// histogram | the parts' offsets | the output bitmap | the candidates' cache.
+#define FUSED_HIST_WORD 0
+#define FUSED_OFFS_WORD 2048
+#define FUSED_MAX_SPLIT 1024
+#define FUSED_BITMAP_WORD 4096
+#define FUSED_BITMAP_WORDS 4096
+#define FUSED_CACHE_WORD 8192
+#define FUSED_CACHE 4096
+// Workspace words a row: the head (the group's arrival counter in its first row, the gate; a 128-byte line), then the
+// histogram.
+#define FUSED_ROW_HEAD 32
+#define FUSED_ROW_CLEAN (FUSED_ROW_HEAD + GRID_BINS)
 
-static_assert(QSA_SHARED_BYTES % 16 == 0, "the grid's words and the stash start 16-byte aligned");
-static_assert(GRID_BINS % QSA_FUSED_THREADS == 0 && QSA_FUSED_THREADS >= GRID_MAX_ROWS * GRID_MAX_SPLIT,
-              "the grid tail's scan and polls fit the scorer's CTA");
-static_assert(QSA_MAX_GROUP_ROWS <= GRID_MAX_ROWS, "a row group goes through the tail's rounds together");
-static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET,
-              "the tail's histograms fit the tile stages, below the page flags and the group's rows");
+static_assert(QSA_SHARED_BYTES % 16 == 0, "the tail's words and the stash start 16-byte aligned");
+static_assert(2 * (FUSED_NW + 1) <= FUSED_W_LAST && FUSED_W_KEPT + 4 <= FUSED_TAIL_WORDS, "the tail's words");
+static_assert(QSA_MAX_GROUP_ROWS <= GRID_MAX_ROWS && QSA_MAX_GROUP_ROWS <= 4, "a word a row in the tail's words");
+static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS <= FUSED_CACHE_WORD &&
+                  FUSED_OFFS_WORD + FUSED_MAX_SPLIT + 1 <= FUSED_BITMAP_WORD &&
+                  FUSED_CACHE_WORD + 2 * FUSED_CACHE <= QSA_FLAGS_OFFSET / 4,
+              "the offer's histograms and the finish's words fit the tile stages");
+static_assert(GRID_BINS % QSA_FUSED_THREADS == 0 && FUSED_BITMAP_WORDS % QSA_FUSED_THREADS == 0, "whole shares");
 static_assert(QuantKeys<QSA_KIND_FP8>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES &&
                   QuantKeys<QSA_KIND_FP4>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES,
               "a quantised stage (keys and their scales) fits a 16-bit stage: one shared-memory plan for every format");
 
-// Phase A's source: the row's fp32 scores are already in `keys` (the scorer's epilogue wrote them there); turn them
-// into order-preserving keys in place and histogram their top 11 bits.
-struct FusedKeys {
-    template <int BLOCK>
-    __device__ __forceinline__ void tile_keys(int, int, int len, unsigned* keys, unsigned* H) const {
-        for (int i = threadIdx.x; i < len; i += BLOCK) {
-            const unsigned k = grid_key(__uint_as_float(keys[i]));
-            keys[i] = k;
-            atomicAdd(&H[k >> 21], 1u);
-        }
+// A row's words: gate and histogram (the workspace), counts and candidates (uint2: key, column; the scratch).
+struct FusedRowArea {
+    unsigned* gate;
+    unsigned* hist;
+    unsigned* counts;
+    uint2* cands;
+};
+
+// A row group's words: from its first row's in the workspace and the scratch.
+struct FusedGroup {
+    unsigned* clean;    // the first row's FUSED_ROW_CLEAN words; word 0 the group's arrival counter
+    unsigned* scratch;  // the first row's scratch words
+    int split, cap;
+
+    __device__ __forceinline__ long long scratch_row_words() const { return ((split + 3) & ~3) + 2ll * split * cap; }
+    __device__ __forceinline__ FusedRowArea row(int r) const {
+        unsigned* c = clean + r * FUSED_ROW_CLEAN;
+        unsigned* counts = scratch + r * scratch_row_words();
+        return {c + 1, c + FUSED_ROW_HEAD, counts, reinterpret_cast<uint2*>(counts + ((split + 3) & ~3))};
     }
 };
 
-// The group's visible counts for the grid tail (s_vis, read by thread r for row r).
-struct FusedCounts {
-    const int* vis;
-    __device__ __forceinline__ int operator()(int r) const { return vis[r]; }
-};
+__device__ __forceinline__ uint2 load_cg_pair(const uint2* p) {
+#if TOPK_HIP
+    return *reinterpret_cast<const volatile uint2*>(p);
+#else
+    return __ldcg(p);
+#endif
+}
 
 // Scores the CTA's columns [col0, col0 + chunk) of the group's rows into the stash (row i at stash + i * cap: the
 // scorer's epilogue over a view whose column col0 is the stash row's word 0), and into `scores` where asked: the
@@ -147,11 +176,277 @@ __device__ __forceinline__ void fused_score(const KeySource& base, const unsigne
     __syncthreads();  // the stash is in every thread's view
 }
 
+// The CTA's columns of row r: [col0, col0 + len).
+__device__ __forceinline__ int fused_len(int n, int col0, int chunk) {
+    const int len = n - col0;
+    return len < 0 ? 0 : (len > chunk ? chunk : len);
+}
+
+// Step 3 for the group's rows that see more than K columns (bit r of `wide`): keys and histograms, the merge with
+// returning atomics and the gate, the candidates and the count.  Leaves the stash holding keys.
+__device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vis, unsigned wide, int rows, int part,
+                                            int col0, int chunk, int K, int split, int cap, unsigned* hist,
+                                            unsigned* tail, unsigned* stash) {
+    constexpr int PER = GRID_BINS / QSA_FUSED_THREADS;
+    for (int i = threadIdx.x; i < rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
+    if ((int)threadIdx.x < rows) {
+        tail[FUSED_W_COUNT + threadIdx.x] = 0u;
+        // the gate published so far (any value it ever held is a lower bound of the row's threshold bin)
+        const FusedRowArea area = g.row(threadIdx.x);
+        tail[FUSED_W_GATE + threadIdx.x] = (wide >> threadIdx.x) & 1u ? (unsigned)load_cg((const int*)area.gate) : 0u;
+    }
+    __syncthreads();
+    for (int r = 0; r < rows; ++r) {
+        if (!((wide >> r) & 1u)) continue;
+        unsigned* S = stash + r * cap;
+        unsigned* H = hist + r * GRID_BINS;
+        const int len = fused_len(s_vis[r], col0, chunk);
+        for (int i = threadIdx.x; i < len; i += QSA_FUSED_THREADS) {
+            const unsigned k = grid_key(__uint_as_float(S[i]));
+            S[i] = k;
+            atomicAdd(&H[k >> 21], 1u);
+        }
+    }
+    __syncthreads();
+    // The merge: thread t owns bins 2047 - (t * PER + i) of each row; the returns, plus its own counts, are lower
+    // bounds of the row's final counts.  Every row's atomics are issued before any is used.
+    unsigned c[QSA_MAX_GROUP_ROWS][PER];
+#pragma unroll
+    for (int r = 0; r < QSA_MAX_GROUP_ROWS; ++r) {
+        const bool on = r < rows && ((wide >> r) & 1u);
+        unsigned* G = g.row(r).hist;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int b = GRID_BINS - 1 - ((int)threadIdx.x * PER + i);
+            c[r][i] = on ? hist[r * GRID_BINS + b] : 0u;
+            if (c[r][i]) c[r][i] += atomicAdd(&G[b], c[r][i]);
+        }
+    }
+    int parity = 0;
+#pragma unroll
+    for (int r = 0; r < QSA_MAX_GROUP_ROWS; ++r) {
+        if (r >= rows || !((wide >> r) & 1u)) continue;  // CTA-uniform
+        unsigned sum = 0, total;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) sum += c[r][i];
+        unsigned above = grid_excl_scan<QSA_FUSED_THREADS>(sum, total, tail + parity * (FUSED_NW + 1));
+        parity ^= 1;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            if (above < (unsigned)K && above + c[r][i] >= (unsigned)K) {
+                const unsigned gate = (unsigned)(GRID_BINS - 1 - ((int)threadIdx.x * PER + i));
+                if (gate > tail[FUSED_W_GATE + r]) {  // one thread: the bin where the count crosses K
+                    tail[FUSED_W_GATE + r] = gate;
+                    atomicMax(g.row(r).gate, gate);
+                }
+            }
+            above += c[r][i];
+        }
+    }
+    __syncthreads();
+    // The candidates: keys at or above the gate, into the CTA's area (warp-aggregated slots: their order there is
+    // free, the select does not depend on it).
+    const int lane = threadIdx.x % WS;
+    for (int r = 0; r < rows; ++r) {
+        if (!((wide >> r) & 1u)) continue;
+        const unsigned* S = stash + r * cap;
+        const unsigned gate = tail[FUSED_W_GATE + r];
+        uint2* mine = g.row(r).cands + (long long)part * cap;
+        const int len = fused_len(s_vis[r], col0, chunk);
+        const int rounds = (len + QSA_FUSED_THREADS - 1) / QSA_FUSED_THREADS;
+        for (int j = 0; j < rounds; ++j) {  // warp-uniform trip count: the ballots see every lane
+            const int i = j * QSA_FUSED_THREADS + threadIdx.x;
+            const unsigned k = i < len ? S[i] : 0u;
+            const bool take = i < len && (k >> 21) >= gate;
+            const unsigned long long mask = (unsigned long long)warp_ballot(take);
+            if (mask == 0ull) continue;
+            unsigned base = 0;
+            if (lane == 0) base = atomicAdd(&tail[FUSED_W_COUNT + r], (unsigned)__popcll(mask));
+            base = shfl_idx(base, 0);
+            if (take) {
+                const unsigned long long below = lane ? mask & (~0ull >> (64 - lane)) : 0ull;
+                mine[base + (unsigned)__popcll(below)] = make_uint2(k, (unsigned)(col0 + i));
+            }
+        }
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < rows && ((wide >> threadIdx.x) & 1u))
+        g.row(threadIdx.x).counts[part] = tail[FUSED_W_COUNT + threadIdx.x];
+}
+
+// The last arriver's view of a row's candidates: the parts' exclusive offsets (offs[0 .. split], in shared memory)
+// and either the shared cache (m <= FUSED_CACHE) or the workspace (part p's pairs at cands + p * cap).
+struct FusedCands {
+    const unsigned* offs;
+    const uint2* cache;  // nullptr: read the workspace
+    const uint2* cands;
+    int split, cap;
+
+    __device__ __forceinline__ uint2 at_global(int j) const {
+        int lo = 0, hi = split - 1;  // the last part whose offset is <= j
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if ((int)offs[mid] <= j) lo = mid; else hi = mid - 1;
+        }
+        return load_cg_pair(cands + (long long)lo * cap + (j - (int)offs[lo]));
+    }
+    __device__ __forceinline__ uint2 operator()(int j) const { return cache ? cache[j] : at_global(j); }
+};
+
+// A threshold of the radix select: value v is above it iff (v & mask) > prefix; at it iff (v & mask) == prefix
+// (all of those taken where `all`, else `rank` of them).
+struct FusedThreshold {
+    unsigned prefix, mask, rank;
+    bool all;
+};
+
+// The `want` largest of value(j) over the candidates j < m with pred(j) (want >= 1, and at least want of them): three
+// passes of 11, 11 and 10 bits, each a shared histogram of the digit under the prefix found so far and a block-wide
+// suffix scan; stops where the digit's bin is taken whole.
+template <class Value, class Pred>
+__device__ __forceinline__ FusedThreshold fused_radix(int m, const Value& value, const Pred& pred, unsigned want,
+                                                      unsigned* H, unsigned* tail) {
+    FusedThreshold t = {0u, 0u, want, false};
+    int parity = 0;
+#pragma unroll 1
+    for (int d = 0; d < 3; ++d) {
+        const int shift = d == 0 ? 21 : (d == 1 ? 10 : 0);
+        const int nb = d == 2 ? 1024 : 2048;
+        const unsigned dmask = (unsigned)nb - 1u;
+        for (int b = threadIdx.x; b < nb; b += QSA_FUSED_THREADS) H[b] = 0u;
+        __syncthreads();
+        for (int j = threadIdx.x; j < m; j += QSA_FUSED_THREADS) {
+            if (!pred(j)) continue;
+            const unsigned v = value(j);
+            if ((v & t.mask) == t.prefix) atomicAdd(&H[(v >> shift) & dmask], 1u);
+        }
+        __syncthreads();
+        const int per = nb / QSA_FUSED_THREADS;
+        unsigned loc[GRID_BINS / QSA_FUSED_THREADS], sum = 0, total;
+#pragma unroll
+        for (int i = 0; i < GRID_BINS / QSA_FUSED_THREADS; ++i) {
+            loc[i] = i < per ? H[nb - 1 - ((int)threadIdx.x * per + i)] : 0u;
+            sum += loc[i];
+        }
+        unsigned above = grid_excl_scan<QSA_FUSED_THREADS>(sum, total, tail + parity * (FUSED_NW + 1));
+        parity ^= 1;
+#pragma unroll
+        for (int i = 0; i < GRID_BINS / QSA_FUSED_THREADS; ++i) {
+            if (i < per && above < t.rank && above + loc[i] >= t.rank) {
+                tail[FUSED_W_SEL] = (unsigned)(nb - 1 - ((int)threadIdx.x * per + i));
+                tail[FUSED_W_SEL + 1] = t.rank - above;
+                tail[FUSED_W_SEL + 2] = loc[i];
+            }
+            above += loc[i];
+        }
+        __syncthreads();
+        const unsigned bin = tail[FUSED_W_SEL], rank = tail[FUSED_W_SEL + 1], count = tail[FUSED_W_SEL + 2];
+        __syncthreads();  // every thread has read them before the next pass writes them
+        t.prefix |= bin << shift;
+        t.mask |= dmask << shift;
+        t.rank = rank;
+        if (rank == count) {
+            t.all = true;
+            break;
+        }
+    }
+    return t;
+}
+
+// Step 4 in the last arriver, row r of the group (n > K): the candidates' offsets, the exact select, the ordered
+// output with the expansion, the row's workspace left clean.  `smem`: the stages' words.
+__device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n, int K, int split, int cap,
+                                                 int* __restrict__ orow, const GridTokens& ts, int width,
+                                                 unsigned* smem, unsigned* tail) {
+    unsigned* H = smem + FUSED_HIST_WORD;
+    unsigned* offs = smem + FUSED_OFFS_WORD;
+    unsigned* bitmap = smem + FUSED_BITMAP_WORD;
+    uint2* cache = reinterpret_cast<uint2*>(smem + FUSED_CACHE_WORD);
+    // The parts' counts (contiguous shares a thread) and their exclusive prefix.
+    const int share = (split + QSA_FUSED_THREADS - 1) / QSA_FUSED_THREADS;
+    const int p0 = (int)threadIdx.x * share;
+    unsigned sum = 0, m;
+    for (int p = p0; p < p0 + share && p < split; ++p) sum += (unsigned)load_cg((const int*)area.counts + p);
+    unsigned at = grid_excl_scan<QSA_FUSED_THREADS>(sum, m, tail);
+    for (int p = p0; p < p0 + share && p < split; ++p) {
+        offs[p] = at;
+        at += (unsigned)load_cg((const int*)area.counts + p);
+    }
+    __syncthreads();
+    FusedCands cands = {offs, nullptr, area.cands, split, cap};
+    if (m <= FUSED_CACHE) {
+        for (int j = threadIdx.x; j < (int)m; j += QSA_FUSED_THREADS) cache[j] = cands.at_global(j);
+        cands.cache = cache;
+        __syncthreads();
+    }
+    // The K best keys; then, unless every key at the threshold is taken, the ties to the lowest columns.
+    const FusedThreshold keys = fused_radix(
+        (int)m, [&](int j) { return cands(j).x; }, [](int) { return true; }, (unsigned)K, H, tail);
+    FusedThreshold cols = {0u, 0u, 0u, true};
+    if (!keys.all)
+        cols = fused_radix(
+            (int)m, [&](int j) { return ~cands(j).y; },
+            [&](int j) { return (cands(j).x & keys.mask) == keys.prefix; }, keys.rank, H, tail);
+    auto selected = [&](uint2 c) {
+        const unsigned km = c.x & keys.mask;
+        return km > keys.prefix || (km == keys.prefix && (keys.all || (~c.y & cols.mask) >= cols.prefix));
+    };
+    // The ordered output: a bitmap of the selected columns, FUSED_BITMAP_WORDS * 32 columns a pass.
+    constexpr int WPT = FUSED_BITMAP_WORDS / QSA_FUSED_THREADS;
+    constexpr int SPAN = FUSED_BITMAP_WORDS * 32;
+    unsigned base = 0, kept = 0;
+    int parity = 1;
+#pragma unroll 1
+    for (int w0 = 0; w0 < n; w0 += SPAN) {
+        const int words = (n - w0 < SPAN ? n - w0 + 31 : SPAN) / 32;
+        for (int w = threadIdx.x; w < words; w += QSA_FUSED_THREADS) bitmap[w] = 0u;
+        __syncthreads();
+        for (int j = threadIdx.x; j < (int)m; j += QSA_FUSED_THREADS) {
+            const uint2 c = cands(j);
+            const int col = (int)c.y - w0;
+            if (col >= 0 && col < SPAN && selected(c)) atomicOr(&bitmap[col >> 5], 1u << (col & 31));
+        }
+        __syncthreads();
+        const int w_first = (int)threadIdx.x * WPT;
+        unsigned mine = 0;
+#pragma unroll
+        for (int i = 0; i < WPT; ++i) mine += w_first + i < words ? (unsigned)__popc(bitmap[w_first + i]) : 0u;
+        unsigned pass_total;
+        unsigned slot = base + grid_excl_scan<QSA_FUSED_THREADS>(mine, pass_total, tail + parity * (FUSED_NW + 1));
+        parity ^= 1;
+        for (int i = 0; i < WPT && w_first + i < words; ++i) {
+            unsigned bits = bitmap[w_first + i];
+            while (bits) {
+                const int b = __ffs(bits) - 1;
+                bits &= bits - 1u;
+                const int col = w0 + (w_first + i) * 32 + b;
+                orow[slot] = col;
+                if (ts.trow != nullptr) kept += grid_group_tokens(ts, slot, col);
+                ++slot;
+            }
+        }
+        base += pass_total;
+        __syncthreads();  // the bitmap's words are read before the next pass clears them
+    }
+    if (ts.trow != nullptr) {
+        long long total = (long long)K * ts.R;
+        if (ts.limit < (long long)n * ts.R) {  // some kept group keeps fewer than R
+            unsigned all;
+            grid_excl_scan<QSA_FUSED_THREADS>(kept, all, tail + parity * (FUSED_NW + 1));
+            total = all;
+        }
+        grid_tail(ts, total, width, threadIdx.x, QSA_FUSED_THREADS);
+    }
+    // Leave the row's words clean: the histogram and the gate (the counts and candidates are rewritten).
+    for (int b = threadIdx.x; b < GRID_BINS; b += QSA_FUSED_THREADS) area.hist[b] = 0u;
+    if (threadIdx.x == 0) *area.gate = 0u;
+    __syncthreads();
+}
+
 // Kernel parameters: the pointers, then the scalars (fused_select.py declares them once, PARAMS; every scalar a C
 // int).  out: the block indices [rows, K] (a workspace); tokens: the expansion [rows, tok_ld apart]; scores: the
-// debug scores or null; stamps: the debug timer records or null (QSA_STAMP_COUNT words a CTA and group the CTA's
-// slot takes: CTA b's i-th group at (b * ceil(row_groups / slots) + i) * QSA_STAMP_COUNT; native_compat.h's
-// qsa_stamp); workspace: the slots' words.  k_scale: the quantised caches' per-key scales (4 bytes a key,
+// debug scores or null; stamps: the debug timer records or null (QSA_STAMP_COUNT words a CTA: native_compat.h's
+// qsa_stamp); workspace, candidates: the rows' words (above).  k_scale: the quantised caches' per-key scales (4 bytes a key,
 // where the scorer takes them: after keys; unread for 16-bit caches).  wide: native_scorer.cu's QSA_WIDE_* bits.
 #define QSA_FUSED_PARAMS                                                                                          \
     const unsigned short *__restrict__ q, const unsigned short *__restrict__ keys,                                 \
@@ -159,15 +454,15 @@ __device__ __forceinline__ void fused_score(const KeySource& base, const unsigne
         const void *__restrict__ token_to_request, const void *__restrict__ query_positions,                       \
         const void *__restrict__ context_lens, int *__restrict__ out,                                              \
         int *__restrict__ tokens, float *__restrict__ scores, unsigned long long *__restrict__ stamps,             \
-        unsigned *workspace, int num_tokens,                                                                       \
+        unsigned *workspace, unsigned *candidates, int num_tokens,                                                 \
         int num_requests, int num_pages, int num_columns, int table_width, int table_stride, int page_stride,      \
-        int slot_stride, int group_rows, int row_groups, int split, int slots, int cap, int K, int ratio,          \
+        int slot_stride, int group_rows, int row_groups, int split, int cap, int K, int ratio,                     \
         int scale_bits, int wide, int aligned, int width, int tok_ld, int scores_ld
 #define QSA_FUSED_ARGS                                                                                            \
     q, keys, k_scale, page_table, token_to_request, query_positions, context_lens, out, tokens, scores, stamps,    \
-        workspace,                                                                                                 \
+        workspace, candidates,                                                                                     \
         num_tokens, num_requests, num_pages, num_columns, table_width, table_stride, page_stride, slot_stride,     \
-        group_rows, row_groups, split, slots, cap, K, ratio, scale_bits, wide, aligned, width, tok_ld, scores_ld
+        group_rows, row_groups, split, cap, K, ratio, scale_bits, wide, aligned, width, tok_ld, scores_ld
 
 template <int PAGE, bool F16, int KIND>
 __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
@@ -176,66 +471,87 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     unsigned char* flags = tiles + QSA_FLAGS_OFFSET;
     int* s_req = reinterpret_cast<int*>(tiles + QSA_ROWS_OFFSET);
     int* s_vis = s_req + QSA_MAX_GROUP_ROWS;
-    unsigned* hist = reinterpret_cast<unsigned*>(tiles);  // the tail's histograms, once a group is scored
-    unsigned* tail = reinterpret_cast<unsigned*>(tiles + QSA_FUSED_GRID_OFFSET);
-    unsigned* stash = reinterpret_cast<unsigned*>(tiles + QSA_FUSED_STASH_OFFSET);
+    unsigned* tail = reinterpret_cast<unsigned*>(tiles + QSA_SHARED_BYTES);
+    unsigned* stash = reinterpret_cast<unsigned*>(tiles + FUSED_STASH_OFFSET);
     wait_for_prior_grid();
-    const int part = blockIdx.x % split, slot = blockIdx.x / split;
-    unsigned* ws = workspace + (long long)slot * GRID_SLOT_WORDS;
-    constexpr int GEN_WORD = GRID_RES_WORD - GRID_SCAN_WORD + 5;
-    if (threadIdx.x == 0)
-        tail[GEN_WORD] =
-            (unsigned)(grid_load_acquire(reinterpret_cast<const unsigned long long*>(ws + GRID_FLAG_WORD)) >> 32);
+    const int group = blockIdx.x / split, part = blockIdx.x % split;
+    const long long first_row = (long long)group * group_rows;
+    unsigned long long* const rec = stamps == nullptr ? nullptr : stamps + (long long)blockIdx.x * QSA_STAMP_COUNT;
+    const FusedGroup g = {workspace + first_row * FUSED_ROW_CLEAN,
+                          candidates + first_row * (((split + 3) & ~3) + 2ll * split * cap), split, cap};
+    qsa_stamp(rec, QSA_STAMP_START);
+    unsigned a[QSA_K_STEPS][4];
+    load_query_fragments_of<KIND>(q, first_row, group_rows, num_tokens, a);
+    if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
+        int req = -1, vis = 0;
+        if ((int)threadIdx.x < group_rows)
+            row_visibility(token_to_request, query_positions, context_lens, first_row + threadIdx.x, num_tokens,
+                           num_requests, num_columns, ratio, wide, req, vis);
+        s_req[threadIdx.x] = req;
+        s_vis[threadIdx.x] = vis;
+    }
     __syncthreads();
-    unsigned gen = tail[GEN_WORD];
+    qsa_stamp(rec, QSA_STAMP_QUERY);
+    const int rows = num_tokens - first_row < group_rows ? (int)(num_tokens - first_row) : group_rows;
+    int basis = 0;
+    unsigned wide_rows = 0;
+    for (int i = 0; i < rows; ++i) {
+        basis = s_vis[i] > basis ? s_vis[i] : basis;
+        wide_rows |= (s_vis[i] > K ? 1u : 0u) << i;
+    }
+    const int chunk = ((basis + split - 1) / split + GRID_TILE - 1) / GRID_TILE * GRID_TILE;
+    const int col0 = part * chunk;
+    if (wide_rows) {  // CTA-uniform
+        const float scale = score_scale<F16, KIND>(scale_bits);  // the scorer's: fp8 keys in fp16 times 2**8
+        const KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,
+                               slot_stride, aligned != 0, static_cast<const unsigned char*>(k_scale)};
+        fused_score<PAGE, F16, KIND>(src, a, s_req, s_vis, group_rows, first_row, col0, chunk, table_stride, scale,
+                                     tiles, flags, stash, cap, scores, scores_ld);
+        qsa_stamp(rec, QSA_STAMP_SCORE);
+        fused_offer(g, s_vis, wide_rows, rows, part, col0, chunk, K, split, cap, smem, tail, stash);
+    } else {
+        qsa_stamp(rec, QSA_STAMP_SCORE);
+    }
+    qsa_stamp(rec, QSA_STAMP_OFFER);
+    __syncthreads();  // every thread's candidates and counts are issued
+    if (threadIdx.x == 0) {
+        grid_fence();  // release them before the arrival
+        const unsigned old = atomicAdd(g.clean, 1u);
+        const unsigned last = old == (unsigned)split - 1u ? 1u : 0u;
+        if (last) {
+            g.clean[0] = 0u;  // every CTA of the group has arrived: the counter is free for the next launch
+            grid_fence();      // acquire the other CTAs' candidates
+        }
+        tail[FUSED_W_LAST] = last;
+    }
     __syncthreads();
-    const float scale = score_scale<F16, KIND>(scale_bits);  // the scorer's: fp8 keys in fp16 times 2**8
-    // grid_tokens' index widths: positions 1, contexts 2, requests 4.
+    qsa_stamp(rec, QSA_STAMP_ARRIVE);
+    if (!tail[FUSED_W_LAST]) return;  // CTA-uniform
+    // idx_wide for grid_tokens: positions 1, contexts 2, requests 4.
     const int idx_wide = ((wide & QSA_WIDE_POSITIONS) ? 1 : 0) | ((wide & QSA_WIDE_CONTEXTS) ? 2 : 0) |
                          ((wide & QSA_WIDE_REQUESTS) ? 4 : 0);
-    const KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,
-                           slot_stride, aligned != 0, static_cast<const unsigned char*>(k_scale)};
-    const FusedKeys source = {};
     const GridExpand x = {query_positions, context_lens, token_to_request, tokens, num_requests, ratio, tok_ld,
                           idx_wide};
-    const int slot_groups = (row_groups + slots - 1) / slots;  // the stamps' records a CTA
-    for (int group = slot; group < row_groups; group += slots) {
-        const long long first_row = (long long)group * group_rows;
-        const long long record = (long long)blockIdx.x * slot_groups + (group - slot) / slots;
-        unsigned long long* const rec = stamps == nullptr ? nullptr : stamps + record * QSA_STAMP_COUNT;
-        qsa_stamp(rec, QSA_STAMP_START);
-        unsigned a[QSA_K_STEPS][4];
-        load_query_fragments_of<KIND>(q, first_row, group_rows, num_tokens, a);
-        if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
-            int req = -1, vis = 0;
-            if ((int)threadIdx.x < group_rows)
-                row_visibility(token_to_request, query_positions, context_lens, first_row + threadIdx.x, num_tokens,
-                               num_requests, num_columns, ratio, wide, req, vis);
-            s_req[threadIdx.x] = req;
-            s_vis[threadIdx.x] = vis;
+#pragma unroll 1
+    for (int r = 0; r < rows; ++r) {
+        const int n = s_vis[r];
+        const int row = (int)first_row + r;
+        const GridTokens ts = grid_tokens(row, x);
+        int* orow = out + (long long)row * K;
+        if (n > K) {
+            fused_finish_row(g.row(r), n, K, split, cap, orow, ts, width, smem, tail);
+            continue;
         }
-        __syncthreads();
-        qsa_stamp(rec, QSA_STAMP_QUERY);
-        int basis = 0;
-        bool wide_row = false;
-        for (int i = 0; i < group_rows; ++i) {
-            basis = s_vis[i] > basis ? s_vis[i] : basis;
-            wide_row |= s_vis[i] > K;
+        for (int i = threadIdx.x; i < K; i += QSA_FUSED_THREADS) {
+            orow[i] = i < n ? i : -1;
+            if (ts.trow != nullptr && i < n) grid_group_tokens(ts, i, i);
         }
-        const int chunk = ((basis + split - 1) / split + GRID_TILE - 1) / GRID_TILE * GRID_TILE;
-        if (wide_row) {  // CTA-uniform
-            fused_score<PAGE, F16, KIND>(src, a, s_req, s_vis, group_rows, first_row, part * chunk, chunk, table_stride,
-                                   scale, tiles, flags, stash, cap, scores, scores_ld);
-            for (int i = threadIdx.x; i < group_rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
-            __syncthreads();
+        if (ts.trow != nullptr) {
+            const long long all = (long long)n * ts.R;
+            grid_tail(ts, all < ts.limit ? all : ts.limit, width, threadIdx.x, QSA_FUSED_THREADS);
         }
-        qsa_stamp(rec, QSA_STAMP_SCORE);
-        const int rows = num_tokens - first_row < group_rows ? (int)(num_tokens - first_row) : group_rows;
-        gen = grid_rows_keys<QSA_FUSED_THREADS>((int)first_row, rows, FusedCounts{s_vis}, basis, part, source, out,
-                                                x, ws, K, split, width, gen, hist, tail, stash, cap, rec);
-        __syncthreads();  // s_req, s_vis and the stash are free for the next group
-        qsa_stamp(rec, QSA_STAMP_END);
     }
+    qsa_stamp(rec, QSA_STAMP_FINISH);
 }
 
 // KIND: native_scorer.cu's QSA_KIND_16BIT, QSA_KIND_FP8 or QSA_KIND_FP4; F16 the query's (and the MMA's) type.

@@ -1,19 +1,20 @@
 """The fused selection (``fused_select.cu`` beside this file): scoring on the tensor cores, the exact block top-k and
-the expansion of ``qsa_select_paged_tokens`` in one cooperative launch, with no logits in HBM; declared once
-(``SPEC``, a ``native_spec.NativeKernelSpec``), in pure Python (``runtime/fused_select.py`` launches it and
-``runtime/registries.py`` makes it the ``native_fused`` selection candidate).
+the expansion of ``qsa_select_paged_tokens`` in one launch, with no logits in HBM and no CTA waiting on another;
+declared once (``SPEC``, a ``native_spec.NativeKernelSpec``), in pure Python (``runtime/fused_select.py`` launches it
+and ``runtime/registries.py`` makes it the ``native_fused`` selection candidate).
 
 Its device code is the native scorer's (``kernels/scoring/native_scorer.cu``: the tile loader, the MMAs, the head
-sum and the epilogue, writing into shared memory) and the grid select's (``grid_topk.cu``: the rounds, the counts,
-the ordered output and the fused expansion), both spliced into one program. The design, the time model and the
-workspace are at the top of the ``.cu`` file and in docs/selection.md.
+sum and the epilogue, writing into shared memory) with its own selection: each CTA offers the candidates of its
+chunk above a gate it learns from the row's merged histogram, and the last CTA of a row group to arrive selects
+them exactly (the grid select's keys, scans and expansion pieces, ``grid_topk.cu``). The design, the time model and
+the workspace are at the top of the ``.cu`` file and in docs/selection.md.
 
 - ``VARIANTS``: one kernel per cache format of the scorer (``scorer.FORMATS``: bf16, fp16, fp8 with bf16 or fp16
   queries, MXFP4 with bf16 queries) and page size (16, 64), each one program
   (``-DQSA_FUSED_SINGLE -DQSA_FUSED_KERNEL_<name>``), named as the scorer's (``qsa_fused_`` for ``qsa_score_``).
 - ``PARAMS``: the kernels' parameters, the one declaration of them (the source's ``QSA_FUSED_PARAMS``).
-- ``choose_plan(problem, platform)`` / ``split_plan(...)``: row groups, the split (CTAs a group), the groups in flight
-  and the scores' room a CTA (``Plan``), chosen so that the whole grid is co-resident.
+- ``choose_plan(problem, platform)`` / ``split_plan(...)``: row groups, the split (CTAs a group) and the scores' room
+  a CTA (``Plan``).
 - ``launch_arguments(plan, values)``: the launch (a ``NativeLaunch``), scalars in the declared order.
 """
 
@@ -33,38 +34,49 @@ from .native_topk import COMPAT_PATH, NativeLaunch
 #: The CUDA source, and what is spliced into it: the scorer's source and headers, then the grid select's.
 SOURCE_PATH = Path(__file__).with_name("fused_select.cu")
 HEADERS = (scorer.SOURCE_PATH, COMPAT_PATH, scorer.MMA_HEADER_PATH, grid.SOURCE_PATH, COMPAT_PATH)
-#: Threads per CTA (the scorer's 4 warps; the grid tail runs at the same width) and the CTAs per multiprocessor its
-#: launch bounds promise (``QSA_FUSED_THREADS``, ``QSA_FUSED_CTAS_PER_SM``).
-THREADS, CTAS_PER_SM = scorer.THREADS, 2
-#: Shared memory a CTA needs besides the scores: the scorer's stages, flags and rows, the grid tail's scan and res
-#: words (its histograms reuse the stages once a group is scored). The same for every cache format: a quantised stage
-#: holds its keys and their scales within a 16-bit stage's bytes (static-asserted in the source).
-BASE_SHARED_BYTES = scorer.SHARED_BYTES + grid.TAIL_BYTES
-#: Rows a call may have (decode, draft and verify; prefill goes the composite way: ``native_scorer.shape_reasons``).
+#: Threads per CTA (the scorer's 4 warps; the selection runs at the same width) and the CTAs per multiprocessor its
+#: launch bounds promise (``QSA_FUSED_THREADS``, ``QSA_FUSED_CTAS_PER_SM``): the scorer's.
+THREADS, CTAS_PER_SM = scorer.THREADS, scorer.CTAS_PER_SM
+#: Shared memory a CTA needs besides the scores: the scorer's stages, flags and rows and the tail's words
+#: (``FUSED_TAIL_WORDS``; the histograms, offsets, bitmap and candidates' cache reuse the stages once a group is
+#: scored). The same for every cache format: a quantised stage holds its keys and their scales within a 16-bit
+#: stage's bytes (static-asserted in the source).
+TAIL_WORDS = 64
+BASE_SHARED_BYTES = scorer.SHARED_BYTES + 4 * TAIL_WORDS
+#: The most CTAs a row group is split across (``FUSED_MAX_SPLIT``: the last arriver's offsets of the parts).
+MAX_SPLIT = 1024
+#: Workspace words a row (``FUSED_ROW_HEAD``, ``GRID_BINS``): its head (the group's arrival counter in a group's
+#: first row, the gate), its histogram.
+ROW_HEAD_WORDS, BINS = 32, 2048
+ROW_CLEAN_WORDS = ROW_HEAD_WORDS + BINS
+#: The most workspace a call may take (bytes): the candidates' room is 8 bytes a row and column.
+MAX_WORKSPACE_BYTES = 2**30
+#: C ``int`` arguments.
 INT_LIMIT = 2**31
 
 #: The kernels' parameters, in order (the source's ``QSA_FUSED_PARAMS``): the scorer's inputs (``k_scale`` after
 #: ``keys`` as in the scorer's: the quantised caches' per-key scales, unread for 16-bit caches), ``out`` (the block
 #: indices, a workspace ``[rows, K]``), ``tokens`` (the expansion), ``scores`` (the debug scores, null in
-#: production), ``stamps`` (the debug phase stamps, ``STAMP_COUNT`` timer words a CTA and row group, null in
-#: production), ``workspace`` (the grid select's slots), then the scalars (C ``int``).
+#: production), ``stamps`` (the debug phase stamps, ``STAMP_COUNT`` timer words a CTA, null in production), ``workspace`` (the
+#: rows' counters, gates and histograms: zeroed once, left clean), ``candidates`` (the rows' counts and candidates:
+#: never zeroed), then the scalars (C ``int``).
 PARAMS = params(
     ("q", "const unsigned short*"), ("keys", "const unsigned short*"), ("k_scale", "const void*"),
     ("page_table", "const void*"), ("token_to_request", "const void*"), ("query_positions", "const void*"),
     ("context_lens", "const void*"),
     ("out", "int*"), ("tokens", "int*"), ("scores", "float*"), ("stamps", "unsigned long long*"),
-    ("workspace", "unsigned*"),
+    ("workspace", "unsigned*"), ("candidates", "unsigned*"),
     *((name, "int") for name in ("num_tokens", "num_requests", "num_pages", "num_columns", "table_width",
                                  "table_stride", "page_stride", "slot_stride", "group_rows", "row_groups", "split",
-                                 "slots", "cap", "K", "ratio", "scale_bits", "wide", "aligned", "width", "tok_ld",
+                                 "cap", "K", "ratio", "scale_bits", "wide", "aligned", "width", "tok_ld",
                                  "scores_ld")),
 )
 POINTERS = tuple((p.name, p.ctype) for p in PARAMS if p.pointer)
-#: The debug stamps (the source's ``QSA_STAMP_COUNT``, native_compat.h): the timer words of a record (one a CTA and
-#: row group its slot takes), at the phase boundaries start, then the ends of ``PHASES`` (the group's start to the
-#: query's end is "query", ...; "end": the token tails and the group's last barrier).
-STAMP_COUNT = 8
-PHASES = ("query", "score", "keys", "rounds", "counts", "output", "end")
+#: The debug stamps (the source's ``QSA_STAMP_COUNT``, native_compat.h): the timer words of a CTA's record, at the
+#: phase boundaries start, then the ends of ``PHASES`` (the start to the query's end is "query", ...; "finish": the
+#: last arriver's select and output, written by it alone).
+STAMP_COUNT = 6
+PHASES = ("query", "score", "offer", "arrive", "finish")
 SCALARS = tuple(p.name for p in PARAMS if not p.pointer)
 
 
@@ -119,15 +131,15 @@ def variants_for(platform: Platform) -> tuple[Variant, ...]:
 
 @dataclass(frozen=True)
 class Plan:
-    """One launch: ``variant``; ``row_groups`` groups of ``group_rows`` rows; ``split`` CTAs a group; ``slots``
-    groups in flight (the grid is ``slots * split`` CTAs, co-resident); ``cap``: the scores a CTA holds per row (a
-    multiple of ``grid.TILE``; 0 where no row is wider than the budget)."""
+    """One launch: ``variant``; ``row_groups`` groups of ``group_rows`` rows; ``split`` CTAs a group (the grid is
+    ``row_groups * split`` CTAs, not necessarily resident at once); ``cap``: the scores a CTA holds per row and the
+    candidates' room a CTA and row in the workspace (a multiple of ``grid.TILE``; 0 where no row is wider than the
+    budget)."""
 
     variant: Variant
     group_rows: int
     row_groups: int
     split: int
-    slots: int
     cap: int
 
     @property
@@ -136,55 +148,60 @@ class Plan:
 
     @property
     def grid(self) -> int:
-        return self.slots * self.split
-
-    @property
-    def slot_groups(self) -> int:
-        """The row groups a slot takes at most (the debug stamps' records a CTA)."""
-        return cdiv(self.row_groups, self.slots)
+        return self.row_groups * self.split
 
     @property
     def stamp_words(self) -> int:
-        """The debug stamps' words: ``STAMP_COUNT`` a CTA and row group of its slot."""
-        return self.grid * self.slot_groups * STAMP_COUNT
+        """The debug stamps' words: ``STAMP_COUNT`` a CTA."""
+        return self.grid * STAMP_COUNT
 
     @property
     def workspace_words(self) -> int:
-        """The grid select's slots (``grid.SLOT_WORDS`` a slot; zeroed once, left clean by every launch)."""
-        return self.slots * grid.SLOT_WORDS
+        """The rows' counters, gates and histograms (``ROW_CLEAN_WORDS`` a row at the row's index, the same for
+        every plan: zeroed once, left clean by every launch)."""
+        return self.row_groups * self.group_rows * ROW_CLEAN_WORDS
+
+    @property
+    def scratch_row_words(self) -> int:
+        """A row's counts and candidates: a count a CTA, then ``cap`` (key, column) pairs a CTA (the source's
+        ``FusedGroup.scratch_row_words``)."""
+        return -(-self.split // 4) * 4 + 2 * self.split * self.cap
+
+    @property
+    def candidate_words(self) -> int:
+        """The rows' counts and candidates (never zeroed: every launch writes them before it reads them)."""
+        return self.row_groups * self.group_rows * self.scratch_row_words
 
     def describe(self) -> str:
         return (f"{self.variant.name}: {self.row_groups} row groups of {self.group_rows} rows, split {self.split} "
-                f"CTAs a group, {self.slots} groups in flight (grid {self.grid} of {THREADS} threads), "
-                f"{self.shared_bytes} B shared memory per CTA, workspace {4 * self.workspace_words} B")
+                f"CTAs a group (grid {self.grid} of {THREADS} threads), {self.shared_bytes} B shared memory per CTA, "
+                f"workspace {4 * self.workspace_words} B, candidates {4 * self.candidate_words} B")
 
 
-def max_cap(group_rows: int, platform: Platform) -> int:
-    """The most scores a CTA holds per row of a ``group_rows``-row group on ``platform`` (a multiple of
-    ``grid.TILE``, at most ``grid.MAX_CHUNK``)."""
-    room = (platform.shared_memory_per_block - BASE_SHARED_BYTES) // (4 * group_rows) // grid.TILE * grid.TILE
-    return min(grid.MAX_CHUNK, max(room, 0))
+def max_cap(group_rows: int, platform: Platform, per_multiprocessor: int = 1) -> int:
+    """The most scores a CTA holds per row of a ``group_rows``-row group on ``platform`` with ``per_multiprocessor``
+    CTAs resident on a multiprocessor (a multiple of ``grid.TILE``)."""
+    per_cta = min(platform.shared_memory_per_block,
+                  platform.shared_memory_per_multiprocessor // per_multiprocessor - grid.RESERVED_PER_CTA)
+    room = (per_cta - BASE_SHARED_BYTES) // (4 * group_rows) // grid.TILE * grid.TILE
+    return max(room, 0)
 
 
 def split_plan(split: int, variant: Variant, group_rows: int, row_groups: int, columns: int,
-               platform: Platform, slots: int | None = None) -> Plan:
-    """The plan of ``split`` CTAs a group (``slots``: groups in flight, default as many as the co-resident grid
-    holds, at most ``row_groups``); ``ValueError`` where it does not fit (``grid.MAX_SPLIT``, the scores' room, the
-    co-resident grid)."""
-    if not 1 <= split <= grid.MAX_SPLIT:
-        raise ValueError(f"split must be in [1, {grid.MAX_SPLIT}]; got {split}")
+               platform: Platform) -> Plan:
+    """The plan of ``split`` CTAs a group; ``ValueError`` where it does not fit (``MAX_SPLIT``, the scores' room in
+    shared memory, the workspace)."""
+    if not 1 <= split <= MAX_SPLIT:
+        raise ValueError(f"split must be in [1, {MAX_SPLIT}]; got {split}")
     cap = -(-cdiv(columns, split) // grid.TILE) * grid.TILE
     if cap > max_cap(group_rows, platform):
         raise ValueError(f"a split of {split} leaves {cap} scores a row and CTA; {platform.arch} holds at most "
                          f"{max_cap(group_rows, platform)} for {group_rows} rows")
-    shared = BASE_SHARED_BYTES + 4 * group_rows * cap
-    resident = platform.multiprocessors * grid.per_multiprocessor(variant, shared, platform)
-    most = min(row_groups, resident // split)
-    if most < 1:
-        raise ValueError(f"a split of {split} CTAs does not fit a co-resident grid of {resident} CTAs")
-    if slots is not None and not 1 <= slots <= most:
-        raise ValueError(f"slots must be in [1, {most}]; got {slots}")
-    return Plan(variant, group_rows, row_groups, split, slots or most, cap)
+    plan = Plan(variant, group_rows, row_groups, split, cap)
+    if 4 * (plan.workspace_words + plan.candidate_words) > MAX_WORKSPACE_BYTES:
+        raise ValueError(f"a split of {split} needs {4 * (plan.workspace_words + plan.candidate_words)} B of "
+                         f"workspace, more than {MAX_WORKSPACE_BYTES}")
+    return plan
 
 
 def _shape(problem) -> tuple[Variant, int, int, int, int]:
@@ -203,8 +220,8 @@ def problem_split_plan(problem, split: int, platform: Platform) -> Plan:
 
 def plan_reason(problem, platform: Platform) -> str | None:
     """Why no plan serves ``problem`` (a selection problem: ``score``, ``block_topk``) on ``platform``: the budget's
-    rank field, the C ``int`` arguments, a row group's scores that shared memory cannot hold across a co-resident
-    grid. None: one does."""
+    rank field, the C ``int`` arguments, a row group's scores that shared memory cannot hold across ``MAX_SPLIT``
+    CTAs, a workspace past ``MAX_WORKSPACE_BYTES``. None: one does."""
     variant, group_rows, row_groups, columns, block_topk = _shape(problem)
     if block_topk > grid.MAX_BLOCK_TOPK:
         return f"needs block_topk <= {grid.MAX_BLOCK_TOPK} (got {block_topk})"
@@ -213,35 +230,37 @@ def plan_reason(problem, platform: Platform) -> str | None:
     if columns <= block_topk:
         return None
     room = max_cap(group_rows, platform)
-    least = cdiv(columns, room) if room else grid.MAX_SPLIT + 1
-    if least > grid.MAX_SPLIT:
+    least = cdiv(columns, room) if room else MAX_SPLIT + 1
+    if least > MAX_SPLIT:
         return (f"the scores of a group of {group_rows} rows x {columns} columns exceed shared memory across "
-                f"{grid.MAX_SPLIT} CTAs ({room} a row and CTA on {platform.arch})")
+                f"{MAX_SPLIT} CTAs ({room} a row and CTA on {platform.arch})")
     try:
         split_plan(least, variant, group_rows, row_groups, columns, platform)
     except ValueError as err:
-        return f"the scores of the call exceed the co-resident grid's shared memory ({err})"
+        return f"the candidates' workspace is too large ({err})"
     return None
 
 
 @lru_cache(maxsize=512)
 def choose_plan(problem, platform: Platform) -> Plan:
     """The plan of ``problem`` on ``platform``: the scorer's row groups (``native_scorer.group_rows_of``); where no
-    row is wider than the budget one CTA a group and no scores; else as many CTAs a group as fill the multiprocessors
-    once (the grid is co-resident), at most one per ``native_scorer.MIN_TILES_PER_CTA`` tiles and ``grid.MAX_SPLIT``,
-    at least what the scores' room needs. ``ValueError`` (``plan_reason``) where none fits."""
+    row is wider than the budget one CTA a group and no scores; else the scorer's split (as many CTAs a group as fill
+    the multiprocessors ``CTAS_PER_SM`` times, at most one per ``native_scorer.MIN_TILES_PER_CTA`` tiles), at least
+    what the scores' room needs with ``CTAS_PER_SM`` CTAs a multiprocessor (else with fewer). ``ValueError``
+    (``plan_reason``) where none fits."""
     reason = plan_reason(problem, platform)
     if reason:
         raise ValueError(reason)
     variant, group_rows, row_groups, columns, block_topk = _shape(problem)
     if columns <= block_topk:
-        resident = platform.multiprocessors * grid.per_multiprocessor(variant, BASE_SHARED_BYTES, platform)
-        return Plan(variant, group_rows, row_groups, 1, max(1, min(row_groups, resident)), 0)
-    least = cdiv(columns, max_cap(group_rows, platform))
+        return Plan(variant, group_rows, row_groups, 1, 0)
     tiles = cdiv(columns, scorer.TILE_COLUMNS)
-    wanted = min(grid.MAX_SPLIT, cdiv(tiles, scorer.MIN_TILES_PER_CTA),
-                 max(1, platform.multiprocessors // row_groups))
-    for split in range(max(least, wanted), least - 1, -1):
+    wanted = max(1, min(cdiv(tiles, scorer.MIN_TILES_PER_CTA), platform.programs(CTAS_PER_SM) // row_groups))
+    room = max_cap(group_rows, platform, CTAS_PER_SM)
+    least = cdiv(columns, room) if room else MAX_SPLIT + 1
+    if least > MAX_SPLIT:
+        least = cdiv(columns, max_cap(group_rows, platform))
+    for split in range(min(MAX_SPLIT, max(wanted, least)), least - 1, -1):
         try:
             return split_plan(split, variant, group_rows, row_groups, columns, platform)
         except ValueError:
@@ -253,7 +272,7 @@ def launch_arguments(plan: Plan, values: dict[str, int]) -> NativeLaunch:
     """The launch of ``plan`` with the scalar arguments ``values`` by name (the plan's own come from it):
     ``ValueError`` naming a missing one or one past a C ``int``."""
     values = dict(values, group_rows=plan.group_rows, row_groups=plan.row_groups, split=plan.split,
-                  slots=plan.slots, cap=plan.cap)
+                  cap=plan.cap)
     missing = [name for name in SCALARS if name not in values]
     if missing:
         raise ValueError(f"values: missing scalar argument(s) {', '.join(missing)}")
@@ -278,8 +297,9 @@ class FusedSelectSpec(NativeKernelSpec):
 
     name = "fused_select"
     family = "selection"
-    description = ("native fused selection (the tensor-core scorer's tiles, the grid select and the expansion in one "
-                   "cooperative launch, no logits in HBM; compiled at run time by NVRTC)")
+    description = ("native fused selection (the tensor-core scorer's tiles, candidates above a gate and the last "
+                   "CTA's exact select with the expansion in one launch, no logits in HBM; compiled at run time by "
+                   "NVRTC)")
     source_path = SOURCE_PATH
     variants = VARIANTS
     Config = FusedSelectConfig

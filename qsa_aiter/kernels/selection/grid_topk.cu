@@ -15,9 +15,9 @@
 // b % split of slot b / split; slot s takes rows s, s + slots, s + 2 * slots, ...; a row's `split` CTAs each own a
 // contiguous, GRID_TILE-aligned range of its columns: chunk = round_up(ceil(n / split), GRID_TILE) columns, part j
 // the columns [j * chunk, min((j + 1) * chunk, n)).  The score source is a type (phase A below: `tile_keys`): here
-// GridLogits, the logits; in the fused kernel (fused_select.cu, through grid_rows_keys) the scorer's scores of the
-// same columns, already in the keys' area.
-// Rows at once: the tail (grid_rows_keys) takes up to GRID_MAX_ROWS rows of a slot together (the fused kernel's row
+// GridLogits, the logits (a fused kernel's source would be a scorer's scores of the same columns, already in the
+// keys' area).
+// Rows at once: the tail (grid_rows_keys) takes up to GRID_MAX_ROWS rows of a slot together (a fused kernel's row
 // group, one request's verify rows); the grid kernels give it one row a call.  The rows share their CTAs' column
 // ranges and every barrier below: one arrival a round for all rows still undecided, one counts exchange.
 //
@@ -519,13 +519,11 @@ __device__ __forceinline__ unsigned grid_emit(const unsigned* keys, int len, int
 // ---------------------------------------------------------------------------------------
 // The rounds, the counts and the ordered output of grid_rows_keys' long rows (mode 1; their phase A done, their
 // histograms complete).  Sets GS_SUM / GS_MINE of a long row whose token total is summed over its CTAs (published in
-// its tagged tokens word).  Returns the slot's generation after the rounds.  stamps: a debug record
-// (native_compat.h's qsa_stamp: the rounds' and the counts' ends) or null.
+// its tagged tokens word).  Returns the slot's generation after the rounds.
 template <int BLOCK>
 __device__ __forceinline__ unsigned grid_rows_select(int rows, int part, int* __restrict__ out, const GridExpand& x,
                                                      unsigned* ws, int K, int split, unsigned gen, unsigned* H,
-                                                     unsigned* s_scan, unsigned* s_res, unsigned* keys, int kstride,
-                                                     unsigned long long* stamps = nullptr) {
+                                                     unsigned* s_scan, unsigned* s_res, unsigned* keys, int kstride) {
     constexpr int NW = BLOCK / WS;
     unsigned* st = s_res + GRID_RES_STATE;
     // Rounds: 11 bits, then 11, then 10, for every row until its threshold is exact or its bin is taken whole.
@@ -573,8 +571,6 @@ __device__ __forceinline__ unsigned grid_rows_select(int rows, int part, int* __
         __syncthreads();
     }
 
-    qsa_stamp(stamps, QSA_STAMP_ROUNDS);
-
     // Counts: per row, keys > T and == T (each at most chunk <= 32768: one packed word) in the CTA's tagged word;
     // then the lower CTAs' words of every row, in one poll.
     int parity = 0;
@@ -600,8 +596,6 @@ __device__ __forceinline__ unsigned grid_rows_select(int rows, int part, int* __
         }
     }
     grid_poll<BLOCK>(ws, rows, part, 0, GS_MODE, gen, s_res);
-    qsa_stamp(stamps, QSA_STAMP_COUNTS);
-
     // The ordered output of each row (local: no barrier across CTAs).
 #pragma unroll 1
     for (int r = 0; r < rows; ++r) {
@@ -647,15 +641,12 @@ __device__ __forceinline__ unsigned grid_rows_select(int rows, int part, int* __
 // row's count (here the row's; in a fused kernel the group's widest, so that its rows share their CTAs' column ranges;
 // each row's parts still cover [0, n) in order, a part past n holding no column).  The rows with n > K go through the
 // same rounds together (one arrival a round for all of them; a decided row drops out) and one counts exchange; the
-// others are written directly.  Returns the slot's generation after the rounds.  stamps: a debug record (a fused
-// kernel's; native_compat.h's qsa_stamp: the ends of phase A, the rounds, the counts and the output) or null (the grid
-// kernels': compiled out).
+// others are written directly.  Returns the slot's generation after the rounds.
 template <int BLOCK, class Source, class Counts>
 __device__ __forceinline__ unsigned grid_rows_keys(int row0, int rows, const Counts& counts, int basis, int part,
                                                    const Source& source, int* __restrict__ out, const GridExpand& x,
                                                    unsigned* ws, int K, int split, int width, unsigned gen,
-                                                   unsigned* H, unsigned* tail, unsigned* keys, int kstride,
-                                                   unsigned long long* stamps = nullptr) {
+                                                   unsigned* H, unsigned* tail, unsigned* keys, int kstride) {
     constexpr int NW = BLOCK / WS;
     unsigned* s_scan = tail;
     unsigned* s_res = tail + (GRID_RES_WORD - GRID_SCAN_WORD);
@@ -696,16 +687,11 @@ __device__ __forceinline__ unsigned grid_rows_keys(int row0, int rows, const Cou
         }
     }
     __syncthreads();  // the histograms are complete
-    qsa_stamp(stamps, QSA_STAMP_KEYS);
     bool any = false;  // read here, not held across phase A
     for (int r = 0; r < rows; ++r) any |= st[r * GRID_STATE_WORDS + GS_MODE] != 0u;
     if (any) {  // CTA-uniform
-        gen = grid_rows_select<BLOCK>(rows, part, out, x, ws, K, split, gen, H, s_scan, s_res, keys, kstride, stamps);
-    } else {
-        qsa_stamp(stamps, QSA_STAMP_ROUNDS);
-        qsa_stamp(stamps, QSA_STAMP_COUNTS);
+        gen = grid_rows_select<BLOCK>(rows, part, out, x, ws, K, split, gen, H, s_scan, s_res, keys, kstride);
     }
-    qsa_stamp(stamps, QSA_STAMP_OUTPUT);
 
     // The token tails: after min(n * R, the context) tokens for a short row; after K * R for a long row whose kept
     // groups each keep R; else after the row's summed total (the row's last CTA polls the lower CTAs' totals of every

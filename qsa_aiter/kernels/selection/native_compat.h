@@ -106,6 +106,13 @@ __device__ __forceinline__ unsigned shfl_idx(unsigned v, int src) { return __shf
 __device__ __forceinline__ unsigned shfl_up(unsigned v, int d) { return __shfl_up_sync(TOPK_FULL_MASK, v, d); }
 #endif
 
+// The warp's votes as a lane mask (bit l: lane l), 64 bits wide for either warp width.
+#if TOPK_HIP
+__device__ __forceinline__ unsigned long long warp_ballot(bool p) { return __ballot(p); }
+#else
+__device__ __forceinline__ unsigned long long warp_ballot(bool p) { return __ballot_sync(TOPK_FULL_MASK, p); }
+#endif
+
 // A word other CTAs of the launch wrote (read past L1: CUDA's ld.global.cg; HIP's volatile load).
 __device__ __forceinline__ int load_cg(const int* p) {
 #if TOPK_HIP
@@ -158,20 +165,18 @@ __device__ __forceinline__ unsigned long long qsa_clock_ns() {
 }
 #endif
 
-// Debug stamps: QSA_STAMP_COUNT timer words a CTA and row group (a record), in the order of these phase boundaries;
+// Debug stamps: QSA_STAMP_COUNT timer words a CTA (a record), in the order of these phase boundaries (fused_select.cu);
 // qsa_stamp(record, phase) has thread 0 write one, and does nothing where the record is null (production).
-#define QSA_STAMP_COUNT 8
+#define QSA_STAMP_COUNT 6
 enum {
-    QSA_STAMP_START = 0,  // the group's start (the CTA's first group: the kernel's start)
+    QSA_STAMP_START = 0,  // the kernel's start
     QSA_STAMP_QUERY,      // q and the rows' visible counts loaded
     QSA_STAMP_SCORE,      // the group's scores in the stash
-    QSA_STAMP_KEYS,       // phase A: keys and histograms
-    QSA_STAMP_ROUNDS,     // the rounds: every row's threshold known
-    QSA_STAMP_COUNTS,     // the counts exchange
-    QSA_STAMP_OUTPUT,     // the ordered output and the kept groups' expansion
-    QSA_STAMP_END         // the group's end (the token tails)
+    QSA_STAMP_OFFER,      // the keys, histograms, gates and candidates offered
+    QSA_STAMP_ARRIVE,     // the arrival on the group's counter
+    QSA_STAMP_FINISH      // the last arriver's select and output of the group's rows (only it writes this one)
 };
-static_assert(QSA_STAMP_END + 1 == QSA_STAMP_COUNT, "one stamp a phase boundary");
+static_assert(QSA_STAMP_FINISH + 1 == QSA_STAMP_COUNT, "one stamp a phase boundary");
 __device__ __forceinline__ void qsa_stamp(unsigned long long* record, int phase) {
     if (record != nullptr && threadIdx.x == 0) record[phase] = qsa_clock_ns();
 }

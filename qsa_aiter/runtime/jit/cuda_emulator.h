@@ -59,6 +59,10 @@ struct dim3 {
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 struct alignas(16) float4 {
     float x, y, z, w;
 };
@@ -81,6 +85,7 @@ inline float __uint_as_float(unsigned u) {
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 template <class T>
@@ -89,6 +94,11 @@ inline void __threadfence() {}
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
     const unsigned old = *p;
     *p = old + v;
+    return old;
+}
+inline unsigned atomicMax(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    *p = old > v ? old : v;
     return old;
 }
 inline unsigned atomicOr(unsigned* p, unsigned v) {

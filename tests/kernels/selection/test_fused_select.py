@@ -1,16 +1,16 @@
-"""The fused selection (``kernels/selection/fused_select.cu``: the native scorer's tiles, the grid select and the
-expansion in one cooperative launch; its spec ``fused_select.SPEC``, its launch ``runtime/fused_select.py`` and the
+"""The fused selection (``kernels/selection/fused_select.cu``: the native scorer's tiles, candidates above a gate and
+the last CTA's exact select with the expansion, in one launch; its spec ``fused_select.SPEC``, its launch ``runtime/fused_select.py`` and the
 ``native_fused`` selection candidate).
 
 - Host logic: the declared parameters are the source's, the variants, the catalog, plans (row groups, split, the
-  scores' room, the co-resident grid), the reasons, the registry's order, ``explain_selection`` and forcing it.
-- The device code on the CPU through the CUDA emulator (every CTA of the cooperative grid together), the outputs
+  scores' room, the workspace), the reasons, the registry's order, ``explain_selection`` and forcing it.
+- The device code on the CPU through the CUDA emulator (the grid's CTAs together, in several thread orders), the outputs
   poisoned: the block indices and tokens equal ``torch_block_topk`` + ``torch_expand_block_indices`` over the
   kernel's own debug scores, and the debug scores equal the oracle (``reference_paged_mqa_logits``) on ``[0,
   visible)`` (nothing written past it); verify and decode shapes, page 16 and 64, int32 and int64 metadata, bad page
   ids, padded rows, uneven contexts, identical keys (ties to the lower group), rows shorter than the budget, 1 to 4
   CTAs a group; repeats and thread orders bitwise alike, the workspace clean after each launch, a row alone equal to
-  it in its batch; fp8 (bf16 and fp16 queries) and MXFP4 caches, their scores against the oracle on the dequantised
+  it in its batch, the gate's candidates fewer than the columns of random rows and all of them for constant rows; fp8 (bf16 and fp16 queries) and MXFP4 caches, their scores against the oracle on the dequantised
   cache.
 - NVRTC (marked ``nvrtc``): every variant compiles for sm_90 without spills; warm-up builds them, ``jit list`` lists
   them.
@@ -47,8 +47,6 @@ ON_GPU = torch.cuda.is_available() and torch.version.cuda is not None
 needs_emulator = pytest.mark.skipif(emulated.unavailable_reason() is not None,
                                     reason=f"cannot emulate: {emulated.unavailable_reason()}")
 TOL = 1e-5
-#: CTAs the emulator runs together (its thread limit over the kernels' 128 threads).
-EMULATED_CTAS = emulated.MAX_COOPERATIVE_THREADS // fs.THREADS
 
 
 def widened(batch, index_dtype: torch.dtype):
@@ -61,7 +59,8 @@ def widened(batch, index_dtype: torch.dtype):
 selection = selection_call
 
 
-def emulate(batch, token_topk: int, hints: dict, *, split: int = 2, order_seed: int = 0, workspace=None):
+def emulate(batch, token_topk: int, hints: dict, *, split: int = 2, order_seed: int = 0, workspace=None,
+            candidates=None):
     """The fused kernel on ``batch`` through the emulator, outputs poisoned: ``(blocks, tokens, scores, workspace,
     plan)``."""
     problem, args = selection(batch, token_topk, hints)
@@ -69,21 +68,26 @@ def emulate(batch, token_topk: int, hints: dict, *, split: int = 2, order_seed: 
     variant = fs.variant_for(batch.compressed_k_cache.dtype, batch.compressed_k_cache.shape[1], batch.q.dtype)
     groups = -(-score.num_tokens // fs.scorer.group_rows_of(score))
     columns = max(score.num_columns, 1) if score.num_columns > problem.block_topk else 1
-    plan = fs.split_plan(split, variant, fs.scorer.group_rows_of(score), groups, columns, SM90,
-                         slots=min(groups, EMULATED_CTAS // split))
+    plan = fs.split_plan(split, variant, fs.scorer.group_rows_of(score), groups, columns, SM90)
     if score.num_columns <= problem.block_topk:
-        plan = fs.Plan(variant, plan.group_rows, groups, split, plan.slots, 0)
+        plan = fs.Plan(variant, plan.group_rows, groups, split, 0)
     scores = torch.full((score.num_tokens, score.num_columns), float("nan"))
     blocks, workspace = emulated_fused_select(problem, args, plan, scores=scores, workspace=workspace,
-                                              order_seed=order_seed)
+                                              order_seed=order_seed, candidates=candidates)
     return blocks, args.out, scores, workspace, plan
 
 
+def candidates_offered(candidates: torch.Tensor, plan: fs.Plan) -> torch.Tensor:
+    """Each row's candidates at the last launch (the sum of its CTAs' count words), ``[rows]`` (meaningful for rows
+    wider than the budget)."""
+    rows = candidates[: plan.candidate_words].view(plan.row_groups * plan.group_rows, plan.scratch_row_words)
+    return rows[:, : plan.split].sum(-1)
+
+
 def assert_clean(workspace: torch.Tensor, plan: fs.Plan) -> None:
-    """Every slot's histogram and arrival counter are zero again after a launch (the next one needs no zeroing; the
-    flag's generation and the tagged words only move forward)."""
-    slots = workspace[: plan.workspace_words].view(plan.slots, gt.SLOT_WORDS)
-    assert not slots[:, : gt.CLEAN_WORDS].any(), "the launch left the workspace dirty"
+    """Every row's arrival counter, gate and histogram are zero again after a launch (the next one, of any plan,
+    needs no zeroing; the counts and candidates are rewritten before they are read)."""
+    assert not workspace.any(), "the launch left the workspace dirty"
 
 
 def check(batch, token_topk: int, hints: dict, **kwargs):
@@ -120,6 +124,9 @@ def test_the_source_spells_the_declared_parameters_and_splices_both_halves():
     text = fs.source()
     assert macro_params(text, "QSA_FUSED_PARAMS") == fs.PARAMS
     assert re.search(r"#define QSA_FUSED_CTAS_PER_SM (\d+)\n", text).group(1) == str(fs.CTAS_PER_SM)
+    for macro, value in (("FUSED_TAIL_WORDS", fs.TAIL_WORDS), ("FUSED_MAX_SPLIT", fs.MAX_SPLIT),
+                         ("FUSED_ROW_HEAD", fs.ROW_HEAD_WORDS), ("GRID_BINS", fs.BINS)):
+        assert re.search(rf"#define {macro} (\d+)\n", text).group(1) == str(value), macro
     for name in ("native_scorer.cu", "native_compat.h", "native_mma.h", "grid_topk.cu"):
         assert f'#line 1 "{name}"' in text, name
     assert "#include" not in text
@@ -159,9 +166,13 @@ def test_variants_the_catalog_and_plans():
     batch = make_batch([20000, 30000, 9000], 4, page_size=64)
     problem, _ = selection(batch, 2048, dict(max_query_len=4))
     plan = fs.choose_plan(problem, SM90)
-    assert plan.group_rows == 4 and plan.row_groups == 3 and plan.grid <= SM90.multiprocessors * fs.CTAS_PER_SM
-    assert plan.cap * plan.split >= problem.score.num_columns and plan.shared_bytes <= SM90.shared_memory_per_block
-    assert plan.workspace_words == plan.slots * gt.SLOT_WORDS
+    assert plan.group_rows == 4 and plan.row_groups == 3 and plan.grid == 3 * plan.split
+    assert plan.cap * plan.split >= problem.score.num_columns and plan.cap % 64 == 0
+    # The scorer's split where the scores fit 3 CTAs a multiprocessor: one wave over the multiprocessors.
+    assert plan.split == min(-(-problem.score.num_columns // 128), SM90.multiprocessors * 3 // 3)
+    assert 3 * (plan.shared_bytes + gt.RESERVED_PER_CTA) <= SM90.shared_memory_per_multiprocessor
+    assert plan.workspace_words == 12 * 2080
+    assert plan.candidate_words == 12 * (-(-plan.split // 4) * 4 + 2 * plan.split * plan.cap)
     call = fs.launch_arguments(plan, {name: 1 for name in fs.SCALARS})
     assert call.scalar("split") == plan.split and call.scalar("cap") == plan.cap and call.block == (128, 1, 1)
     with pytest.raises(ValueError, match="missing scalar"):
@@ -188,8 +199,8 @@ def test_reasons_name_what_it_does_not_serve():
     assert "no AMD version yet" in fs.SPEC.reasons(problem_of(), Platform.named("gfx942"))[0]
     volta = Platform("sm_70", "cuda", (7, 0), 80, False)
     assert "compute capability 8.0 or newer" in fs.SPEC.reasons(problem_of(), volta)[0]
-    # Scores past what the co-resident grid's shared memory holds: a context of 4M tokens, 4 rows a group.
-    huge = SelectionProblem(example_problem(num_tokens=4, num_requests=1, max_query_len=4, num_columns=1_050_000),
+    # Scores past what shared memory holds across MAX_SPLIT CTAs: a context of 44M tokens, 4 rows a group.
+    huge = SelectionProblem(example_problem(num_tokens=4, num_requests=1, max_query_len=4, num_columns=11_000_000),
                             512, 4)
     found = fs.SPEC.reasons(huge, SM90)
     assert len(found) == 1 and "exceed shared memory" in found[0], found
@@ -356,41 +367,13 @@ def test_emulated_quantised_bad_pages_and_strided_unaligned_caches(rng, cache):
         assert torch.equal(again.view(torch.int32), scores.view(torch.int32)), (width, offset)
 
 
-def _rounds(scores: torch.Tensor, n: int, k: int) -> int:
-    """The grid select's rounds for one row (0 where ``n <= k``): the order-preserving keys of its scores on ``[0,
-    n)``, digits of 11 + 11 + 10 bits, a round deciding where its threshold bin is taken whole or in the last one."""
-    if n <= k:
-        return 0
-    bits = scores[:n].contiguous().view(torch.int32).long() & 0xFFFFFFFF
-    bits = torch.where(bits == 0x80000000, 0, bits)
-    keys = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    keys = torch.where(torch.isnan(scores[:n]), 0xFFFFFFFF, keys)
-    krem = k
-    for d, (shift, width) in enumerate(((21, 11), (10, 11), (0, 10))):
-        digits = (keys >> shift) & ((1 << width) - 1)
-        counts = torch.bincount(digits, minlength=1 << width).flip(0)  # from the top bin down
-        above = torch.cumsum(counts, 0) - counts
-        at = int(((above < krem) & (above + counts >= krem)).nonzero()[0, 0])
-        rank, top = krem - int(above[at]), (1 << width) - 1 - at
-        if rank == int(counts[at]) or d == 2:
-            return d + 1
-        keys, krem = keys[digits == top], rank
-    raise AssertionError("unreachable")
-
-
-def _generation(workspace: torch.Tensor, slot: int) -> int:
-    """The slot's flag generation (``GRID_FLAG_WORD``'s upper word): one a round, whatever the rows."""
-    flag = int(re.search(r"#define GRID_FLAG_WORD (\d+)", gt.source()).group(1))
-    return int(workspace[slot * gt.SLOT_WORDS + flag + 1])
-
-
 @needs_emulator
-def test_emulated_a_group_s_rows_share_their_rounds(rng):
-    """Two 4-row groups whose rows need different rounds: a row whose K best columns share one bin and nothing else
-    does (decided in round 1), random rows (2-3 rounds), a row with fewer visible groups than K (none), a constant row
-    (3 rounds, ties to the lowest columns) and a padded row (visible 0).  Each slot's generation moves by the rounds of
-    its group's slowest row (the rows go through the same rounds), not their sum; then again on the same workspace
-    with new lengths (shorter positions), the workspace clean after each launch."""
+def test_emulated_the_gate_keeps_few_candidates_and_never_drops_a_selected_one(rng):
+    """Two 4-row groups whose rows differ: a row whose K best columns share one bin and nothing else does, random rows,
+    a row with fewer visible groups than K, two constant rows (every key tied: every column a candidate, ties to the
+    lowest columns) and a padded row.  Random rows offer far fewer candidates than columns (the gate rises as the
+    CTAs merge their histograms), and every row's output is exact; then again on the same workspace with new lengths
+    (shorter positions) and another thread order, the workspace clean after each launch."""
     k, ratio = 16, 4
     batch = make_batch([2000, 1800, 60, 1500, 900], [1, 2, 1, 2, 1], page_size=16, generator=rng, padded_rows=1)
     cache, table = batch.compressed_k_cache, batch.page_table
@@ -398,26 +381,27 @@ def test_emulated_a_group_s_rows_share_their_rounds(rng):
     def column(r: int, c: int):
         return cache[table[r, c // 16], c % 16]
 
-    for r in (0, 3):  # request 0: zero keys but K strong ones (one bin, taken whole); request 3: every key zero
+    for r in (0, 3):  # request 0: zero keys but K strong ones (one bin); request 3: every key zero
         for page in table[r][table[r] >= 0].tolist():
             cache[page] = 0
     strong = [3, 40, 41, 90, 130, 131, 200, 201, 250, 300, 301, 330, 400, 401, 440, 470]
     for c in strong:
         column(0, c).copy_(batch.q[0, 0])
-    workspace, generations = torch.zeros(2 * gt.SLOT_WORDS, dtype=torch.int32), [0, 0]
-    for step in range(2):
-        blocks, _, scores, plan = check(batch, k * ratio, dict(max_query_len=4), split=2, workspace=workspace)
+    workspace = torch.zeros(2 * 4 * fs.ROW_CLEAN_WORDS, dtype=torch.int32)
+    for step, seed in ((0, 0), (1, 3)):
+        problem, _ = selection(batch, k * ratio, dict(max_query_len=4))
+        variant = fs.variant_for(cache.dtype, 16, batch.q.dtype)
+        plan = fs.split_plan(4, variant, 4, 2, problem.score.num_columns, SM90)
+        candidates = torch.full((plan.candidate_words,), -7, dtype=torch.int32)
+        blocks, _, scores, _ = check(batch, k * ratio, dict(max_query_len=4), split=4, workspace=workspace,
+                                     order_seed=seed, candidates=candidates)
         _, visible = reference_paged_mqa_logits(*batch.args())
-        assert (plan.group_rows, plan.row_groups, plan.slots) == (4, 2, 2)
-        rounds = [_rounds(scores[t], int(visible[t]), k) for t in range(8)]
+        offered = candidates_offered(candidates, plan)
         if step == 0:
-            assert blocks[0].tolist() == strong and rounds[0] == 1 and rounds[3] == 0 and rounds[7] == 0, rounds
-            assert blocks[4].tolist() == list(range(k)) and rounds[4] == 3, rounds
-            assert max(rounds[:4]) > 1 and sum(rounds[:4]) > max(rounds[:4]), rounds  # the rows differ
-        for slot in (0, 1):
-            moved = _generation(workspace, slot) - generations[slot]
-            assert moved == max(rounds[4 * slot:4 * slot + 4]), (step, slot, rounds)
-            generations[slot] += moved
+            assert blocks[0].tolist() == strong and blocks[4].tolist() == list(range(k)), blocks
+            assert offered[4:6].tolist() == visible[4:6].tolist(), "a constant row offers every column"
+        for t in (1, 2, 6):  # random rows
+            assert k <= int(offered[t]) < int(visible[t]) // 2, (step, t, offered, visible)
         batch.query_positions -= torch.tensor([1500, 600, 0, 900, 20, 10, 0, 0], dtype=batch.query_positions.dtype)
 
 

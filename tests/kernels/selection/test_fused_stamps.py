@@ -1,7 +1,7 @@
 """The fused selection's debug phase stamps (``fused_select.cu``'s ``stamps``, native_compat.h's ``qsa_stamp``): the
-source's record size is the declared one; an emulated launch with a stamps buffer fills every record of a group a CTA
-takes, in order, leaves the others zero and selects exactly as without; ``phase_times`` turns a synthetic buffer into
-the expected medians."""
+source's record size is the declared one; an emulated launch with a stamps buffer fills every CTA's record in order
+(the finish stamp only in the CTA of each row group that arrived last) and selects exactly as without;
+``phase_times`` turns a synthetic buffer into the expected medians."""
 
 from __future__ import annotations
 
@@ -27,70 +27,53 @@ def test_the_source_s_record_is_the_declared_one():
     assert re.search(rf"#define QSA_STAMP_COUNT {fs.STAMP_COUNT}\b", compat)
     assert len(fs.PHASES) + 1 == fs.STAMP_COUNT
     assert ("stamps", "unsigned long long*") in fs.POINTERS
-    plan = fs.Plan(fs.VARIANTS[0], 4, 7, 2, 3, 256)
-    assert plan.slot_groups == 3 and plan.stamp_words == 6 * 3 * fs.STAMP_COUNT
+    plan = fs.Plan(fs.VARIANTS[0], 4, 7, 3, 256)
+    assert plan.stamp_words == 21 * fs.STAMP_COUNT
     assert stamp_buffer(plan).shape == (plan.stamp_words,) and not stamp_buffer(plan).any()
 
 
-def plan_of(problem, batch, split: int, slots: int) -> fs.Plan:
+def plan_of(problem, batch, split: int) -> fs.Plan:
     score = problem.score
     variant = fs.variant_for(batch.compressed_k_cache.dtype, batch.compressed_k_cache.shape[1], batch.q.dtype)
     rows = fs.scorer.group_rows_of(score)
     groups = -(-score.num_tokens // rows)
-    return fs.split_plan(split, variant, rows, groups, score.num_columns, SM90, slots=slots)
+    return fs.split_plan(split, variant, rows, groups, score.num_columns, SM90)
 
 
 @needs_emulator
 def test_emulated_stamps_are_ordered_and_leave_the_selection_alone(rng):
-    """Verify rows in 3 row groups over 2 slots (the second slot takes one group: its second records stay zero), a
-    request shorter than the budget (its group is not scored: its stamps still go in order)."""
+    """Verify rows in 3 row groups of 3 CTAs, a request shorter than the budget (its group is not scored: its stamps
+    still go in order); one finish stamp a group."""
     batch = make_batch([1500, 40, 900], [4, 4, 2], page_size=16, generator=rng)
     hints = dict(max_query_len=4)
     problem, args = selection_call(batch, 64, hints)
-    plan = plan_of(problem, batch, 2, 2)
-    assert plan.row_groups == 3 and plan.slot_groups == 2
+    plan = plan_of(problem, batch, 3)
+    assert plan.row_groups == 3 and plan.grid == 9
     plain, _ = emulated_fused_select(problem, args, plan)
     tokens = args.out.clone()
     args.out.fill_(-5)
     stamps = stamp_buffer(plan)
-    stamped, _ = emulated_fused_select(problem, args, plan, stamps=stamps)
+    stamped, _ = emulated_fused_select(problem, args, plan, stamps=stamps, order_seed=4)
     assert torch.equal(stamped, plain) and torch.equal(args.out, tokens)
-    records = stamps.view(plan.grid, plan.slot_groups, fs.STAMP_COUNT)
-    for cta in range(plan.grid):
-        slot = cta // plan.split
-        taken = len(range(slot, plan.row_groups, plan.slots))
-        for i in range(plan.slot_groups):
-            record = records[cta, i]
-            if i >= taken:
-                assert not record.any(), (cta, i)
-                continue
-            assert (record > 0).all(), (cta, i, record)
-            assert (record[1:] >= record[:-1]).all(), (cta, i, record)
-        if taken > 1:
-            assert records[cta, 1, 0] >= records[cta, 0, -1]
+    records = stamps.view(plan.grid, fs.STAMP_COUNT)
+    assert (records[:, :-1] > 0).all() and (records[:, 1:-1] >= records[:, :-2]).all(), records
+    finished = records[:, -1] != 0
+    assert finished.view(plan.row_groups, plan.split).sum(1).tolist() == [1, 1, 1]
+    assert (records[finished, -1] >= records[finished, -2]).all()
     times = phase_times(stamps, plan)
-    assert set(times) == {*fs.PHASES, "span"} and all(t >= 0 for t in times.values())
+    assert set(times) == {*fs.PHASES, "span", "last"} and all(t >= 0 for t in times.values())
 
 
 def test_phase_times_are_the_medians_of_the_records():
-    """Three CTAs of one group each (a slot of 3 CTAs, 2 groups: the second records zero), phases of known lengths."""
-    plan = fs.Plan(fs.VARIANTS[0], 4, 1, 3, 1, 256)
-    assert plan.slot_groups == 1
-    plan = fs.Plan(fs.VARIANTS[0], 4, 2, 3, 1, 256)  # one slot takes both groups
-    stamps = stamp_buffer(plan).view(plan.grid, plan.slot_groups, fs.STAMP_COUNT)
-    steps = {0: [1, 2, 3, 4, 5, 6, 7], 1: [3, 2, 1, 4, 5, 6, 9], 2: [2, 2, 2, 2, 2, 2, 2]}
+    """Three CTAs of one group, phases of known lengths, the last one's finish 7 us."""
+    plan = fs.Plan(fs.VARIANTS[0], 4, 1, 3, 256)
+    stamps = stamp_buffer(plan).view(plan.grid, fs.STAMP_COUNT)
+    steps = {0: [1, 2, 3, 4], 1: [3, 2, 1, 8], 2: [2, 2, 2, 2]}
     for cta, lengths in steps.items():
         start = 1_000_000 * (cta + 1)
-        stamps[cta, 0] = torch.tensor([start] + [start + 1000 * sum(lengths[:i + 1]) for i in range(7)])
-        if cta < 2:  # a second group for CTAs 0 and 1, each phase 10 us, after a 5 us gap
-            second = int(stamps[cta, 0, -1]) + 5000
-            stamps[cta, 1] = torch.tensor([second + 10_000 * i for i in range(8)])
+        stamps[cta, :5] = torch.tensor([start] + [start + 1000 * sum(lengths[:i + 1]) for i in range(4)])
+    stamps[1, 5] = stamps[1, 4] + 7000
     times = phase_times(stamps.flatten(), plan)
-    # records: CTA 0's two, CTA 1's two, CTA 2's one (5 records; the median is the third value in order)
-    expected = {}
-    for i, name in enumerate(fs.PHASES):
-        values = sorted([steps[0][i], steps[1][i], steps[2][i], 10, 10])
-        expected[name] = float(values[2])
-    assert times == {**expected, "span": pytest.approx(times["span"])}
-    spans = sorted([sum(steps[0]) + 5 + 70, sum(steps[1]) + 5 + 70, sum(steps[2])])
-    assert times["span"] == pytest.approx(float(spans[1]))
+    # spans to the arrival 10, 14 and 8 us; the launch from CTA 0's start (1 ms) to CTA 1's finish (2 ms + 21 us)
+    assert times == {"query": 2.0, "score": 2.0, "offer": 2.0, "arrive": 4.0, "finish": 7.0, "span": 10.0,
+                     "last": 1021.0}, times
