@@ -22,10 +22,11 @@
 //      basis the group's widest visible count, once per distinct request of the group (for_each_request,
 //      score_tiles: the scorer's 4-stage cp.async pipeline), its epilogue (store_scores) writing the fp32 scores
 //      into a per-row area of shared memory, the stash (and into `scores` where asked);
-//   3  offers candidates, for each row that sees more than K columns (fused_offer): turns its scores into
-//      order-preserving keys (grid_key) and histograms their top 11 bits in shared memory; adds the non-zero bins to
-//      the row's histogram in the workspace with returning atomics, so that it learns lower bounds of the row's
-//      counts above each bin (its own plus whatever the CTAs before it added); from them the gate: the highest bin
+//   3  offers candidates, for each row that sees more than K columns (fused_offer): reads the row's merged
+//      histogram in the workspace as it stands (what the CTAs before it added: lower bounds, the counts only grow),
+//      turns its scores into order-preserving keys (grid_key), histograms their top 11 bits in shared memory and
+//      adds its non-zero bins to the row's histogram (reductions, nothing waits on them); its own counts plus what
+//      it read are lower bounds of the row's counts above each bin; from them the gate: the highest bin
 //      with at least K keys at or above it (the row's threshold bin can only be higher: the counts only grow),
 //      raised to the row's published gate and published in turn (atomicMax); then writes its keys at or above the
 //      gate, (key, column) pairs, into its own area of the row's candidates, and their number into its count word;
@@ -34,7 +35,7 @@
 //      of the row's top K.  It selects them exactly in shared memory: a radix select over the candidates' keys (11,
 //      11, 10 bits, stopping where the threshold's digit bin is taken whole), the ties at the threshold key to the
 //      lowest columns (the same radix select over the columns' complements), then writes the selected columns in
-//      ascending order (a bitmap of the row's columns in shared memory, 131072 columns a pass, and a block scan of
+//      ascending order (a bitmap of the row's columns in shared memory, 65536 columns a pass, and a block scan of
 //      its words' popcounts) with the expansion fused, and leaves the row's workspace clean for the next launch.
 // Rows whose visible count is at most K take 0 .. visible-1 from the last arriver, without a score read; a group none
 // of whose rows sees more than K columns is not scored at all.
@@ -42,7 +43,7 @@
 // Time model (estimates; docs/selection.md has the measured numbers).  The keys: as the scorer's grid reads them,
 // each visible key once per row group (256 B a column in bf16, 132 B fp8, 68 B MXFP4 with the scales), the floor
 // their bytes over HBM bandwidth.  Added to every CTA after its tiles: the histogram over its chunk in shared memory,
-// one round trip of returning atomics (its non-zero bins, all in flight together), a block scan of 2048 bins, the
+// one round trip of loads (the rows' merged histograms, all in flight together), a block scan of 2048 bins, the
 // candidates' stores, a fence and the arrival (~2-3 us, overlapped by the other CTAs' tiles where the grid is larger
 // than one wave).  Added once per group, after its last CTA: the counts and the candidates read from L2 (two round
 // trips), three radix passes over the candidates in shared memory, the ordered output (~3-5 us a row; the rows of a
@@ -53,7 +54,7 @@
 // Shared memory: the scorer's stages (64 KB + flags; a quantised stage holds its keys and their scales within a
 // 16-bit stage's bytes, so one plan serves every format), the tail's words, and group_rows x cap fp32 scores (the
 // stash); after the tiles the stages hold the rows' histograms (4 x 8 KB) and, in the last arriver, the select's
-// histogram, the parts' offsets, the output bitmap and up to FUSED_CACHE candidates.
+// histogram (then the output bitmap), the parts' offsets and up to FUSED_CACHE candidates.
 //
 // Workspace, two buffers (fused_select.py's Plan.workspace_words and Plan.candidate_words):
 //   workspace   FUSED_ROW_CLEAN words a row, at the row's index whatever the plan: the arrival counter (a group's
@@ -91,14 +92,14 @@
 #define FUSED_W_KEPT 48       // the row's kept tokens
 #define FUSED_STASH_OFFSET (QSA_SHARED_BYTES + FUSED_TAIL_WORDS * 4)
 // In the stages, once the tiles are scored (words): the rows' histograms (offer), or in the last arriver the select's
-// histogram | the parts' offsets | the output bitmap | the candidates' cache.
+// histogram, then the output bitmap in its place | the parts' offsets | the candidates' cache.
 #define FUSED_HIST_WORD 0
+#define FUSED_BITMAP_WORD 0
+#define FUSED_BITMAP_WORDS 2048
 #define FUSED_OFFS_WORD 2048
 #define FUSED_MAX_SPLIT 1024
-#define FUSED_BITMAP_WORD 4096
-#define FUSED_BITMAP_WORDS 4096
-#define FUSED_CACHE_WORD 8192
-#define FUSED_CACHE 4096
+#define FUSED_CACHE_WORD 3080
+#define FUSED_CACHE 6652
 // Workspace words a row: the head (the group's arrival counter in its first row, the gate; a 128-byte line), then the
 // histogram.
 #define FUSED_ROW_HEAD 32
@@ -107,8 +108,9 @@
 static_assert(QSA_SHARED_BYTES % 16 == 0, "the tail's words and the stash start 16-byte aligned");
 static_assert(2 * (FUSED_NW + 1) <= FUSED_W_LAST && FUSED_W_KEPT + 4 <= FUSED_TAIL_WORDS, "the tail's words");
 static_assert(QSA_MAX_GROUP_ROWS <= GRID_MAX_ROWS && QSA_MAX_GROUP_ROWS <= 4, "a word a row in the tail's words");
-static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS <= FUSED_CACHE_WORD &&
-                  FUSED_OFFS_WORD + FUSED_MAX_SPLIT + 1 <= FUSED_BITMAP_WORD &&
+static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET && FUSED_HIST_WORD + GRID_BINS <= FUSED_OFFS_WORD &&
+                  FUSED_BITMAP_WORD + FUSED_BITMAP_WORDS <= FUSED_OFFS_WORD &&
+                  FUSED_OFFS_WORD + FUSED_MAX_SPLIT + 1 <= FUSED_CACHE_WORD &&
                   FUSED_CACHE_WORD + 2 * FUSED_CACHE <= QSA_FLAGS_OFFSET / 4,
               "the offer's histograms and the finish's words fit the tile stages");
 static_assert(GRID_BINS % QSA_FUSED_THREADS == 0 && FUSED_BITMAP_WORDS % QSA_FUSED_THREADS == 0, "whole shares");
@@ -182,12 +184,24 @@ __device__ __forceinline__ int fused_len(int n, int col0, int chunk) {
     return len < 0 ? 0 : (len > chunk ? chunk : len);
 }
 
-// Step 3 for the group's rows that see more than K columns (bit r of `wide`): keys and histograms, the merge with
-// returning atomics and the gate, the candidates and the count.  Leaves the stash holding keys.
+// Step 3 for the group's rows that see more than K columns (bit r of `wide`): the merged histograms read, keys and
+// histograms, the merge and the gate, the candidates and the count.  Leaves the stash holding keys.
 __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vis, unsigned wide, int rows, int part,
                                             int col0, int chunk, int K, int split, int cap, unsigned* hist,
                                             unsigned* tail, unsigned* stash) {
     constexpr int PER = GRID_BINS / QSA_FUSED_THREADS;
+    // The rows' merged histograms as they stand (thread t reads bins 2047 - (t * PER + i)), all loads issued before
+    // the local histograms are built: what the CTAs before this one added, lower bounds of the final counts (they
+    // only grow).  Unconditional, independent loads: one round trip for all of them.
+    unsigned c[QSA_MAX_GROUP_ROWS][PER];
+#pragma unroll
+    for (int r = 0; r < QSA_MAX_GROUP_ROWS; ++r) {
+        const bool on = r < rows && ((wide >> r) & 1u);
+        const unsigned* G = g.row(r < rows ? r : 0).hist;
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+            c[r][i] = on ? (unsigned)load_cg((const int*)G + GRID_BINS - 1 - ((int)threadIdx.x * PER + i)) : 0u;
+    }
     for (int i = threadIdx.x; i < rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
     if ((int)threadIdx.x < rows) {
         tail[FUSED_W_COUNT + threadIdx.x] = 0u;
@@ -204,22 +218,22 @@ __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vi
         for (int i = threadIdx.x; i < len; i += QSA_FUSED_THREADS) {
             const unsigned k = grid_key(__uint_as_float(S[i]));
             S[i] = k;
-            atomicAdd(&H[k >> 21], 1u);
+            hist_add_one(H, k >> 21);
         }
     }
     __syncthreads();
-    // The merge: thread t owns bins 2047 - (t * PER + i) of each row; the returns, plus its own counts, are lower
-    // bounds of the row's final counts.  Every row's atomics are issued before any is used.
-    unsigned c[QSA_MAX_GROUP_ROWS][PER];
+    // The merge: this CTA's non-zero bins added to the rows' histograms (no value returned, so nothing waits), and
+    // its own counts added to what it read: lower bounds of the rows' final counts above each bin.
 #pragma unroll
     for (int r = 0; r < QSA_MAX_GROUP_ROWS; ++r) {
         const bool on = r < rows && ((wide >> r) & 1u);
-        unsigned* G = g.row(r).hist;
+        unsigned* G = g.row(r < rows ? r : 0).hist;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
             const int b = GRID_BINS - 1 - ((int)threadIdx.x * PER + i);
-            c[r][i] = on ? hist[r * GRID_BINS + b] : 0u;
-            if (c[r][i]) c[r][i] += atomicAdd(&G[b], c[r][i]);
+            const unsigned mine = on ? hist[r * GRID_BINS + b] : 0u;
+            if (mine) atomicAdd(&G[b], mine);
+            c[r][i] += mine;
         }
     }
     int parity = 0;
@@ -318,7 +332,7 @@ __device__ __forceinline__ FusedThreshold fused_radix(int m, const Value& value,
         for (int j = threadIdx.x; j < m; j += QSA_FUSED_THREADS) {
             if (!pred(j)) continue;
             const unsigned v = value(j);
-            if ((v & t.mask) == t.prefix) atomicAdd(&H[(v >> shift) & dmask], 1u);
+            if ((v & t.mask) == t.prefix) hist_add_one(H, (v >> shift) & dmask);
         }
         __syncthreads();
         const int per = nb / QSA_FUSED_THREADS;
@@ -375,7 +389,18 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
     __syncthreads();
     FusedCands cands = {offs, nullptr, area.cands, split, cap};
     if (m <= FUSED_CACHE) {
-        for (int j = threadIdx.x; j < (int)m; j += QSA_FUSED_THREADS) cache[j] = cands.at_global(j);
+        constexpr int U = 8;  // loads in flight a thread
+        for (int j0 = threadIdx.x; j0 < (int)m; j0 += U * QSA_FUSED_THREADS) {
+            uint2 v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int j = j0 + u * QSA_FUSED_THREADS;
+                v[u] = j < (int)m ? cands.at_global(j) : make_uint2(0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (j0 + u * QSA_FUSED_THREADS < (int)m) cache[j0 + u * QSA_FUSED_THREADS] = v[u];
+        }
         cands.cache = cache;
         __syncthreads();
     }

@@ -113,6 +113,18 @@ __device__ __forceinline__ unsigned long long warp_ballot(bool p) { return __bal
 __device__ __forceinline__ unsigned long long warp_ballot(bool p) { return __ballot_sync(TOPK_FULL_MASK, p); }
 #endif
 
+// Adds one to H[bin] (shared memory) for every calling lane, the lanes of a warp that name the same bin aggregated
+// into one atomic: keys bunched in a few bins (the top bins of a row's candidates, ties) would otherwise serialise on
+// one address.  Any subset of a warp's lanes may call it.  NVIDIA sm_70+ (__match_any_sync); a plain atomic elsewhere.
+__device__ __forceinline__ void hist_add_one(unsigned* H, unsigned bin) {
+#if !TOPK_EMULATE && !TOPK_HIP && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 700)
+    const unsigned peers = __match_any_sync(__activemask(), bin);
+    if ((threadIdx.x & 31u) == (unsigned)(__ffs(peers) - 1)) atomicAdd(&H[bin], (unsigned)__popc(peers));
+#else
+    atomicAdd(&H[bin], 1u);
+#endif
+}
+
 // A word other CTAs of the launch wrote (read past L1: CUDA's ld.global.cg; HIP's volatile load).
 __device__ __forceinline__ int load_cg(const int* p) {
 #if TOPK_HIP

@@ -496,7 +496,9 @@ def test_gpu_matches_its_own_scores_and_the_composite_path(monkeypatch, rng, sha
                                                            fused)
     composite = run_op(monkeypatch, batch, token_topk, hints, "composite")
     agree = (fused == composite).float().mean().item()
-    assert agree > 0.99, agree  # equal but for scores a rounding apart at the threshold
+    # Equal but for scores a rounding apart at the threshold (the composite path scores with another kernel); a
+    # quantised cache's coarser keys leave more of them near the threshold (fp8 verify, page 16: 0.989 on an H100).
+    assert agree > (0.99 if cache is None else 0.97), agree
 
 
 @pytest.mark.gpu
