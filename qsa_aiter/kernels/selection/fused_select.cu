@@ -31,9 +31,10 @@
 //      gate, (key, column) pairs, into its own area of the row's candidates, and their number into its count word;
 //   4  arrives on the group's counter (a fence, then one atomic); the CTA that arrives last (fused_finish) has
 //      every candidate of the group's rows: all keys of every bin at or above each row's threshold bin, a superset
-//      of the row's top K.  It selects them exactly in shared memory: a radix select over the candidates' keys (11,
-//      11, 10 bits, stopping where the threshold's digit bin is taken whole), the ties at the threshold key to the
-//      lowest columns (the same radix select over the columns' complements), then writes the selected columns in
+//      of the row's top K.  It selects them exactly in shared memory: the threshold's first 11 bits from the row's
+//      merged histogram (complete now), then a radix select over the candidates in that bin (11, then 10 bits,
+//      stopping where a digit's bin is taken whole), the ties at the threshold key to the lowest columns (the same
+//      radix select over the columns' complements), then writes the selected columns in
 //      ascending order (a bitmap of the row's columns in shared memory, 65536 columns a pass, and a block scan of
 //      its words' popcounts) with the expansion fused, and leaves the row's workspace clean for the next launch.
 // Rows whose visible count is at most K take 0 .. visible-1 from the last arriver, without a score read; a group none
@@ -44,8 +45,9 @@
 // their bytes over HBM bandwidth.  Added to every CTA after its tiles: the histogram over its chunk in shared memory,
 // the returning atomics of its non-zero bins, a block scan of 2048 bins, the
 // candidates' stores, a fence and the arrival (~2-3 us, overlapped by the other CTAs' tiles where the grid is larger
-// than one wave).  Added once per group, after its last CTA: the counts and the candidates read from L2 (two round
-// trips), three radix passes over the candidates in shared memory, the ordered output (~3-5 us a row; the rows of a
+// than one wave).  Added once per group, after its last CTA: the merged histogram, the counts and the candidates read
+// from L2 (two round trips), a block scan, one or two radix passes over the candidates in shared memory, the ordered
+// output (~3-5 us a row; the rows of a
 // group one after another).  Candidates: each CTA's keys at or above the gate it knows when it offers: all of them
 // for the first CTAs of a row (their counts alone do not reach K), then a shrinking share, about K x (1 + ln(CTAs a
 // row)) plus the threshold bin's keys for untied scores; constant or heavily tied rows offer more, up to every
@@ -303,16 +305,46 @@ struct FusedThreshold {
     bool all;
 };
 
-// The `want` largest of value(j) over the candidates j < m with pred(j) (want >= 1, and at least want of them): three
-// passes of 11, 11 and 10 bits, each a shared histogram of the digit under the prefix found so far and a block-wide
-// suffix scan; stops where the digit's bin is taken whole.
+// One digit's step of the radix select: thread t holds the counts of bins nb - 1 - (t * per + i) in loc (the bins
+// walked from the top); finds the bin where the count from the top reaches t.rank, and narrows t to it (t.all where
+// the bin is taken whole).  Two barriers; `parity` picks the scan's buffer.
+template <int PER_MAX>
+__device__ __forceinline__ void fused_digit(const unsigned (&loc)[PER_MAX], int per, int nb, int shift,
+                                            FusedThreshold& t, unsigned* tail, int& parity) {
+    unsigned sum = 0, total;
+#pragma unroll
+    for (int i = 0; i < PER_MAX; ++i) sum += i < per ? loc[i] : 0u;
+    unsigned above = grid_excl_scan<QSA_FUSED_THREADS>(sum, total, tail + parity * (FUSED_NW + 1));
+    parity ^= 1;
+#pragma unroll
+    for (int i = 0; i < PER_MAX; ++i) {
+        if (i < per && above < t.rank && above + loc[i] >= t.rank) {
+            tail[FUSED_W_SEL] = (unsigned)(nb - 1 - ((int)threadIdx.x * per + i));
+            tail[FUSED_W_SEL + 1] = t.rank - above;
+            tail[FUSED_W_SEL + 2] = loc[i];
+        }
+        above += i < per ? loc[i] : 0u;
+    }
+    __syncthreads();
+    const unsigned bin = tail[FUSED_W_SEL], rank = tail[FUSED_W_SEL + 1], count = tail[FUSED_W_SEL + 2];
+    __syncthreads();  // every thread has read them before the next digit writes them
+    t.prefix |= bin << shift;
+    t.mask |= ((unsigned)nb - 1u) << shift;
+    t.rank = rank;
+    t.all = rank == count;
+}
+
+// The radix select from digit `first` (0: bits 31..21, 1: bits 20..10, 2: bits 9..0) on: narrows t (the threshold
+// after the digits before `first`; t.rank >= 1 values still to place, at least that many at it) over value(j) of the
+// candidates j < m with pred(j), a shared histogram of the digit under the prefix found so far a pass; stops where a
+// digit's bin is taken whole.
 template <class Value, class Pred>
-__device__ __forceinline__ FusedThreshold fused_radix(int m, const Value& value, const Pred& pred, unsigned want,
-                                                      unsigned* H, unsigned* tail) {
-    FusedThreshold t = {0u, 0u, want, false};
+__device__ __forceinline__ FusedThreshold fused_radix(int m, const Value& value, const Pred& pred, FusedThreshold t,
+                                                      int first, unsigned* H, unsigned* tail) {
+    constexpr int PER_MAX = GRID_BINS / QSA_FUSED_THREADS;
     int parity = 0;
 #pragma unroll 1
-    for (int d = 0; d < 3; ++d) {
+    for (int d = first; d < 3 && !t.all; ++d) {
         const int shift = d == 0 ? 21 : (d == 1 ? 10 : 0);
         const int nb = d == 2 ? 1024 : 2048;
         const unsigned dmask = (unsigned)nb - 1u;
@@ -325,33 +357,10 @@ __device__ __forceinline__ FusedThreshold fused_radix(int m, const Value& value,
         }
         __syncthreads();
         const int per = nb / QSA_FUSED_THREADS;
-        unsigned loc[GRID_BINS / QSA_FUSED_THREADS], sum = 0, total;
+        unsigned loc[PER_MAX];
 #pragma unroll
-        for (int i = 0; i < GRID_BINS / QSA_FUSED_THREADS; ++i) {
-            loc[i] = i < per ? H[nb - 1 - ((int)threadIdx.x * per + i)] : 0u;
-            sum += loc[i];
-        }
-        unsigned above = grid_excl_scan<QSA_FUSED_THREADS>(sum, total, tail + parity * (FUSED_NW + 1));
-        parity ^= 1;
-#pragma unroll
-        for (int i = 0; i < GRID_BINS / QSA_FUSED_THREADS; ++i) {
-            if (i < per && above < t.rank && above + loc[i] >= t.rank) {
-                tail[FUSED_W_SEL] = (unsigned)(nb - 1 - ((int)threadIdx.x * per + i));
-                tail[FUSED_W_SEL + 1] = t.rank - above;
-                tail[FUSED_W_SEL + 2] = loc[i];
-            }
-            above += loc[i];
-        }
-        __syncthreads();
-        const unsigned bin = tail[FUSED_W_SEL], rank = tail[FUSED_W_SEL + 1], count = tail[FUSED_W_SEL + 2];
-        __syncthreads();  // every thread has read them before the next pass writes them
-        t.prefix |= bin << shift;
-        t.mask |= dmask << shift;
-        t.rank = rank;
-        if (rank == count) {
-            t.all = true;
-            break;
-        }
+        for (int i = 0; i < PER_MAX; ++i) loc[i] = i < per ? H[nb - 1 - ((int)threadIdx.x * per + i)] : 0u;
+        fused_digit(loc, per, nb, shift, t, tail, parity);
     }
     return t;
 }
@@ -365,6 +374,15 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
     unsigned* offs = smem + FUSED_OFFS_WORD;
     unsigned* bitmap = smem + FUSED_BITMAP_WORD;
     uint2* cache = reinterpret_cast<uint2*>(smem + FUSED_CACHE_WORD);
+    // The row's merged histogram, complete now (every CTA of the group added its bins), gives the first digit of the
+    // threshold without a pass over the candidates (whose keys crowd into a few top bins: a shared histogram of them
+    // serialises its atomics); its loads go with the counts', and each thread zeroes the bins it read (the
+    // workspace is left clean).
+    constexpr int PER = GRID_BINS / QSA_FUSED_THREADS;
+    unsigned loc[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i)
+        loc[i] = (unsigned)load_cg((const int*)area.hist + GRID_BINS - 1 - ((int)threadIdx.x * PER + i));
     // The parts' counts (contiguous shares a thread) and their exclusive prefix.
     const int share = (split + QSA_FUSED_THREADS - 1) / QSA_FUSED_THREADS;
     const int p0 = (int)threadIdx.x * share;
@@ -393,14 +411,20 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
         cands.cache = cache;
         __syncthreads();
     }
-    // The K best keys; then, unless every key at the threshold is taken, the ties to the lowest columns.
-    const FusedThreshold keys = fused_radix(
-        (int)m, [&](int j) { return cands(j).x; }, [](int) { return true; }, (unsigned)K, H, tail);
+    // The K best keys: the first digit from the merged histogram, the others over the candidates in its bin; then,
+    // unless every key at the threshold is taken, the ties to the lowest columns.
+    FusedThreshold keys = {0u, 0u, (unsigned)K, false};
+    int parity = 1;
+    fused_digit(loc, PER, GRID_BINS, 21, keys, tail, parity);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) area.hist[GRID_BINS - 1 - ((int)threadIdx.x * PER + i)] = 0u;
+    keys = fused_radix((int)m, [&](int j) { return cands(j).x; }, [](int) { return true; }, keys, 1, H, tail);
     FusedThreshold cols = {0u, 0u, 0u, true};
     if (!keys.all)
         cols = fused_radix(
             (int)m, [&](int j) { return ~cands(j).y; },
-            [&](int j) { return (cands(j).x & keys.mask) == keys.prefix; }, keys.rank, H, tail);
+            [&](int j) { return (cands(j).x & keys.mask) == keys.prefix; }, FusedThreshold{0u, 0u, keys.rank, false},
+            0, H, tail);
     auto selected = [&](uint2 c) {
         const unsigned km = c.x & keys.mask;
         return km > keys.prefix || (km == keys.prefix && (keys.all || (~c.y & cols.mask) >= cols.prefix));
@@ -409,7 +433,6 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
     constexpr int WPT = FUSED_BITMAP_WORDS / QSA_FUSED_THREADS;
     constexpr int SPAN = FUSED_BITMAP_WORDS * 32;
     unsigned base = 0, kept = 0;
-    int parity = 1;
 #pragma unroll 1
     for (int w0 = 0; w0 < n; w0 += SPAN) {
         const int words = (n - w0 < SPAN ? n - w0 + 31 : SPAN) / 32;
@@ -451,8 +474,7 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
         }
         grid_tail(ts, total, width, threadIdx.x, QSA_FUSED_THREADS);
     }
-    // Leave the row's words clean: the histogram and the gate (the counts and candidates are rewritten).
-    for (int b = threadIdx.x; b < GRID_BINS; b += QSA_FUSED_THREADS) area.hist[b] = 0u;
+    // Leave the row's words clean: the gate (the histogram is zeroed above; the counts and candidates are rewritten).
     if (threadIdx.x == 0) *area.gate = 0u;
     __syncthreads();
 }
