@@ -164,24 +164,27 @@ def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tenso
 
 def stamp_buffer(plan: kernels.Plan, device=None) -> torch.Tensor:
     """A zeroed int64 buffer for ``plan``'s debug phase stamps (``plan.stamp_words``: ``STAMP_COUNT`` timer words
-    a CTA, CTA ``b``'s at ``b * STAMP_COUNT``; the finish stamp only in the CTAs that arrived last)."""
+    a CTA, CTA ``b``'s at ``b * STAMP_COUNT``; the finish stamp only in the CTAs that arrived last and the
+    selectors)."""
     return torch.zeros(plan.stamp_words, dtype=torch.int64, device=device)
 
 
 def phase_times(stamps: torch.Tensor, plan: kernels.Plan) -> dict[str, float]:
     """The debug stamps of a launch of ``plan`` as durations in microseconds: for each phase of ``kernels.PHASES``
-    the median over the CTAs of its duration (the next stamp less its own; "finish" over the CTAs that arrived last,
-    the only ones that write it), ``"span"``: the median over CTAs of their arrival less their start, and
-    ``"last"``: the latest finish less the earliest start (the kernel's span)."""
+    the median over the scoring CTAs of its duration (the next stamp less its own; "finish" over the CTAs that
+    write it: each group's last arriver and the selectors, whose own records stamp their wait as "arrive"),
+    ``"span"``: the median over the scoring CTAs of their arrival less their start, and ``"last"``: the latest finish
+    less the earliest start (the kernel's span)."""
     records = stamps[: plan.stamp_words].detach().to("cpu", torch.int64).view(plan.grid, kernels.STAMP_COUNT)
     flat = records.double()
+    scoring = flat[: plan.row_groups * plan.split]
     times = {}
     for i, name in enumerate(kernels.PHASES):
-        rows = flat[flat[:, i + 1] != 0] if name == "finish" else flat
+        rows = flat[flat[:, i + 1] != 0] if name == "finish" else scoring
         times[name] = float((rows[:, i + 1] - rows[:, i]).median()) / 1e3 if len(rows) else float("nan")
     arrive = kernels.PHASES.index("arrive") + 1
-    times["span"] = float((flat[:, arrive] - flat[:, 0]).median()) / 1e3
+    times["span"] = float((scoring[:, arrive] - scoring[:, 0]).median()) / 1e3
     finished = flat[:, -1][flat[:, -1] != 0]
-    ends = finished if len(finished) else flat[:, arrive]
+    ends = finished if len(finished) else scoring[:, arrive]
     times["last"] = float(ends.max() - flat[:, 0].min()) / 1e3
     return times

@@ -1,5 +1,5 @@
 // fused_select.cu -- the indexer step in one launch: scoring on the tensor cores (native_scorer.cu's tile), the exact
-// block top-k of the scores and the expansion to tokens, with no logits in HBM and no CTA ever waiting on another.
+// block top-k of the scores and the expansion to tokens, with no logits in HBM and no CTA waiting on a later one.
 //
 // Contract (SPEC.md sections 1, 2; qsa_select_paged_tokens for the native scorer's caches: bf16, fp16, fp8 e4m3fn with
 // bf16 or fp16 queries, MXFP4 with bf16 queries; 4 heads, head_dim 128): for query row t with visible[t] as
@@ -14,8 +14,9 @@
 // that scores (one of its rows sees more than K columns), rows scores_ld apart.
 //
 // Work.  The scorer's grid: row_groups * split CTAs of 128 threads, CTA b part b % split of row group b / split (a
-// group: group_rows <= 4 consecutive rows, one request's verify rows or one decode row).  No CTA waits for another,
-// so the grid may be larger than what is resident (no cooperative launch).  A CTA
+// group: group_rows <= 4 consecutive rows, one request's verify rows or one decode row), then, for groups of several
+// rows, group_rows - 1 selector CTAs a group (below).  The grid may be larger than what is resident (no cooperative
+// launch): no CTA waits for another except a selector for its group's scoring CTAs, of lower index.  A CTA
 //   1  loads q of the group as the MMA's A operand and the rows' visible counts (native_scorer.cu's
 //      load_query_fragments_of, row_visibility);
 //   2  scores its chunk, columns [part * chunk, (part + 1) * chunk) with chunk = round_up(ceil(basis / split), 64) and
@@ -37,6 +38,10 @@
 //      radix select over the columns' complements), then writes the selected columns in
 //      ascending order (a bitmap of the row's columns in shared memory, 65536 columns a pass, and a block scan of
 //      its words' popcounts) with the expansion fused, and leaves the row's workspace clean for the next launch.
+//      In a group of several rows it selects row 0 only: it first releases the group's selector CTAs (a release
+//      store), one a row 1 .. group_rows - 1, which wait for that word and then select their rows the same way at
+//      the same time.  A selector waits only on CTAs of lower index, dispatched before it (a single-pass scan's
+//      look-back makes the same assumption): they are resident or done, so the wait ends.
 // Rows whose visible count is at most K take 0 .. visible-1 from the last arriver, without a score read; a group none
 // of whose rows sees more than K columns is not scored at all.
 //
@@ -47,8 +52,7 @@
 // candidates' stores, a fence and the arrival (~2-3 us, overlapped by the other CTAs' tiles where the grid is larger
 // than one wave).  Added once per group, after its last CTA: the merged histogram, the counts and the candidates read
 // from L2 (two round trips), a block scan, one or two radix passes over the candidates in shared memory, the ordered
-// output (~3-5 us a row; the rows of a
-// group one after another).  Candidates: each CTA's keys at or above the gate it knows when it offers: all of them
+// output (~3-5 us a row; a group's rows at the same time, on its last arriver and its selectors).  Candidates: each CTA's keys at or above the gate it knows when it offers: all of them
 // for the first CTAs of a row (their counts alone do not reach K), then a shrinking share, about K x (1 + ln(CTAs a
 // row)) plus the threshold bin's keys for untied scores; constant or heavily tied rows offer more, up to every
 // column (the last arriver then reads them from L2 instead of shared memory: slower, never wrong).
@@ -101,9 +105,12 @@
 #define FUSED_MAX_SPLIT 1024
 #define FUSED_CACHE_WORD 3080
 #define FUSED_CACHE 6652
-// Workspace words a row: the head (the group's arrival counter in its first row, the gate; a 128-byte line), then the
-// histogram.
+// Workspace words a row: the head (a 128-byte line: the gate at word 1; in a group's first row also the arrival
+// counter at word 0, the selectors' release word (64-bit) at FUSED_W_RELEASE and their counter at FUSED_W_SELECTED),
+// then the histogram.
 #define FUSED_ROW_HEAD 32
+#define FUSED_W_RELEASE 2
+#define FUSED_W_SELECTED 4
 #define FUSED_ROW_CLEAN (FUSED_ROW_HEAD + GRID_BINS)
 
 static_assert(QSA_SHARED_BYTES % 16 == 0, "the tail's words and the stash start 16-byte aligned");
@@ -500,6 +507,32 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
         num_tokens, num_requests, num_pages, num_columns, table_width, table_stride, page_stride, slot_stride,     \
         group_rows, row_groups, split, cap, K, ratio, scale_bits, wide, aligned, width, tok_ld, scores_ld
 
+// Rows [r0, r1) of a group after every CTA of it arrived: each row's select and output (fused_finish_row), or for a
+// row that sees at most K columns its visible groups.
+__device__ __forceinline__ void fused_finish_rows(const FusedGroup& g, const int* s_vis, int r0, int r1,
+                                                  long long first_row, int K, int split, int cap, int* __restrict__ out,
+                                                  const GridExpand& x, int width, unsigned* smem, unsigned* tail) {
+#pragma unroll 1
+    for (int r = r0; r < r1; ++r) {
+        const int n = s_vis[r];
+        const int row = (int)first_row + r;
+        const GridTokens ts = grid_tokens(row, x);
+        int* orow = out + (long long)row * K;
+        if (n > K) {
+            fused_finish_row(g.row(r), n, K, split, cap, orow, ts, width, smem, tail);
+            continue;
+        }
+        for (int i = threadIdx.x; i < K; i += QSA_FUSED_THREADS) {
+            orow[i] = i < n ? i : -1;
+            if (ts.trow != nullptr && i < n) grid_group_tokens(ts, i, i);
+        }
+        if (ts.trow != nullptr) {
+            const long long all = (long long)n * ts.R;
+            grid_tail(ts, all < ts.limit ? all : ts.limit, width, threadIdx.x, QSA_FUSED_THREADS);
+        }
+    }
+}
+
 template <int PAGE, bool F16, int KIND>
 __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     TOPK_DYNAMIC_SMEM(smem);
@@ -510,14 +543,21 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     unsigned* tail = reinterpret_cast<unsigned*>(tiles + QSA_SHARED_BYTES);
     unsigned* stash = reinterpret_cast<unsigned*>(tiles + FUSED_STASH_OFFSET);
     wait_for_prior_grid();
-    const int group = blockIdx.x / split, part = blockIdx.x % split;
+    // The grid: row_groups * split scoring CTAs, then (where the plan has them) group_rows - 1 selector CTAs a group,
+    // which select rows 1 .. group_rows - 1 while the group's last arriver selects row 0.
+    const int scoring = row_groups * split;
+    const int selectors = ((int)gridDim.x - scoring) / row_groups;  // a group's: 0 or group_rows - 1
+    const bool selector = (int)blockIdx.x >= scoring;
+    const int group = selector ? ((int)blockIdx.x - scoring) / selectors : (int)blockIdx.x / split;
+    const int part = selector ? 0 : (int)blockIdx.x % split;
     const long long first_row = (long long)group * group_rows;
     unsigned long long* const rec = stamps == nullptr ? nullptr : stamps + (long long)blockIdx.x * QSA_STAMP_COUNT;
     const FusedGroup g = {workspace + first_row * FUSED_ROW_CLEAN,
                           candidates + first_row * (((split + 3) & ~3) + 2ll * split * cap), split, cap};
+    unsigned long long* const release = reinterpret_cast<unsigned long long*>(g.clean + FUSED_W_RELEASE);
     qsa_stamp(rec, QSA_STAMP_START);
     unsigned a[QSA_K_STEPS][4];
-    load_query_fragments_of<KIND>(q, first_row, group_rows, num_tokens, a);
+    if (!selector) load_query_fragments_of<KIND>(q, first_row, group_rows, num_tokens, a);
     if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
         int req = -1, vis = 0;
         if ((int)threadIdx.x < group_rows)
@@ -529,6 +569,33 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     __syncthreads();
     qsa_stamp(rec, QSA_STAMP_QUERY);
     const int rows = num_tokens - first_row < group_rows ? (int)(num_tokens - first_row) : group_rows;
+    // idx_wide for grid_tokens: positions 1, contexts 2, requests 4.
+    const int idx_wide = ((wide & QSA_WIDE_POSITIONS) ? 1 : 0) | ((wide & QSA_WIDE_CONTEXTS) ? 2 : 0) |
+                         ((wide & QSA_WIDE_REQUESTS) ? 4 : 0);
+    const GridExpand x = {query_positions, context_lens, token_to_request, tokens, num_requests, ratio, tok_ld,
+                          idx_wide};
+    if (selector) {
+        // Row r of the group, once its last arriver releases it.  This CTA waits only on CTAs of lower index (its
+        // group's scoring CTAs), which are dispatched before it: they are resident or done, as a single-pass scan's
+        // look-back assumes, so the wait ends without a cooperative launch.
+        const int r = 1 + ((int)blockIdx.x - scoring) % selectors;
+        qsa_stamp(rec, QSA_STAMP_SCORE);
+        qsa_stamp(rec, QSA_STAMP_OFFER);
+        if (threadIdx.x == 0)
+            while (grid_load_acquire(release) == 0ull) grid_pause();
+        __syncthreads();
+        qsa_stamp(rec, QSA_STAMP_ARRIVE);
+        if (r < rows) fused_finish_rows(g, s_vis, r, r + 1, first_row, K, split, cap, out, x, width, smem, tail);
+        __syncthreads();
+        if (threadIdx.x == 0) {  // the group's last selector leaves the release word and its counter clean
+            if (atomicAdd(g.clean + FUSED_W_SELECTED, 1u) == (unsigned)selectors - 1u) {
+                g.clean[FUSED_W_SELECTED] = 0u;
+                *release = 0ull;
+            }
+        }
+        qsa_stamp(rec, QSA_STAMP_FINISH);
+        return;
+    }
     int basis = 0;
     unsigned wide_rows = 0;
     for (int i = 0; i < rows; ++i) {
@@ -557,36 +624,14 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
         if (last) {
             g.clean[0] = 0u;  // every CTA of the group has arrived: the counter is free for the next launch
             grid_fence();      // acquire the other CTAs' candidates
+            if (selectors) grid_store_release(release, 1ull);  // the selectors' rows (and all they need) are ready
         }
         tail[FUSED_W_LAST] = last;
     }
     __syncthreads();
     qsa_stamp(rec, QSA_STAMP_ARRIVE);
     if (!tail[FUSED_W_LAST]) return;  // CTA-uniform
-    // idx_wide for grid_tokens: positions 1, contexts 2, requests 4.
-    const int idx_wide = ((wide & QSA_WIDE_POSITIONS) ? 1 : 0) | ((wide & QSA_WIDE_CONTEXTS) ? 2 : 0) |
-                         ((wide & QSA_WIDE_REQUESTS) ? 4 : 0);
-    const GridExpand x = {query_positions, context_lens, token_to_request, tokens, num_requests, ratio, tok_ld,
-                          idx_wide};
-#pragma unroll 1
-    for (int r = 0; r < rows; ++r) {
-        const int n = s_vis[r];
-        const int row = (int)first_row + r;
-        const GridTokens ts = grid_tokens(row, x);
-        int* orow = out + (long long)row * K;
-        if (n > K) {
-            fused_finish_row(g.row(r), n, K, split, cap, orow, ts, width, smem, tail);
-            continue;
-        }
-        for (int i = threadIdx.x; i < K; i += QSA_FUSED_THREADS) {
-            orow[i] = i < n ? i : -1;
-            if (ts.trow != nullptr && i < n) grid_group_tokens(ts, i, i);
-        }
-        if (ts.trow != nullptr) {
-            const long long all = (long long)n * ts.R;
-            grid_tail(ts, all < ts.limit ? all : ts.limit, width, threadIdx.x, QSA_FUSED_THREADS);
-        }
-    }
+    fused_finish_rows(g, s_vis, 0, selectors ? 1 : rows, first_row, K, split, cap, out, x, width, smem, tail);
     qsa_stamp(rec, QSA_STAMP_FINISH);
 }
 

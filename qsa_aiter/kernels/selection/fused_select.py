@@ -132,9 +132,9 @@ def variants_for(platform: Platform) -> tuple[Variant, ...]:
 @dataclass(frozen=True)
 class Plan:
     """One launch: ``variant``; ``row_groups`` groups of ``group_rows`` rows; ``split`` CTAs a group (the grid is
-    ``row_groups * split`` CTAs, not necessarily resident at once); ``cap``: the scores a CTA holds per row and the
-    candidates' room a CTA and row in the workspace (a multiple of ``grid.TILE``; 0 where no row is wider than the
-    budget)."""
+    ``row_groups * split`` CTAs and the ``selectors``, not necessarily resident at once); ``cap``: the scores a CTA
+    holds per row and the candidates' room a CTA and row in the workspace (a multiple of ``grid.TILE``; 0 where no
+    row is wider than the budget)."""
 
     variant: Variant
     group_rows: int
@@ -147,8 +147,14 @@ class Plan:
         return BASE_SHARED_BYTES + 4 * self.group_rows * self.cap
 
     @property
+    def selectors(self) -> int:
+        """The selector CTAs after the scoring ones: ``group_rows - 1`` a group where rows are scored (the group's
+        last arriving CTA selects row 0, a selector each other row, at the same time); none for one-row groups."""
+        return self.row_groups * (self.group_rows - 1) if self.cap else 0
+
+    @property
     def grid(self) -> int:
-        return self.row_groups * self.split
+        return self.row_groups * self.split + self.selectors
 
     @property
     def stamp_words(self) -> int:
@@ -174,8 +180,9 @@ class Plan:
 
     def describe(self) -> str:
         return (f"{self.variant.name}: {self.row_groups} row groups of {self.group_rows} rows, split {self.split} "
-                f"CTAs a group (grid {self.grid} of {THREADS} threads), {self.shared_bytes} B shared memory per CTA, "
-                f"workspace {4 * self.workspace_words} B, candidates {4 * self.candidate_words} B")
+                f"CTAs a group and {self.selectors} selectors (grid {self.grid} of {THREADS} threads), "
+                f"{self.shared_bytes} B shared memory per CTA, workspace {4 * self.workspace_words} B, candidates "
+                f"{4 * self.candidate_words} B")
 
 
 def max_cap(group_rows: int, platform: Platform, per_multiprocessor: int = 1) -> int:

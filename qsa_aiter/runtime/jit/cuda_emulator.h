@@ -370,6 +370,7 @@ inline void matrix_collective(WarpOp op, int arg, const uint64_t* operands, int 
 
 #define threadIdx (emu::current().thread_idx)
 #define blockIdx (emu::current().block_idx)
+#define gridDim (emu::launch().grid_dim)  // emu::launch() is declared below, before any kernel uses it
 #define TOPK_DYNAMIC_SMEM(name) unsigned* name = emu::dynamic_smem()
 
 inline void __syncthreads() { emu::syncthreads(); }
@@ -506,6 +507,7 @@ struct Launch {
     Cluster cluster;
     void (*body)(void*) = nullptr;
     void* body_arg = nullptr;
+    dim3 grid_dim;
     ~Launch() {
         for (char* stack : stacks) delete[] stack;
     }
@@ -560,6 +562,8 @@ inline std::string run(int grid, int block, int cluster, size_t smem_bytes, void
     if (block % kWarp || block <= 0 || cluster <= 0 || grid % cluster) return "bad launch shape";
     Launch& l = launch();
     l.body = body;
+    l.grid_dim = dim3();
+    l.grid_dim.x = grid;
     l.body_arg = arg;
     unsigned rng = order_seed * 2654435761u + 12345u;
     for (int c0 = 0; c0 < grid && sched.error.empty(); c0 += cluster) {

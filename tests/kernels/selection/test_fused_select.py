@@ -166,7 +166,7 @@ def test_variants_the_catalog_and_plans():
     batch = make_batch([20000, 30000, 9000], 4, page_size=64)
     problem, _ = selection(batch, 2048, dict(max_query_len=4))
     plan = fs.choose_plan(problem, SM90)
-    assert plan.group_rows == 4 and plan.row_groups == 3 and plan.grid == 3 * plan.split
+    assert plan.group_rows == 4 and plan.row_groups == 3 and plan.selectors == 9 and plan.grid == 3 * plan.split + 9
     assert plan.cap * plan.split >= problem.score.num_columns and plan.cap % 64 == 0
     # The scorer's split where the scores fit 3 CTAs a multiprocessor: one wave over the multiprocessors.
     assert plan.split == min(-(-problem.score.num_columns // 128), SM90.multiprocessors * 3 // 3)

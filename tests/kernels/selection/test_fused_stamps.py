@@ -27,8 +27,8 @@ def test_the_source_s_record_is_the_declared_one():
     assert re.search(rf"#define QSA_STAMP_COUNT {fs.STAMP_COUNT}\b", compat)
     assert len(fs.PHASES) + 1 == fs.STAMP_COUNT
     assert ("stamps", "unsigned long long*") in fs.POINTERS
-    plan = fs.Plan(fs.VARIANTS[0], 4, 7, 3, 256)
-    assert plan.stamp_words == 21 * fs.STAMP_COUNT
+    plan = fs.Plan(fs.VARIANTS[0], 4, 7, 3, 256)  # 21 scoring CTAs and 3 selectors a group
+    assert plan.stamp_words == (21 + 21) * fs.STAMP_COUNT
     assert stamp_buffer(plan).shape == (plan.stamp_words,) and not stamp_buffer(plan).any()
 
 
@@ -42,13 +42,13 @@ def plan_of(problem, batch, split: int) -> fs.Plan:
 
 @needs_emulator
 def test_emulated_stamps_are_ordered_and_leave_the_selection_alone(rng):
-    """Verify rows in 3 row groups of 3 CTAs, a request shorter than the budget (its group is not scored: its stamps
-    still go in order); one finish stamp a group."""
+    """Verify rows in 3 row groups of 3 CTAs and 3 selectors, a request shorter than the budget (its group is not
+    scored: its stamps still go in order); a finish stamp in each group's last arriver and in every selector."""
     batch = make_batch([1500, 40, 900], [4, 4, 2], page_size=16, generator=rng)
     hints = dict(max_query_len=4)
     problem, args = selection_call(batch, 64, hints)
     plan = plan_of(problem, batch, 3)
-    assert plan.row_groups == 3 and plan.grid == 9
+    assert plan.row_groups == 3 and plan.selectors == 9 and plan.grid == 18
     plain, _ = emulated_fused_select(problem, args, plan)
     tokens = args.out.clone()
     args.out.fill_(-5)
@@ -58,15 +58,17 @@ def test_emulated_stamps_are_ordered_and_leave_the_selection_alone(rng):
     records = stamps.view(plan.grid, fs.STAMP_COUNT)
     assert (records[:, :-1] > 0).all() and (records[:, 1:-1] >= records[:, :-2]).all(), records
     finished = records[:, -1] != 0
-    assert finished.view(plan.row_groups, plan.split).sum(1).tolist() == [1, 1, 1]
+    scoring = plan.row_groups * plan.split
+    assert finished[:scoring].view(plan.row_groups, plan.split).sum(1).tolist() == [1, 1, 1]  # the last arrivers
+    assert finished[scoring:].all()  # every selector
     assert (records[finished, -1] >= records[finished, -2]).all()
     times = phase_times(stamps, plan)
     assert set(times) == {*fs.PHASES, "span", "last"} and all(t >= 0 for t in times.values())
 
 
 def test_phase_times_are_the_medians_of_the_records():
-    """Three CTAs of one group, phases of known lengths, the last one's finish 7 us."""
-    plan = fs.Plan(fs.VARIANTS[0], 4, 1, 3, 256)
+    """Three CTAs of one one-row group (no selectors), phases of known lengths, the last one's finish 7 us."""
+    plan = fs.Plan(fs.VARIANTS[0], 1, 1, 3, 256)
     stamps = stamp_buffer(plan).view(plan.grid, fs.STAMP_COUNT)
     steps = {0: [1, 2, 3, 4], 1: [3, 2, 1, 8], 2: [2, 2, 2, 2]}
     for cta, lengths in steps.items():
