@@ -135,6 +135,24 @@ __device__ __forceinline__ void row_visibility(const void* token_to_request, con
     vis = (int)clamp64(by_position < by_context ? by_position : by_context, 0, num_columns);
 }
 
+// The group's request ids and visible counts into s_req[i] / s_vis[i] (written by threads 0 .. QSA_MAX_GROUP_ROWS - 1;
+// rows past the group or the call: no request, nothing visible).  Returns the calling thread's row's visible count
+// (threads below group_rows).  No barrier: the caller's makes them visible.
+__device__ __forceinline__ int load_group_rows(const void* token_to_request, const void* query_positions,
+                                               const void* context_lens, long long first_row, int group_rows,
+                                               int num_tokens, int num_requests, int num_columns, int ratio, int wide,
+                                               int* s_req, int* s_vis) {
+    int req = -1, vis = 0;
+    if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
+        if ((int)threadIdx.x < group_rows)
+            row_visibility(token_to_request, query_positions, context_lens, first_row + threadIdx.x, num_tokens,
+                           num_requests, num_columns, ratio, wide, req, vis);
+        s_req[threadIdx.x] = req;
+        s_vis[threadIdx.x] = vis;
+    }
+    return vis;
+}
+
 // q of the group as the MMA's A operand: M = rows x heads (m = row * 4 + head, q's memory order), K = head_dim;
 // rows past the group or past num_tokens are zero.  16-bit loads: q needs no alignment beyond its element's.
 __device__ __forceinline__ void load_query_fragments(const unsigned short* __restrict__ q, long long first_row,
@@ -649,16 +667,10 @@ __device__ __forceinline__ void score_kernel(QSA_SCORER_PARAMS) {
     // q first: its loads depend on nothing, so they overlap the metadata's chain (request id, then context length).
     unsigned a[QSA_K_STEPS][4];
     load_query_fragments_of<KIND>(q, first_row, group_rows, num_tokens, a);
-    if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
-        int req = -1, vis = 0;
-        if ((int)threadIdx.x < group_rows)
-            row_visibility(token_to_request, query_positions, context_lens, first_row + threadIdx.x, num_tokens,
-                           num_requests, num_columns, ratio, wide, req, vis);
-        s_req[threadIdx.x] = req;
-        s_vis[threadIdx.x] = vis;
-        if (split == 0 && (int)threadIdx.x < group_rows && first_row + threadIdx.x < num_tokens)
-            visible[first_row + threadIdx.x] = vis;
-    }
+    const int vis = load_group_rows(token_to_request, query_positions, context_lens, first_row, group_rows, num_tokens,
+                                    num_requests, num_columns, ratio, wide, s_req, s_vis);
+    if (split == 0 && (int)threadIdx.x < group_rows && first_row + threadIdx.x < num_tokens)
+        visible[first_row + threadIdx.x] = vis;
     __syncthreads();
     const float scale = score_scale<F16, KIND>(scale_bits);  // fp8 keys in fp16: times 2**8 here
     KeySource src = {keys, page_table, (wide & QSA_WIDE_PAGES) != 0, table_width, num_pages, page_stride,

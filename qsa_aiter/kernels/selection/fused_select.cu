@@ -558,14 +558,8 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     qsa_stamp(rec, QSA_STAMP_START);
     unsigned a[QSA_K_STEPS][4];
     if (!selector) load_query_fragments_of<KIND>(q, first_row, group_rows, num_tokens, a);
-    if (threadIdx.x < QSA_MAX_GROUP_ROWS) {
-        int req = -1, vis = 0;
-        if ((int)threadIdx.x < group_rows)
-            row_visibility(token_to_request, query_positions, context_lens, first_row + threadIdx.x, num_tokens,
-                           num_requests, num_columns, ratio, wide, req, vis);
-        s_req[threadIdx.x] = req;
-        s_vis[threadIdx.x] = vis;
-    }
+    load_group_rows(token_to_request, query_positions, context_lens, first_row, group_rows, num_tokens, num_requests,
+                    num_columns, ratio, wide, s_req, s_vis);
     __syncthreads();
     qsa_stamp(rec, QSA_STAMP_QUERY);
     const int rows = num_tokens - first_row < group_rows ? (int)(num_tokens - first_row) : group_rows;
