@@ -144,9 +144,10 @@ def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tenso
                           workspace: torch.Tensor | None = None, order_seed: int = 0,
                           stamps: torch.Tensor | None = None, candidates: torch.Tensor | None = None):
     """``fused_select`` on CPU tensors through the CUDA emulator, for tests on machines without a GPU: ``(blocks,
-    workspace)``; ``candidates``: the candidates' buffer to use (default a poisoned one). The grid's CTAs run together where the emulator holds them all (``order_seed`` shuffles their
-    threads' turns, so CTAs offer and arrive in other orders), else one after another. Raises
-    ``emulated.EmulationError`` where the emulated kernel fails."""
+    workspace)``; ``candidates``: the candidates' buffer to use (default a poisoned one). The grid's CTAs run together
+    where the emulator holds them all (``order_seed`` shuffles their threads' turns, so CTAs offer and arrive in other
+    orders and the selectors wait), else one after another in index order. Raises ``emulated.EmulationError`` where
+    the emulated kernel fails."""
     _checked_out(args)
     if workspace is None:
         workspace = torch.zeros(plan.workspace_words, dtype=torch.int32)

@@ -52,7 +52,8 @@
 // candidates' stores, a fence and the arrival (~2-3 us, overlapped by the other CTAs' tiles where the grid is larger
 // than one wave).  Added once per group, after its last CTA: the merged histogram, the counts and the candidates read
 // from L2 (two round trips), a block scan, one or two radix passes over the candidates in shared memory, the ordered
-// output (~3-5 us a row; a group's rows at the same time, on its last arriver and its selectors).  Candidates: each CTA's keys at or above the gate it knows when it offers: all of them
+// output (~3-5 us a row; a group's rows at the same time, on its last arriver and its selectors).  Candidates:
+// each CTA's keys at or above the gate it knows when it offers: all of them
 // for the first CTAs of a row (their counts alone do not reach K), then a shrinking share, about K x (1 + ln(CTAs a
 // row)) plus the threshold bin's keys for untied scores; constant or heavily tied rows offer more, up to every
 // column (the last arriver then reads them from L2 instead of shared memory: slower, never wrong).
@@ -116,7 +117,8 @@
 static_assert(QSA_SHARED_BYTES % 16 == 0, "the tail's words and the stash start 16-byte aligned");
 static_assert(2 * (FUSED_NW + 1) <= FUSED_W_LAST && FUSED_W_KEPT + 4 <= FUSED_TAIL_WORDS, "the tail's words");
 static_assert(QSA_MAX_GROUP_ROWS <= GRID_MAX_ROWS && QSA_MAX_GROUP_ROWS <= 4, "a word a row in the tail's words");
-static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET && FUSED_HIST_WORD + GRID_BINS <= FUSED_OFFS_WORD &&
+static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET &&
+                  FUSED_HIST_WORD + GRID_BINS <= FUSED_OFFS_WORD &&
                   FUSED_BITMAP_WORD + FUSED_BITMAP_WORDS <= FUSED_OFFS_WORD &&
                   FUSED_OFFS_WORD + FUSED_MAX_SPLIT + 1 <= FUSED_CACHE_WORD &&
                   FUSED_CACHE_WORD + 2 * FUSED_CACHE <= QSA_FLAGS_OFFSET / 4,
@@ -489,8 +491,9 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
 // Kernel parameters: the pointers, then the scalars (fused_select.py declares them once, PARAMS; every scalar a C
 // int).  out: the block indices [rows, K] (a workspace); tokens: the expansion [rows, tok_ld apart]; scores: the
 // debug scores or null; stamps: the debug timer records or null (QSA_STAMP_COUNT words a CTA: native_compat.h's
-// qsa_stamp); workspace, candidates: the rows' words (above).  k_scale: the quantised caches' per-key scales (4 bytes a key,
-// where the scorer takes them: after keys; unread for 16-bit caches).  wide: native_scorer.cu's QSA_WIDE_* bits.
+// qsa_stamp); workspace, candidates: the rows' words (above).  k_scale: the quantised caches' per-key scales (4
+// bytes a key, where the scorer takes them: after keys; unread for 16-bit caches).  wide: native_scorer.cu's
+// QSA_WIDE_* bits.
 #define QSA_FUSED_PARAMS                                                                                          \
     const unsigned short *__restrict__ q, const unsigned short *__restrict__ keys,                                 \
         const void *__restrict__ k_scale, const void *__restrict__ page_table,                                     \

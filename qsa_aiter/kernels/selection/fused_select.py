@@ -1,12 +1,13 @@
 """The fused selection (``fused_select.cu`` beside this file): scoring on the tensor cores, the exact block top-k and
-the expansion of ``qsa_select_paged_tokens`` in one launch, with no logits in HBM and no CTA waiting on another;
+the expansion of ``qsa_select_paged_tokens`` in one launch, with no logits in HBM and no cooperative launch;
 declared once (``SPEC``, a ``native_spec.NativeKernelSpec``), in pure Python (``runtime/fused_select.py`` launches it
 and ``runtime/registries.py`` makes it the ``native_fused`` selection candidate).
 
 Its device code is the native scorer's (``kernels/scoring/native_scorer.cu``: the tile loader, the MMAs, the head
 sum and the epilogue, writing into shared memory) with its own selection: each CTA offers the candidates of its
-chunk above a gate it learns from the row's merged histogram, and the last CTA of a row group to arrive selects
-them exactly (the grid select's keys, scans and expansion pieces, ``grid_topk.cu``). The design, the time model and
+chunk above a gate it learns from the row's merged histogram, and the last CTA of a row group to arrive (with a
+selector CTA for each further row of the group) selects them exactly (the grid select's keys, scans and expansion
+pieces, ``grid_topk.cu``). The design, the time model and
 the workspace are at the top of the ``.cu`` file and in docs/selection.md.
 
 - ``VARIANTS``: one kernel per cache format of the scorer (``scorer.FORMATS``: bf16, fp16, fp8 with bf16 or fp16
@@ -45,8 +46,8 @@ TAIL_WORDS = 64
 BASE_SHARED_BYTES = scorer.SHARED_BYTES + 4 * TAIL_WORDS
 #: The most CTAs a row group is split across (``FUSED_MAX_SPLIT``: the last arriver's offsets of the parts).
 MAX_SPLIT = 1024
-#: Workspace words a row (``FUSED_ROW_HEAD``, ``GRID_BINS``): its head (the group's arrival counter in a group's
-#: first row, the gate), its histogram.
+#: Workspace words a row (``FUSED_ROW_HEAD``, ``GRID_BINS``): its head (the gate; in a group's first row also the
+#: arrival counter and the selectors' release word and counter), its histogram.
 ROW_HEAD_WORDS, BINS = 32, 2048
 ROW_CLEAN_WORDS = ROW_HEAD_WORDS + BINS
 #: The most workspace a call may take (bytes): the candidates' room is 8 bytes a row and column.
@@ -57,9 +58,9 @@ INT_LIMIT = 2**31
 #: The kernels' parameters, in order (the source's ``QSA_FUSED_PARAMS``): the scorer's inputs (``k_scale`` after
 #: ``keys`` as in the scorer's: the quantised caches' per-key scales, unread for 16-bit caches), ``out`` (the block
 #: indices, a workspace ``[rows, K]``), ``tokens`` (the expansion), ``scores`` (the debug scores, null in
-#: production), ``stamps`` (the debug phase stamps, ``STAMP_COUNT`` timer words a CTA, null in production), ``workspace`` (the
-#: rows' counters, gates and histograms: zeroed once, left clean), ``candidates`` (the rows' counts and candidates:
-#: never zeroed), then the scalars (C ``int``).
+#: production), ``stamps`` (the debug phase stamps, ``STAMP_COUNT`` timer words a CTA, null in production),
+#: ``workspace`` (the rows' counters, gates and histograms: zeroed once, left clean), ``candidates`` (the rows' counts
+#: and candidates: never zeroed), then the scalars (C ``int``).
 PARAMS = params(
     ("q", "const unsigned short*"), ("keys", "const unsigned short*"), ("k_scale", "const void*"),
     ("page_table", "const void*"), ("token_to_request", "const void*"), ("query_positions", "const void*"),
@@ -74,7 +75,7 @@ PARAMS = params(
 POINTERS = tuple((p.name, p.ctype) for p in PARAMS if p.pointer)
 #: The debug stamps (the source's ``QSA_STAMP_COUNT``, native_compat.h): the timer words of a CTA's record, at the
 #: phase boundaries start, then the ends of ``PHASES`` (the start to the query's end is "query", ...; "finish": the
-#: last arriver's select and output, written by it alone).
+#: rows' select and output, written by each group's last arriver and by the selectors, whose "arrive" is their wait).
 STAMP_COUNT = 6
 PHASES = ("query", "score", "offer", "arrive", "finish")
 SCALARS = tuple(p.name for p in PARAMS if not p.pointer)

@@ -1,6 +1,6 @@
 """The fused selection (``kernels/selection/fused_select.cu``: the native scorer's tiles, candidates above a gate and
-the last CTA's exact select with the expansion, in one launch; its spec ``fused_select.SPEC``, its launch ``runtime/fused_select.py`` and the
-``native_fused`` selection candidate).
+the last CTA's and the selectors' exact select with the expansion, in one launch; its spec ``fused_select.SPEC``, its
+launch ``runtime/fused_select.py`` and the ``native_fused`` selection candidate).
 
 - Host logic: the declared parameters are the source's, the variants, the catalog, plans (row groups, split, the
   scores' room, the workspace), the reasons, the registry's order, ``explain_selection`` and forcing it.
@@ -10,8 +10,8 @@ the last CTA's exact select with the expansion, in one launch; its spec ``fused_
   visible)`` (nothing written past it); verify and decode shapes, page 16 and 64, int32 and int64 metadata, bad page
   ids, padded rows, uneven contexts, identical keys (ties to the lower group), rows shorter than the budget, 1 to 4
   CTAs a group; repeats and thread orders bitwise alike, the workspace clean after each launch, a row alone equal to
-  it in its batch, the gate's candidates fewer than the columns of random rows and all of them for constant rows; fp8 (bf16 and fp16 queries) and MXFP4 caches, their scores against the oracle on the dequantised
-  cache.
+  it in its batch, the gate's candidates fewer than the columns of random rows and all of them for constant rows; fp8
+  (bf16 and fp16 queries) and MXFP4 caches, their scores against the oracle on the dequantised cache.
 - NVRTC (marked ``nvrtc``): every variant compiles for sm_90 without spills; warm-up builds them, ``jit list`` lists
   them.
 - On a GPU (marked ``gpu``): the op forced to ``native_fused`` against its composite path (every cache format),
