@@ -56,8 +56,7 @@ def offered(problem, plan: fs.Plan, visible: torch.Tensor) -> tuple[float, float
     """The mean candidates of the rows wider than the budget at the last launch, and their mean share of the rows'
     visible columns (``visible``: int32 ``[rows]``), from the count words in the stream's candidates buffer."""
     buffer = workspace_for(visible.device, plan.candidate_words, runtime.CANDIDATES)
-    rows = buffer[: plan.candidate_words].view(plan.row_groups * plan.group_rows, plan.scratch_row_words)
-    counts = rows[: problem.score.num_tokens, : plan.split].sum(-1).double()
+    counts = runtime.candidates_offered(buffer, plan)[: problem.score.num_tokens].double()
     wide = visible > problem.block_topk
     if not wide.any():
         return 0.0, 0.0

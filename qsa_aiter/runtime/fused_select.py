@@ -163,6 +163,13 @@ def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tenso
     return blocks, workspace
 
 
+def candidates_offered(candidates: torch.Tensor, plan: kernels.Plan) -> torch.Tensor:
+    """Each row's candidates at the last launch of ``plan`` on the candidates buffer ``candidates`` (the sum of its
+    CTAs' count words), ``[row_groups * group_rows]`` (meaningful for the rows wider than the budget)."""
+    rows = candidates[: plan.candidate_words].view(plan.row_groups * plan.group_rows, plan.scratch_row_words)
+    return rows[:, : plan.split].sum(-1)
+
+
 def stamp_buffer(plan: kernels.Plan, device=None) -> torch.Tensor:
     """A zeroed int64 buffer for ``plan``'s debug phase stamps (``plan.stamp_words``: ``STAMP_COUNT`` timer words
     a CTA, CTA ``b``'s at ``b * STAMP_COUNT``; the finish stamp only in the CTAs that arrived last and the

@@ -136,27 +136,25 @@ struct FusedRowArea {
     uint2* cands;
 };
 
+// A row's scratch words (fused_select.py's Plan.scratch_row_words): a count word a CTA, padded to 4, then cap
+// (key, column) pairs a CTA.
+__device__ __forceinline__ int fused_count_words(int split) { return (split + 3) & ~3; }
+__device__ __forceinline__ long long fused_scratch_row_words(int split, int cap) {
+    return fused_count_words(split) + 2ll * split * cap;
+}
+
 // A row group's words: from its first row's in the workspace and the scratch.
 struct FusedGroup {
     unsigned* clean;    // the first row's FUSED_ROW_CLEAN words; word 0 the group's arrival counter
     unsigned* scratch;  // the first row's scratch words
     int split, cap;
 
-    __device__ __forceinline__ long long scratch_row_words() const { return ((split + 3) & ~3) + 2ll * split * cap; }
     __device__ __forceinline__ FusedRowArea row(int r) const {
         unsigned* c = clean + r * FUSED_ROW_CLEAN;
-        unsigned* counts = scratch + r * scratch_row_words();
-        return {c + 1, c + FUSED_ROW_HEAD, counts, reinterpret_cast<uint2*>(counts + ((split + 3) & ~3))};
+        unsigned* counts = scratch + r * fused_scratch_row_words(split, cap);
+        return {c + 1, c + FUSED_ROW_HEAD, counts, reinterpret_cast<uint2*>(counts + fused_count_words(split))};
     }
 };
-
-__device__ __forceinline__ uint2 load_cg_pair(const uint2* p) {
-#if TOPK_HIP
-    return *reinterpret_cast<const volatile uint2*>(p);
-#else
-    return __ldcg(p);
-#endif
-}
 
 // Scores the CTA's columns [col0, col0 + chunk) of the group's rows into the stash (row i at stash + i * cap: the
 // scorer's epilogue over a view whose column col0 is the stash row's word 0), and into `scores` where asked: the
@@ -302,7 +300,7 @@ struct FusedCands {
             const int mid = (lo + hi + 1) >> 1;
             if ((int)offs[mid] <= j) lo = mid; else hi = mid - 1;
         }
-        return load_cg_pair(cands + (long long)lo * cap + (j - (int)offs[lo]));
+        return load_cg(cands + (long long)lo * cap + (j - (int)offs[lo]));
     }
     __device__ __forceinline__ uint2 operator()(int j) const { return cache ? cache[j] : at_global(j); }
 };
@@ -396,11 +394,15 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
     const int share = (split + QSA_FUSED_THREADS - 1) / QSA_FUSED_THREADS;
     const int p0 = (int)threadIdx.x * share;
     unsigned sum = 0, m;
-    for (int p = p0; p < p0 + share && p < split; ++p) sum += (unsigned)load_cg((const int*)area.counts + p);
+    for (int p = p0; p < p0 + share && p < split; ++p) {
+        offs[p] = (unsigned)load_cg((const int*)area.counts + p);  // the count, then (below) its part's offset
+        sum += offs[p];
+    }
     unsigned at = grid_excl_scan<QSA_FUSED_THREADS>(sum, m, tail);
     for (int p = p0; p < p0 + share && p < split; ++p) {
+        const unsigned count = offs[p];
         offs[p] = at;
-        at += (unsigned)load_cg((const int*)area.counts + p);
+        at += count;
     }
     __syncthreads();
     FusedCands cands = {offs, nullptr, area.cands, split, cap};
@@ -556,7 +558,7 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     const long long first_row = (long long)group * group_rows;
     unsigned long long* const rec = stamps == nullptr ? nullptr : stamps + (long long)blockIdx.x * QSA_STAMP_COUNT;
     const FusedGroup g = {workspace + first_row * FUSED_ROW_CLEAN,
-                          candidates + first_row * (((split + 3) & ~3) + 2ll * split * cap), split, cap};
+                          candidates + first_row * fused_scratch_row_words(split, cap), split, cap};
     unsigned long long* const release = reinterpret_cast<unsigned long long*>(g.clean + FUSED_W_RELEASE);
     qsa_stamp(rec, QSA_STAMP_START);
     unsigned a[QSA_K_STEPS][4];

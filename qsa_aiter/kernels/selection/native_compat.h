@@ -125,10 +125,12 @@ __device__ __forceinline__ void hist_add_one(unsigned* H, unsigned bin) {
 #endif
 }
 
-// A word other CTAs of the launch wrote (read past L1: CUDA's ld.global.cg; HIP's volatile load).
-__device__ __forceinline__ int load_cg(const int* p) {
+// A value other CTAs of the launch wrote (read past L1: CUDA's ld.global.cg; HIP's volatile load): an int or a
+// uint2 (the fused selection's candidates).
+template <class T>
+__device__ __forceinline__ T load_cg(const T* p) {
 #if TOPK_HIP
-    return *reinterpret_cast<const volatile int*>(p);
+    return *reinterpret_cast<const volatile T*>(p);
 #else
     return __ldcg(p);
 #endif

@@ -36,7 +36,8 @@ from qsa_aiter.kernels.selection import fused_select as fs
 from qsa_aiter.kernels.selection import grid_topk as gt
 from qsa_aiter.kernels.selection.reference import torch_block_topk, torch_expand_block_indices
 from qsa_aiter.runtime import registries
-from qsa_aiter.runtime.fused_select import CANDIDATE, emulated_fused_select, fused_select_reasons
+from qsa_aiter.runtime.fused_select import (CANDIDATE, candidates_offered, emulated_fused_select,
+                                             fused_select_reasons)
 from qsa_aiter.runtime.jit import emulated
 from qsa_aiter.runtime.registries import SelectionProblem
 from qsa_aiter.tools.inputs import selection_call
@@ -75,13 +76,6 @@ def emulate(batch, token_topk: int, hints: dict, *, split: int = 2, order_seed: 
     blocks, workspace = emulated_fused_select(problem, args, plan, scores=scores, workspace=workspace,
                                               order_seed=order_seed, candidates=candidates)
     return blocks, args.out, scores, workspace, plan
-
-
-def candidates_offered(candidates: torch.Tensor, plan: fs.Plan) -> torch.Tensor:
-    """Each row's candidates at the last launch (the sum of its CTAs' count words), ``[rows]`` (meaningful for rows
-    wider than the budget)."""
-    rows = candidates[: plan.candidate_words].view(plan.row_groups * plan.group_rows, plan.scratch_row_words)
-    return rows[:, : plan.split].sum(-1)
 
 
 def assert_clean(workspace: torch.Tensor, plan: fs.Plan) -> None:
