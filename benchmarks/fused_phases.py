@@ -8,7 +8,8 @@ a row group through ``fused_select.split_plan``, which names why another does no
 (``runtime.fused_select.fused_select``) is timed with the CUDA-graph replay (``qsa_aiter.tools.timing.time_graph``:
 median over ``--replays``); then one eager launch with a debug stamps buffer (``stamp_buffer``: thread 0 of each CTA
 records the GPU's global timer at each phase boundary) gives the median over CTAs of each phase
-(``fused_select.PHASES``: query, score, offer, arrive, and finish over the CTAs that arrived last), the median CTA
+(``fused_select.PHASES``: query, score, offer, arrive, and over the CTAs that select, each group's last arriver and
+its selectors, the finish's gather, select and output, and their sum "finish"), the median CTA
 span (start to arrival) and the launch's span (first start to last finish), in us, and the candidates the rows wider
 than the budget offered (mean, and its ratio to their visible columns); its picks are checked equal to the timed
 launches'. One row per point and split, ``#`` lines for what does not fit.
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def header() -> str:
     return ",".join(["point", "cache", "page", "split", "grid", "fused_us", *(f"{name}_us" for name in fs.PHASES),
-                     "span_us", "last_us", "candidates", "candidates_share"])
+                     "finish_us", "span_us", "last_us", "candidates", "candidates_share"])
 
 
 def offered(problem, plan: fs.Plan, visible: torch.Tensor) -> tuple[float, float]:
@@ -86,7 +87,7 @@ def measure_point(point, cache: str, page: int, splits, replays: int) -> None:
         times = runtime.phase_times(stamps, plan)
         mean, share = offered(problem, plan, inputs.visible)
         print(",".join([point.name, cache, str(page), str(plan.split), str(plan.grid), f"{fused_us:.2f}",
-                        *(f"{times[name]:.2f}" for name in (*fs.PHASES, "span", "last")), f"{mean:.0f}",
+                        *(f"{times[name]:.2f}" for name in (*fs.PHASES, "finish", "span", "last")), f"{mean:.0f}",
                         f"{share:.4f}"]), flush=True)
 
 

@@ -172,27 +172,31 @@ def candidates_offered(candidates: torch.Tensor, plan: kernels.Plan) -> torch.Te
 
 def stamp_buffer(plan: kernels.Plan, device=None) -> torch.Tensor:
     """A zeroed int64 buffer for ``plan``'s debug phase stamps (``plan.stamp_words``: ``STAMP_COUNT`` timer words
-    a CTA, CTA ``b``'s at ``b * STAMP_COUNT``; the finish stamp only in the CTAs that arrived last and the
+    a CTA, CTA ``b``'s at ``b * STAMP_COUNT``; the finish's stamps only in the CTAs that arrived last and the
     selectors)."""
     return torch.zeros(plan.stamp_words, dtype=torch.int64, device=device)
 
 
 def phase_times(stamps: torch.Tensor, plan: kernels.Plan) -> dict[str, float]:
     """The debug stamps of a launch of ``plan`` as durations in microseconds: for each phase of ``kernels.PHASES``
-    the median over the scoring CTAs of its duration (the next stamp less its own; "finish" over the CTAs that
-    write it: each group's last arriver and the selectors, whose own records stamp their wait as "arrive"),
+    the median of its duration (the next stamp less its own) over the scoring CTAs, or for the finish's phases
+    (``kernels.FINISH_PHASES``) over the CTAs that write them: each group's last arriver and the selectors, whose own
+    records stamp their wait as "arrive"; ``"finish"``: the median of the finish's whole span over those CTAs,
     ``"span"``: the median over the scoring CTAs of their arrival less their start, and ``"last"``: the latest finish
     less the earliest start (the kernel's span)."""
     records = stamps[: plan.stamp_words].detach().to("cpu", torch.int64).view(plan.grid, kernels.STAMP_COUNT)
     flat = records.double()
     scoring = flat[: plan.row_groups * plan.split]
-    times = {}
-    for i, name in enumerate(kernels.PHASES):
-        rows = flat[flat[:, i + 1] != 0] if name == "finish" else scoring
-        times[name] = float((rows[:, i + 1] - rows[:, i]).median()) / 1e3 if len(rows) else float("nan")
+    finishing = flat[flat[:, -1] != 0]
     arrive = kernels.PHASES.index("arrive") + 1
-    times["span"] = float((scoring[:, arrive] - scoring[:, 0]).median()) / 1e3
-    finished = flat[:, -1][flat[:, -1] != 0]
-    ends = finished if len(finished) else scoring[:, arrive]
+
+    def median_us(rows: torch.Tensor, start: int, end: int) -> float:
+        return float((rows[:, end] - rows[:, start]).median()) / 1e3 if len(rows) else float("nan")
+
+    times = {name: median_us(finishing if name in kernels.FINISH_PHASES else scoring, i, i + 1)
+             for i, name in enumerate(kernels.PHASES)}
+    times["finish"] = median_us(finishing, arrive, kernels.STAMP_COUNT - 1)
+    times["span"] = median_us(scoring, 0, arrive)
+    ends = finishing[:, -1] if len(finishing) else scoring[:, arrive]
     times["last"] = float(ends.max() - flat[:, 0].min()) / 1e3
     return times

@@ -376,7 +376,7 @@ __device__ __forceinline__ FusedThreshold fused_radix(int m, const Value& value,
 // output with the expansion, the row's workspace left clean.  `smem`: the stages' words.
 __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n, int K, int split, int cap,
                                                  int* __restrict__ orow, const GridTokens& ts, int width,
-                                                 unsigned* smem, unsigned* tail) {
+                                                 unsigned* smem, unsigned* tail, unsigned long long* rec) {
     unsigned* H = smem + FUSED_HIST_WORD;
     unsigned* offs = smem + FUSED_OFFS_WORD;
     unsigned* bitmap = smem + FUSED_BITMAP_WORD;
@@ -429,6 +429,7 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
     fused_digit(loc, PER, GRID_BINS, 21, keys, tail, parity);
 #pragma unroll
     for (int i = 0; i < PER; ++i) area.hist[GRID_BINS - 1 - ((int)threadIdx.x * PER + i)] = 0u;
+    qsa_stamp(rec, QSA_STAMP_GATHER);
     keys = fused_radix((int)m, [&](int j) { return cands(j).x; }, [](int) { return true; }, keys, 1, H, tail);
     FusedThreshold cols = {0u, 0u, 0u, true};
     if (!keys.all)
@@ -436,6 +437,7 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
             (int)m, [&](int j) { return ~cands(j).y; },
             [&](int j) { return (cands(j).x & keys.mask) == keys.prefix; }, FusedThreshold{0u, 0u, keys.rank, false},
             0, H, tail);
+    qsa_stamp(rec, QSA_STAMP_SELECT);
     auto selected = [&](uint2 c) {
         const unsigned km = c.x & keys.mask;
         return km > keys.prefix || (km == keys.prefix && (keys.all || (~c.y & cols.mask) >= cols.prefix));
@@ -513,10 +515,11 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
         group_rows, row_groups, split, cap, K, ratio, scale_bits, wide, aligned, width, tok_ld, scores_ld
 
 // Rows [r0, r1) of a group after every CTA of it arrived: each row's select and output (fused_finish_row), or for a
-// row that sees at most K columns its visible groups.
+// row that sees at most K columns its visible groups.  The finish's stamps in `rec` are the last row's.
 __device__ __forceinline__ void fused_finish_rows(const FusedGroup& g, const int* s_vis, int r0, int r1,
                                                   long long first_row, int K, int split, int cap, int* __restrict__ out,
-                                                  const GridExpand& x, int width, unsigned* smem, unsigned* tail) {
+                                                  const GridExpand& x, int width, unsigned* smem, unsigned* tail,
+                                                  unsigned long long* rec) {
 #pragma unroll 1
     for (int r = r0; r < r1; ++r) {
         const int n = s_vis[r];
@@ -524,9 +527,11 @@ __device__ __forceinline__ void fused_finish_rows(const FusedGroup& g, const int
         const GridTokens ts = grid_tokens(row, x);
         int* orow = out + (long long)row * K;
         if (n > K) {
-            fused_finish_row(g.row(r), n, K, split, cap, orow, ts, width, smem, tail);
+            fused_finish_row(g.row(r), n, K, split, cap, orow, ts, width, smem, tail, rec);
             continue;
         }
+        qsa_stamp(rec, QSA_STAMP_GATHER);  // nothing to gather or select
+        qsa_stamp(rec, QSA_STAMP_SELECT);
         for (int i = threadIdx.x; i < K; i += QSA_FUSED_THREADS) {
             orow[i] = i < n ? i : -1;
             if (ts.trow != nullptr && i < n) grid_group_tokens(ts, i, i);
@@ -584,7 +589,12 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
             while (grid_load_acquire(release) == 0ull) grid_pause();
         __syncthreads();
         qsa_stamp(rec, QSA_STAMP_ARRIVE);
-        if (r < rows) fused_finish_rows(g, s_vis, r, r + 1, first_row, K, split, cap, out, x, width, smem, tail);
+        if (r < rows) {
+            fused_finish_rows(g, s_vis, r, r + 1, first_row, K, split, cap, out, x, width, smem, tail, rec);
+        } else {  // a row past the call's last: nothing to gather or select
+            qsa_stamp(rec, QSA_STAMP_GATHER);
+            qsa_stamp(rec, QSA_STAMP_SELECT);
+        }
         __syncthreads();
         if (threadIdx.x == 0) {  // the group's last selector leaves the release word and its counter clean
             if (atomicAdd(g.clean + FUSED_W_SELECTED, 1u) == (unsigned)selectors - 1u) {
@@ -630,7 +640,7 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
     __syncthreads();
     qsa_stamp(rec, QSA_STAMP_ARRIVE);
     if (!tail[FUSED_W_LAST]) return;  // CTA-uniform
-    fused_finish_rows(g, s_vis, 0, selectors ? 1 : rows, first_row, K, split, cap, out, x, width, smem, tail);
+    fused_finish_rows(g, s_vis, 0, selectors ? 1 : rows, first_row, K, split, cap, out, x, width, smem, tail, rec);
     qsa_stamp(rec, QSA_STAMP_FINISH);
 }
 

@@ -74,10 +74,13 @@ PARAMS = params(
 )
 POINTERS = tuple((p.name, p.ctype) for p in PARAMS if p.pointer)
 #: The debug stamps (the source's ``QSA_STAMP_COUNT``, native_compat.h): the timer words of a CTA's record, at the
-#: phase boundaries start, then the ends of ``PHASES`` (the start to the query's end is "query", ...; "finish": the
-#: rows' select and output, written by each group's last arriver and by the selectors, whose "arrive" is their wait).
-STAMP_COUNT = 6
-PHASES = ("query", "score", "offer", "arrive", "finish")
+#: phase boundaries start, then the ends of ``PHASES`` (the start to the query's end is "query", ...; the finish's
+#: "gather", "select" and "output": a row's candidates gathered with the threshold's first digit, the radix select and
+#: the ties, the ordered output with the expansion, written by each group's last arriver and by the selectors, whose
+#: "arrive" is their wait; ``FINISH_PHASES``).
+STAMP_COUNT = 8
+PHASES = ("query", "score", "offer", "arrive", "gather", "select", "output")
+FINISH_PHASES = ("gather", "select", "output")
 SCALARS = tuple(p.name for p in PARAMS if not p.pointer)
 
 

@@ -181,14 +181,17 @@ __device__ __forceinline__ unsigned long long qsa_clock_ns() {
 
 // Debug stamps: QSA_STAMP_COUNT timer words a CTA (a record), in the order of these phase boundaries (fused_select.cu);
 // qsa_stamp(record, phase) has thread 0 write one, and does nothing where the record is null (production).
-#define QSA_STAMP_COUNT 6
+#define QSA_STAMP_COUNT 8
 enum {
     QSA_STAMP_START = 0,  // the kernel's start
     QSA_STAMP_QUERY,      // q and the rows' visible counts loaded
     QSA_STAMP_SCORE,      // the group's scores in the stash
     QSA_STAMP_OFFER,      // the keys, histograms, gates and candidates offered
     QSA_STAMP_ARRIVE,     // the arrival on the group's counter
-    QSA_STAMP_FINISH      // the last arriver's select and output of the group's rows (only it writes this one)
+    QSA_STAMP_GATHER,     // the finish (only the CTAs that select write these): the threshold's first digit and the
+                          // candidates' offsets, the candidates in shared memory
+    QSA_STAMP_SELECT,     // the radix select over them and the ties
+    QSA_STAMP_FINISH      // the ordered output and the expansion
 };
 static_assert(QSA_STAMP_FINISH + 1 == QSA_STAMP_COUNT, "one stamp a phase boundary");
 __device__ __forceinline__ void qsa_stamp(unsigned long long* record, int phase) {

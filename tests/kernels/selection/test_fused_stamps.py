@@ -1,6 +1,6 @@
 """The fused selection's debug phase stamps (``fused_select.cu``'s ``stamps``, native_compat.h's ``qsa_stamp``): the
 source's record size is the declared one; an emulated launch with a stamps buffer fills every CTA's record in order
-(the finish stamp only in the CTA of each row group that arrived last) and selects exactly as without;
+(the finish's stamps only in the CTA of each row group that arrived last and in the selectors) and selects exactly as without;
 ``phase_times`` turns a synthetic buffer into the expected medians."""
 
 from __future__ import annotations
@@ -56,26 +56,30 @@ def test_emulated_stamps_are_ordered_and_leave_the_selection_alone(rng):
     stamped, _ = emulated_fused_select(problem, args, plan, stamps=stamps, order_seed=4)
     assert torch.equal(stamped, plain) and torch.equal(args.out, tokens)
     records = stamps.view(plan.grid, fs.STAMP_COUNT)
-    assert (records[:, :-1] > 0).all() and (records[:, 1:-1] >= records[:, :-2]).all(), records
+    finish = len(fs.PHASES) - len(fs.FINISH_PHASES) + 1  # the first of the finish's stamps
+    before = records[:, :finish]
+    assert (before > 0).all() and (before[:, 1:] >= before[:, :-1]).all(), records
     finished = records[:, -1] != 0
+    assert (finished == (records[:, finish:] != 0).any(1)).all() and (records[finished, finish:] != 0).all()
     scoring = plan.row_groups * plan.split
     assert finished[:scoring].view(plan.row_groups, plan.split).sum(1).tolist() == [1, 1, 1]  # the last arrivers
     assert finished[scoring:].all()  # every selector
-    assert (records[finished, -1] >= records[finished, -2]).all()
+    assert (records[finished, finish - 1:][:, 1:] >= records[finished, finish - 1:][:, :-1]).all()
     times = phase_times(stamps, plan)
-    assert set(times) == {*fs.PHASES, "span", "last"} and all(t >= 0 for t in times.values())
+    assert set(times) == {*fs.PHASES, "finish", "span", "last"} and all(t >= 0 for t in times.values())
 
 
 def test_phase_times_are_the_medians_of_the_records():
-    """Three CTAs of one one-row group (no selectors), phases of known lengths, the last one's finish 7 us."""
+    """Three CTAs of one one-row group (no selectors), phases of known lengths, the last one's finish 7 us (gather 1,
+    select 2, output 4)."""
     plan = fs.Plan(fs.VARIANTS[0], 1, 1, 3, 256)
     stamps = stamp_buffer(plan).view(plan.grid, fs.STAMP_COUNT)
     steps = {0: [1, 2, 3, 4], 1: [3, 2, 1, 8], 2: [2, 2, 2, 2]}
     for cta, lengths in steps.items():
         start = 1_000_000 * (cta + 1)
         stamps[cta, :5] = torch.tensor([start] + [start + 1000 * sum(lengths[:i + 1]) for i in range(4)])
-    stamps[1, 5] = stamps[1, 4] + 7000
+    stamps[1, 5:] = stamps[1, 4] + torch.tensor([1000, 3000, 7000])
     times = phase_times(stamps.flatten(), plan)
     # spans to the arrival 10, 14 and 8 us; the launch from CTA 0's start (1 ms) to CTA 1's finish (2 ms + 21 us)
-    assert times == {"query": 2.0, "score": 2.0, "offer": 2.0, "arrive": 4.0, "finish": 7.0, "span": 10.0,
-                     "last": 1021.0}, times
+    assert times == {"query": 2.0, "score": 2.0, "offer": 2.0, "arrive": 4.0, "gather": 1.0, "select": 2.0,
+                     "output": 4.0, "finish": 7.0, "span": 10.0, "last": 1021.0}, times
