@@ -24,8 +24,9 @@
 //      score_tiles: the scorer's 4-stage cp.async pipeline), its epilogue (store_scores) writing the fp32 scores
 //      into a per-row area of shared memory, the stash (and into `scores` where asked);
 //   3  offers candidates, for each row that sees more than K columns (fused_offer): turns its scores into
-//      order-preserving keys (grid_key) and histograms their top 11 bits in shared memory; adds the non-zero bins to
-//      the row's histogram in the workspace with returning atomics, so that it learns lower bounds of the row's
+//      order-preserving keys (grid_key) and histograms their top 11 bits in shared memory; adds the non-zero bins at
+//      or above the row's published gate (read first: no lower bin can hold the threshold) to the row's histogram in
+//      the workspace with returning atomics, so that it learns lower bounds of the row's
 //      counts above each bin (its own plus whatever the CTAs before it added); from them the gate: the highest bin
 //      with at least K keys at or above it (the row's threshold bin can only be higher: the counts only grow),
 //      raised to the row's published gate and published in turn (atomicMax); then writes its keys at or above the
@@ -221,16 +222,18 @@ __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vi
     // The merge: thread t owns bins 2047 - (t * PER + i) of each row; each returned count, plus its own, is a lower
     // bound of the row's final count in that bin.  Returning atomics, not a read before the merge: the CTAs of a
     // wave finish their tiles together, so a read taken before merging sees nothing of theirs (measured: 36-99% of
-    // the columns offered, against 6-24% this way).
+    // the columns offered, against 6-24% this way).  Only the bins at or above the gate read at the start: the
+    // threshold bin is never below it, so no CTA and not the finish needs a lower bin's count (most keys are there).
     unsigned c[QSA_MAX_GROUP_ROWS][PER];
 #pragma unroll
     for (int r = 0; r < QSA_MAX_GROUP_ROWS; ++r) {
         const bool on = r < rows && ((wide >> r) & 1u);
         unsigned* G = g.row(r < rows ? r : 0).hist;
+        const int floor = on ? (int)tail[FUSED_W_GATE + r] : GRID_BINS;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
             const int b = GRID_BINS - 1 - ((int)threadIdx.x * PER + i);
-            c[r][i] = on ? hist[r * GRID_BINS + b] : 0u;
+            c[r][i] = b >= floor ? hist[r * GRID_BINS + b] : 0u;
             if (c[r][i]) c[r][i] += atomicAdd(&G[b], c[r][i]);
         }
     }
