@@ -518,11 +518,14 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
         group_rows, row_groups, split, cap, K, ratio, scale_bits, wide, aligned, width, tok_ld, scores_ld
 
 // Rows [r0, r1) of a group after every CTA of it arrived: each row's select and output (fused_finish_row), or for a
-// row that sees at most K columns its visible groups.  The finish's stamps in `rec` are the last row's.
+// row that sees at most K columns its visible groups.  The gather and select stamps in `rec` are written first (an
+// empty range, or rows of at most K columns, have nothing to gather or select), then by each row that selects.
 __device__ __forceinline__ void fused_finish_rows(const FusedGroup& g, const int* s_vis, int r0, int r1,
                                                   long long first_row, int K, int split, int cap, int* __restrict__ out,
                                                   const GridExpand& x, int width, unsigned* smem, unsigned* tail,
                                                   unsigned long long* rec) {
+    qsa_stamp(rec, QSA_STAMP_GATHER);
+    qsa_stamp(rec, QSA_STAMP_SELECT);
 #pragma unroll 1
     for (int r = r0; r < r1; ++r) {
         const int n = s_vis[r];
@@ -533,8 +536,6 @@ __device__ __forceinline__ void fused_finish_rows(const FusedGroup& g, const int
             fused_finish_row(g.row(r), n, K, split, cap, orow, ts, width, smem, tail, rec);
             continue;
         }
-        qsa_stamp(rec, QSA_STAMP_GATHER);  // nothing to gather or select
-        qsa_stamp(rec, QSA_STAMP_SELECT);
         for (int i = threadIdx.x; i < K; i += QSA_FUSED_THREADS) {
             orow[i] = i < n ? i : -1;
             if (ts.trow != nullptr && i < n) grid_group_tokens(ts, i, i);
@@ -592,12 +593,8 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
             while (grid_load_acquire(release) == 0ull) grid_pause();
         __syncthreads();
         qsa_stamp(rec, QSA_STAMP_ARRIVE);
-        if (r < rows) {
-            fused_finish_rows(g, s_vis, r, r + 1, first_row, K, split, cap, out, x, width, smem, tail, rec);
-        } else {  // a row past the call's last: nothing to gather or select
-            qsa_stamp(rec, QSA_STAMP_GATHER);
-            qsa_stamp(rec, QSA_STAMP_SELECT);
-        }
+        // (a row past the call's last: an empty range)
+        fused_finish_rows(g, s_vis, r, r < rows ? r + 1 : r, first_row, K, split, cap, out, x, width, smem, tail, rec);
         __syncthreads();
         if (threadIdx.x == 0) {  // the group's last selector leaves the release word and its counter clean
             if (atomicAdd(g.clean + FUSED_W_SELECTED, 1u) == (unsigned)selectors - 1u) {
