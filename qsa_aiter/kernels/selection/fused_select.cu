@@ -30,15 +30,16 @@
 //      counts above each bin (its own plus whatever the CTAs before it added); from them the gate: the highest bin
 //      with at least K keys at or above it (the row's threshold bin can only be higher: the counts only grow),
 //      raised to the row's published gate and published in turn (atomicMax); then writes its keys at or above the
-//      gate, (key, column) pairs, into its own area of the row's candidates, and their number into its count word;
+//      gate, (key, column) pairs in ascending columns, into its own area of the row's candidates, and their number
+//      into its count word;
 //   4  arrives on the group's counter (a fence, then one atomic); the CTA that arrives last (fused_finish) has
 //      every candidate of the group's rows: all keys of every bin at or above each row's threshold bin, a superset
 //      of the row's top K.  It selects them exactly in shared memory: the threshold's first 11 bits from the row's
 //      merged histogram (complete now), then a radix select over the candidates in that bin (11, then 10 bits,
-//      stopping where a digit's bin is taken whole), the ties at the threshold key to the lowest columns (the same
-//      radix select over the columns' complements), then writes the selected columns in
-//      ascending order (a bitmap of the row's columns in shared memory, 65536 columns a pass, and a block scan of
-//      its words' popcounts) with the expansion fused, and leaves the row's workspace clean for the next launch.
+//      stopping where a digit's bin is taken whole), then writes the selected columns in ascending order with the
+//      expansion fused: the candidates, read part after part, are in ascending columns, so one ordered compaction
+//      (each warp's counts exchanged, then ballots) writes them and gives the ties at the threshold key to the lowest
+//      columns; and leaves the row's workspace clean for the next launch.
 //      In a group of several rows it selects row 0 only: it first releases the group's selector CTAs (a release
 //      store), one a row 1 .. group_rows - 1, which wait for that word and then select their rows the same way at
 //      the same time.  A selector waits only on CTAs of lower index, dispatched before it (a single-pass scan's
@@ -53,7 +54,7 @@
 // candidates' stores, a fence and the arrival (~2-3 us, overlapped by the other CTAs' tiles where the grid is larger
 // than one wave).  Added once per group, after its last CTA: the merged histogram, the counts and the candidates read
 // from L2 (two round trips), a block scan, one or two radix passes over the candidates in shared memory, the ordered
-// output (~3-5 us a row; a group's rows at the same time, on its last arriver and its selectors).  Candidates:
+// compaction (~3-5 us a row; a group's rows at the same time, on its last arriver and its selectors).  Candidates:
 // each CTA's keys at or above the gate it knows when it offers: all of them
 // for the first CTAs of a row (their counts alone do not reach K), then a shrinking share, about K x (1 + ln(CTAs a
 // row)) plus the threshold bin's keys for untied scores; constant or heavily tied rows offer more, up to every
@@ -61,7 +62,7 @@
 // Shared memory: the scorer's stages (64 KB + flags; a quantised stage holds its keys and their scales within a
 // 16-bit stage's bytes, so one plan serves every format), the tail's words, and group_rows x cap fp32 scores (the
 // stash); after the tiles the stages hold the rows' histograms (4 x 8 KB) and, in the last arriver, the select's
-// histogram (then the output bitmap), the parts' offsets and up to FUSED_CACHE candidates.
+// histogram, the parts' offsets and up to FUSED_CACHE candidates.
 //
 // Workspace, two buffers (fused_select.py's Plan.workspace_words and Plan.candidate_words):
 //   workspace   FUSED_ROW_CLEAN words a row, at the row's index whatever the plan: the arrival counter (a group's
@@ -92,17 +93,14 @@
 #define FUSED_NW (QSA_FUSED_THREADS / WS)
 // The tail's words (after the scorer's shared bytes): two scan buffers, then named words.
 #define FUSED_TAIL_WORDS 64
+#define FUSED_W_WARPS 12      // per row and warp: the warp's candidates (offer); per warp its kept, then tied (finish)
 #define FUSED_W_LAST 32       // 1 in the CTA that arrived last
-#define FUSED_W_GATE 36       // per row: the gate bin (offer), then the select's bin, rank and count (finish)
-#define FUSED_W_COUNT 40      // per row: the CTA's candidates
+#define FUSED_W_GATE 36       // per row: the gate bin (offer)
 #define FUSED_W_SEL 44        // the radix select's result: bin, rank, count
-#define FUSED_W_KEPT 48       // the row's kept tokens
 #define FUSED_STASH_OFFSET (QSA_SHARED_BYTES + FUSED_TAIL_WORDS * 4)
 // In the stages, once the tiles are scored (words): the rows' histograms (offer), or in the last arriver the select's
-// histogram, then the output bitmap in its place | the parts' offsets | the candidates' cache.
+// histogram | the parts' offsets | the candidates' cache.
 #define FUSED_HIST_WORD 0
-#define FUSED_BITMAP_WORD 0
-#define FUSED_BITMAP_WORDS 2048
 #define FUSED_OFFS_WORD 2048
 #define FUSED_MAX_SPLIT 1024
 #define FUSED_CACHE_WORD 3080
@@ -116,15 +114,16 @@
 #define FUSED_ROW_CLEAN (FUSED_ROW_HEAD + GRID_BINS)
 
 static_assert(QSA_SHARED_BYTES % 16 == 0, "the tail's words and the stash start 16-byte aligned");
-static_assert(2 * (FUSED_NW + 1) <= FUSED_W_LAST && FUSED_W_KEPT + 4 <= FUSED_TAIL_WORDS, "the tail's words");
+static_assert(2 * (FUSED_NW + 1) <= FUSED_W_WARPS && FUSED_W_WARPS + QSA_MAX_GROUP_ROWS * FUSED_NW <= FUSED_W_LAST &&
+                  FUSED_W_SEL + 3 <= FUSED_TAIL_WORDS,
+              "the tail's words");
 static_assert(QSA_MAX_GROUP_ROWS <= GRID_MAX_ROWS && QSA_MAX_GROUP_ROWS <= 4, "a word a row in the tail's words");
 static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET &&
                   FUSED_HIST_WORD + GRID_BINS <= FUSED_OFFS_WORD &&
-                  FUSED_BITMAP_WORD + FUSED_BITMAP_WORDS <= FUSED_OFFS_WORD &&
                   FUSED_OFFS_WORD + FUSED_MAX_SPLIT + 1 <= FUSED_CACHE_WORD &&
                   FUSED_CACHE_WORD + 2 * FUSED_CACHE <= QSA_FLAGS_OFFSET / 4,
               "the offer's histograms and the finish's words fit the tile stages");
-static_assert(GRID_BINS % QSA_FUSED_THREADS == 0 && FUSED_BITMAP_WORDS % QSA_FUSED_THREADS == 0, "whole shares");
+static_assert(GRID_BINS % QSA_FUSED_THREADS == 0, "whole shares");
 static_assert(QuantKeys<QSA_KIND_FP8>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES &&
                   QuantKeys<QSA_KIND_FP4>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES,
               "a quantised stage (keys and their scales) fits a 16-bit stage: one shared-memory plan for every format");
@@ -136,6 +135,19 @@ struct FusedRowArea {
     unsigned* counts;
     uint2* cands;
 };
+
+// Warp w's contiguous range [lo, hi) of n items (whole rounds of WS but the last), so that the warps' ballots, taken
+// in order, number the items in order.
+struct FusedSpan {
+    int lo, hi;
+};
+__device__ __forceinline__ FusedSpan fused_warp_span(int n, int warp) {
+    const int each = ((n + FUSED_NW - 1) / FUSED_NW + WS - 1) / WS * WS;
+    const int lo = warp * each < n ? warp * each : n;
+    return {lo, lo + each < n ? lo + each : n};
+}
+// The lanes below `lane` in a ballot's mask.
+__device__ __forceinline__ unsigned long long fused_lanes_below(int lane) { return lane ? ~0ull >> (64 - lane) : 0ull; }
 
 // A row's scratch words (fused_select.py's Plan.scratch_row_words): a count word a CTA, padded to 4, then cap
 // (key, column) pairs a CTA.
@@ -201,7 +213,6 @@ __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vi
     constexpr int PER = GRID_BINS / QSA_FUSED_THREADS;
     for (int i = threadIdx.x; i < rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
     if ((int)threadIdx.x < rows) {
-        tail[FUSED_W_COUNT + threadIdx.x] = 0u;
         // the gate published so far (any value it ever held is a lower bound of the row's threshold bin)
         const FusedRowArea area = g.row(threadIdx.x);
         tail[FUSED_W_GATE + threadIdx.x] = (wide >> threadIdx.x) & 1u ? (unsigned)load_cg((const int*)area.gate) : 0u;
@@ -259,34 +270,45 @@ __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vi
         }
     }
     __syncthreads();
-    // The candidates: keys at or above the gate, into the CTA's area (warp-aggregated slots: their order there is
-    // free, the select does not depend on it).
-    const int lane = threadIdx.x % WS;
+    // The candidates: keys at or above the gate, into the CTA's area in column order (so that the finish reads every
+    // row's candidates in ascending columns and writes its output and resolves its ties with one ordered compaction):
+    // warp w takes a contiguous range of the chunk, counts its keys, then writes them at the warps' exclusive prefix.
+    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
+    for (int r = 0; r < rows; ++r) {
+        if (!((wide >> r) & 1u)) continue;
+        const unsigned* S = stash + r * cap;
+        const unsigned gate = tail[FUSED_W_GATE + r];
+        const FusedSpan span = fused_warp_span(fused_len(s_vis[r], col0, chunk), warp);
+        unsigned mine = 0;
+        for (int b = span.lo; b < span.hi; b += WS) {  // warp-uniform trip count: the ballots see every lane
+            const int i = b + lane;
+            mine += (unsigned)__popcll((unsigned long long)warp_ballot(i < span.hi && (S[i] >> 21) >= gate));
+        }
+        if (lane == 0) tail[FUSED_W_WARPS + r * FUSED_NW + warp] = mine;
+    }
+    __syncthreads();
     for (int r = 0; r < rows; ++r) {
         if (!((wide >> r) & 1u)) continue;
         const unsigned* S = stash + r * cap;
         const unsigned gate = tail[FUSED_W_GATE + r];
         uint2* mine = g.row(r).cands + (long long)part * cap;
-        const int len = fused_len(s_vis[r], col0, chunk);
-        const int rounds = (len + QSA_FUSED_THREADS - 1) / QSA_FUSED_THREADS;
-        for (int j = 0; j < rounds; ++j) {  // warp-uniform trip count: the ballots see every lane
-            const int i = j * QSA_FUSED_THREADS + threadIdx.x;
-            const unsigned k = i < len ? S[i] : 0u;
-            const bool take = i < len && (k >> 21) >= gate;
-            const unsigned long long mask = (unsigned long long)warp_ballot(take);
-            if (mask == 0ull) continue;
-            unsigned base = 0;
-            if (lane == 0) base = atomicAdd(&tail[FUSED_W_COUNT + r], (unsigned)__popcll(mask));
-            base = shfl_idx(base, 0);
-            if (take) {
-                const unsigned long long below = lane ? mask & (~0ull >> (64 - lane)) : 0ull;
-                mine[base + (unsigned)__popcll(below)] = make_uint2(k, (unsigned)(col0 + i));
-            }
+        const FusedSpan span = fused_warp_span(fused_len(s_vis[r], col0, chunk), warp);
+        unsigned slot = 0, total = 0;
+        for (int w = 0; w < FUSED_NW; ++w) {
+            const unsigned count = tail[FUSED_W_WARPS + r * FUSED_NW + w];
+            slot += w < warp ? count : 0u;
+            total += count;
         }
+        for (int b = span.lo; b < span.hi; b += WS) {
+            const int i = b + lane;
+            const unsigned k = i < span.hi ? S[i] : 0u;
+            const bool take = i < span.hi && (k >> 21) >= gate;
+            const unsigned long long mask = (unsigned long long)warp_ballot(take);
+            if (take) mine[slot + (unsigned)__popcll(mask & fused_lanes_below(lane))] = make_uint2(k, (unsigned)(col0 + i));
+            slot += (unsigned)__popcll(mask);
+        }
+        if (threadIdx.x == 0) g.row(r).counts[part] = total;
     }
-    __syncthreads();
-    if ((int)threadIdx.x < rows && ((wide >> threadIdx.x) & 1u))
-        g.row(threadIdx.x).counts[part] = tail[FUSED_W_COUNT + threadIdx.x];
 }
 
 // The last arriver's view of a row's candidates: the parts' exclusive offsets (offs[0 .. split], in shared memory)
@@ -382,7 +404,6 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
                                                  unsigned* smem, unsigned* tail, unsigned long long* rec) {
     unsigned* H = smem + FUSED_HIST_WORD;
     unsigned* offs = smem + FUSED_OFFS_WORD;
-    unsigned* bitmap = smem + FUSED_BITMAP_WORD;
     uint2* cache = reinterpret_cast<uint2*>(smem + FUSED_CACHE_WORD);
     // The row's merged histogram, complete now (every CTA of the group added its bins), gives the first digit of the
     // threshold without a pass over the candidates (whose keys crowd into a few top bins: a shared histogram of them
@@ -434,52 +455,50 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
     for (int i = 0; i < PER; ++i) area.hist[GRID_BINS - 1 - ((int)threadIdx.x * PER + i)] = 0u;
     qsa_stamp(rec, QSA_STAMP_GATHER);
     keys = fused_radix((int)m, [&](int j) { return cands(j).x; }, [](int) { return true; }, keys, 1, H, tail);
-    FusedThreshold cols = {0u, 0u, 0u, true};
-    if (!keys.all)
-        cols = fused_radix(
-            (int)m, [&](int j) { return ~cands(j).y; },
-            [&](int j) { return (cands(j).x & keys.mask) == keys.prefix; }, FusedThreshold{0u, 0u, keys.rank, false},
-            0, H, tail);
     qsa_stamp(rec, QSA_STAMP_SELECT);
-    auto selected = [&](uint2 c) {
-        const unsigned km = c.x & keys.mask;
-        return km > keys.prefix || (km == keys.prefix && (keys.all || (~c.y & cols.mask) >= cols.prefix));
+    // The ordered output: the candidates are in ascending columns (the parts in order, each part's in column order),
+    // so one ordered compaction writes the kept columns and gives the ties at the threshold key to the lowest columns
+    // (the first keys.rank of them).  Warp w takes a contiguous range; its counts, exchanged, give its offsets.
+    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
+    const FusedSpan span = fused_warp_span((int)m, warp);
+    auto classify = [&](int j, bool& above, bool& tie) {
+        above = tie = false;
+        if (j >= span.hi) return;
+        const unsigned km = cands(j).x & keys.mask;
+        above = km > keys.prefix || (km == keys.prefix && keys.all);
+        tie = km == keys.prefix && !keys.all;
     };
-    // The ordered output: a bitmap of the selected columns, FUSED_BITMAP_WORDS * 32 columns a pass.
-    constexpr int WPT = FUSED_BITMAP_WORDS / QSA_FUSED_THREADS;
-    constexpr int SPAN = FUSED_BITMAP_WORDS * 32;
-    unsigned base = 0, kept = 0;
-#pragma unroll 1
-    for (int w0 = 0; w0 < n; w0 += SPAN) {
-        const int words = (n - w0 < SPAN ? n - w0 + 31 : SPAN) / 32;
-        for (int w = threadIdx.x; w < words; w += QSA_FUSED_THREADS) bitmap[w] = 0u;
-        __syncthreads();
-        for (int j = threadIdx.x; j < (int)m; j += QSA_FUSED_THREADS) {
-            const uint2 c = cands(j);
-            const int col = (int)c.y - w0;
-            if (col >= 0 && col < SPAN && selected(c)) atomicOr(&bitmap[col >> 5], 1u << (col & 31));
+    unsigned n_above = 0, n_tie = 0;
+    for (int b = span.lo; b < span.hi; b += WS) {  // warp-uniform trip count: the ballots see every lane
+        bool above, tie;
+        classify(b + lane, above, tie);
+        n_above += (unsigned)__popcll((unsigned long long)warp_ballot(above));
+        n_tie += (unsigned)__popcll((unsigned long long)warp_ballot(tie));
+    }
+    if (lane == 0) {
+        tail[FUSED_W_WARPS + warp] = n_above;
+        tail[FUSED_W_WARPS + FUSED_NW + warp] = n_tie;
+    }
+    __syncthreads();
+    unsigned above_before = 0, ties_before = 0, kept = 0;
+    for (int w = 0; w < warp; ++w) {
+        above_before += tail[FUSED_W_WARPS + w];
+        ties_before += tail[FUSED_W_WARPS + FUSED_NW + w];
+    }
+    const unsigned below = fused_lanes_below(lane), rank = keys.rank;
+    for (int b = span.lo; b < span.hi; b += WS) {
+        bool above, tie;
+        classify(b + lane, above, tie);
+        const unsigned long long am = (unsigned long long)warp_ballot(above), tm = (unsigned long long)warp_ballot(tie);
+        const unsigned a = above_before + (unsigned)__popcll(am & below), t = ties_before + (unsigned)__popcll(tm & below);
+        if (above || (tie && t < rank)) {  // its slot: the kept candidates before it
+            const unsigned slot = a + (t < rank ? t : rank);
+            const int col = (int)cands(b + lane).y;
+            orow[slot] = col;
+            if (ts.trow != nullptr) kept += grid_group_tokens(ts, slot, col);
         }
-        __syncthreads();
-        const int w_first = (int)threadIdx.x * WPT;
-        unsigned mine = 0;
-#pragma unroll
-        for (int i = 0; i < WPT; ++i) mine += w_first + i < words ? (unsigned)__popc(bitmap[w_first + i]) : 0u;
-        unsigned pass_total;
-        unsigned slot = base + grid_excl_scan<QSA_FUSED_THREADS>(mine, pass_total, tail + parity * (FUSED_NW + 1));
-        parity ^= 1;
-        for (int i = 0; i < WPT && w_first + i < words; ++i) {
-            unsigned bits = bitmap[w_first + i];
-            while (bits) {
-                const int b = __ffs(bits) - 1;
-                bits &= bits - 1u;
-                const int col = w0 + (w_first + i) * 32 + b;
-                orow[slot] = col;
-                if (ts.trow != nullptr) kept += grid_group_tokens(ts, slot, col);
-                ++slot;
-            }
-        }
-        base += pass_total;
-        __syncthreads();  // the bitmap's words are read before the next pass clears them
+        above_before += (unsigned)__popcll(am);
+        ties_before += (unsigned)__popcll(tm);
     }
     if (ts.trow != nullptr) {
         long long total = (long long)K * ts.R;
