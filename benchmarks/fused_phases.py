@@ -8,7 +8,7 @@ a row group through ``fused_select.split_plan``, which names why another does no
 (``runtime.fused_select.fused_select``) is timed with the CUDA-graph replay (``qsa_aiter.tools.timing.time_graph``:
 median over ``--replays``); then one eager launch with a debug stamps buffer (``stamp_buffer``: thread 0 of each CTA
 records the GPU's global timer at each phase boundary) gives the median over CTAs of each phase
-(``fused_select.PHASES``: query, score, offer, arrive, and over the CTAs that select, each group's last arriver and
+(``fused_select.PHASES``: query, score, merge, offer, arrive, and over the CTAs that select, each group's last arriver and
 its selectors, the finish's gather, select and output, and their sum "finish"), the median CTA
 span (start to arrival) and the launch's span (first start to last finish), in us, and the candidates the rows wider
 than the budget offered (mean, and its ratio to their visible columns); its picks are checked equal to the timed

@@ -209,7 +209,7 @@ __device__ __forceinline__ int fused_len(int n, int col0, int chunk) {
 // returning atomics and the gate, the candidates and the count.  Leaves the stash holding keys.
 __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vis, unsigned wide, int rows, int part,
                                             int col0, int chunk, int K, int split, int cap, unsigned* hist,
-                                            unsigned* tail, unsigned* stash) {
+                                            unsigned* tail, unsigned* stash, unsigned long long* rec) {
     constexpr int PER = GRID_BINS / QSA_FUSED_THREADS;
     for (int i = threadIdx.x; i < rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
     if ((int)threadIdx.x < rows) {
@@ -270,6 +270,7 @@ __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vi
         }
     }
     __syncthreads();
+    qsa_stamp(rec, QSA_STAMP_MERGE);
     // The candidates: keys at or above the gate, into the CTA's area in column order (so that the finish reads every
     // row's candidates in ascending columns and writes its output and resolves its ties with one ordered compaction):
     // warp w takes a contiguous range of the chunk, counts its keys, then writes them at the warps' exclusive prefix.
@@ -607,6 +608,7 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
         // look-back assumes, so the wait ends without a cooperative launch.
         const int r = 1 + ((int)blockIdx.x - scoring) % selectors;
         qsa_stamp(rec, QSA_STAMP_SCORE);
+        qsa_stamp(rec, QSA_STAMP_MERGE);
         qsa_stamp(rec, QSA_STAMP_OFFER);
         if (threadIdx.x == 0)
             while (grid_load_acquire(release) == 0ull) grid_pause();
@@ -639,9 +641,10 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
         fused_score<PAGE, F16, KIND>(src, a, s_req, s_vis, group_rows, first_row, col0, chunk, table_stride, scale,
                                      tiles, flags, stash, cap, scores, scores_ld);
         qsa_stamp(rec, QSA_STAMP_SCORE);
-        fused_offer(g, s_vis, wide_rows, rows, part, col0, chunk, K, split, cap, smem, tail, stash);
+        fused_offer(g, s_vis, wide_rows, rows, part, col0, chunk, K, split, cap, smem, tail, stash, rec);
     } else {
         qsa_stamp(rec, QSA_STAMP_SCORE);
+        qsa_stamp(rec, QSA_STAMP_MERGE);
     }
     qsa_stamp(rec, QSA_STAMP_OFFER);
     __syncthreads();  // every thread's candidates and counts are issued

@@ -39,7 +39,7 @@ HEADERS = (scorer.SOURCE_PATH, COMPAT_PATH, scorer.MMA_HEADER_PATH, grid.SOURCE_
 #: launch bounds promise (``QSA_FUSED_THREADS``, ``QSA_FUSED_CTAS_PER_SM``): the scorer's.
 THREADS, CTAS_PER_SM = scorer.THREADS, scorer.CTAS_PER_SM
 #: Shared memory a CTA needs besides the scores: the scorer's stages, flags and rows and the tail's words
-#: (``FUSED_TAIL_WORDS``; the histograms, offsets, bitmap and candidates' cache reuse the stages once a group is
+#: (``FUSED_TAIL_WORDS``; the histograms, offsets and candidates' cache reuse the stages once a group is
 #: scored). The same for every cache format: a quantised stage holds its keys and their scales within a 16-bit
 #: stage's bytes (static-asserted in the source).
 TAIL_WORDS = 64
@@ -74,12 +74,13 @@ PARAMS = params(
 )
 POINTERS = tuple((p.name, p.ctype) for p in PARAMS if p.pointer)
 #: The debug stamps (the source's ``QSA_STAMP_COUNT``, native_compat.h): the timer words of a CTA's record, at the
-#: phase boundaries start, then the ends of ``PHASES`` (the start to the query's end is "query", ...; the finish's
-#: "gather", "select" and "output": a row's candidates gathered with the threshold's first digit, the radix select and
-#: the ties, the ordered output with the expansion, written by each group's last arriver and by the selectors, whose
+#: phase boundaries start, then the ends of ``PHASES`` (the start to the query's end is "query", ...; "merge": the
+#: keys, histograms, returning atomics and gates, "offer": the candidates' stores; the finish's "gather", "select" and
+#: "output": a row's candidates gathered with the threshold's first digit, the radix select, the ordered output with
+#: the ties and the expansion, written by each group's last arriver and by the selectors, whose
 #: "arrive" is their wait; ``FINISH_PHASES``).
-STAMP_COUNT = 8
-PHASES = ("query", "score", "offer", "arrive", "gather", "select", "output")
+STAMP_COUNT = 9
+PHASES = ("query", "score", "merge", "offer", "arrive", "gather", "select", "output")
 FINISH_PHASES = ("gather", "select", "output")
 SCALARS = tuple(p.name for p in PARAMS if not p.pointer)
 

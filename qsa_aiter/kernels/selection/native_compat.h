@@ -181,12 +181,13 @@ __device__ __forceinline__ unsigned long long qsa_clock_ns() {
 
 // Debug stamps: QSA_STAMP_COUNT timer words a CTA (a record), in the order of these phase boundaries (fused_select.cu);
 // qsa_stamp(record, phase) has thread 0 write one, and does nothing where the record is null (production).
-#define QSA_STAMP_COUNT 8
+#define QSA_STAMP_COUNT 9
 enum {
     QSA_STAMP_START = 0,  // the kernel's start
     QSA_STAMP_QUERY,      // q and the rows' visible counts loaded
     QSA_STAMP_SCORE,      // the group's scores in the stash
-    QSA_STAMP_OFFER,      // the keys, histograms, gates and candidates offered
+    QSA_STAMP_MERGE,      // the keys and histograms, merged into the rows' (returning atomics), and the gates
+    QSA_STAMP_OFFER,      // the candidates offered
     QSA_STAMP_ARRIVE,     // the arrival on the group's counter
     QSA_STAMP_GATHER,     // the finish (only the CTAs that select write these): the threshold's first digit and the
                           // candidates' offsets, the candidates in shared memory

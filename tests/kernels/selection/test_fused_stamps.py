@@ -74,12 +74,12 @@ def test_phase_times_are_the_medians_of_the_records():
     select 2, output 4)."""
     plan = fs.Plan(fs.VARIANTS[0], 1, 1, 3, 256)
     stamps = stamp_buffer(plan).view(plan.grid, fs.STAMP_COUNT)
-    steps = {0: [1, 2, 3, 4], 1: [3, 2, 1, 8], 2: [2, 2, 2, 2]}
+    steps = {0: [1, 2, 1, 3, 4], 1: [3, 2, 0, 1, 8], 2: [2, 2, 1, 2, 2]}
     for cta, lengths in steps.items():
         start = 1_000_000 * (cta + 1)
-        stamps[cta, :5] = torch.tensor([start] + [start + 1000 * sum(lengths[:i + 1]) for i in range(4)])
-    stamps[1, 5:] = stamps[1, 4] + torch.tensor([1000, 3000, 7000])
+        stamps[cta, :6] = torch.tensor([start] + [start + 1000 * sum(lengths[:i + 1]) for i in range(5)])
+    stamps[1, 6:] = stamps[1, 5] + torch.tensor([1000, 3000, 7000])
     times = phase_times(stamps.flatten(), plan)
-    # spans to the arrival 10, 14 and 8 us; the launch from CTA 0's start (1 ms) to CTA 1's finish (2 ms + 21 us)
-    assert times == {"query": 2.0, "score": 2.0, "offer": 2.0, "arrive": 4.0, "gather": 1.0, "select": 2.0,
-                     "output": 4.0, "finish": 7.0, "span": 10.0, "last": 1021.0}, times
+    # spans to the arrival 11, 14 and 9 us; the launch from CTA 0's start (1 ms) to CTA 1's finish (2 ms + 21 us)
+    assert times == {"query": 2.0, "score": 2.0, "merge": 1.0, "offer": 2.0, "arrive": 4.0, "gather": 1.0,
+                     "select": 2.0, "output": 4.0, "finish": 7.0, "span": 11.0, "last": 1021.0}, times
