@@ -211,12 +211,11 @@ __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vi
                                             int col0, int chunk, int K, int split, int cap, unsigned* hist,
                                             unsigned* tail, unsigned* stash, unsigned long long* rec) {
     constexpr int PER = GRID_BINS / QSA_FUSED_THREADS;
+    // The gate published so far (any value it ever held is a lower bound of the row's threshold bin): loaded first,
+    // used after the histograms, so that its round trip overlaps them.
+    const bool reads_gate = (int)threadIdx.x < rows && ((wide >> threadIdx.x) & 1u);
+    const unsigned published = reads_gate ? (unsigned)load_cg((const int*)g.row(threadIdx.x).gate) : 0u;
     for (int i = threadIdx.x; i < rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
-    if ((int)threadIdx.x < rows) {
-        // the gate published so far (any value it ever held is a lower bound of the row's threshold bin)
-        const FusedRowArea area = g.row(threadIdx.x);
-        tail[FUSED_W_GATE + threadIdx.x] = (wide >> threadIdx.x) & 1u ? (unsigned)load_cg((const int*)area.gate) : 0u;
-    }
     __syncthreads();
     for (int r = 0; r < rows; ++r) {
         if (!((wide >> r) & 1u)) continue;
@@ -229,6 +228,7 @@ __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vi
             hist_add_one(H, k >> 21);
         }
     }
+    if ((int)threadIdx.x < rows) tail[FUSED_W_GATE + threadIdx.x] = published;
     __syncthreads();
     // The merge: thread t owns bins 2047 - (t * PER + i) of each row; each returned count, plus its own, is a lower
     // bound of the row's final count in that bin.  Returning atomics, not a read before the merge: the CTAs of a
