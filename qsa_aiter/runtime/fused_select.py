@@ -142,9 +142,12 @@ EMULATED_FUSED_KERNELS = kernels.SPEC.emulator_kernels()
 
 def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tensor | None = None,
                           workspace: torch.Tensor | None = None, order_seed: int = 0,
-                          stamps: torch.Tensor | None = None, candidates: torch.Tensor | None = None):
+                          stamps: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
+                          cached: int | None = None):
     """``fused_select`` on CPU tensors through the CUDA emulator, for tests on machines without a GPU: ``(blocks,
-    workspace)``; ``candidates``: the candidates' buffer to use (default a poisoned one). The grid's CTAs run together
+    workspace)``; ``candidates``: the candidates' buffer to use (default a poisoned one); ``cached``: the most
+    candidates of a row the finish gathers into shared memory (default the source's ``FUSED_CACHE``; past it they are
+    read from the workspace at each pass). The grid's CTAs run together
     where the emulator holds them all (``order_seed`` shuffles their threads' turns, so CTAs offer and arrive in other
     orders and the selectors wait), else one after another in index order. Raises ``emulated.EmulationError`` where
     the emulated kernel fails."""
@@ -157,7 +160,8 @@ def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tenso
     if candidates is None:
         candidates = torch.full((plan.candidate_words,), -7, dtype=torch.int32)  # never zeroed on a GPU either
     call, addresses = fused_select_call(problem, args, plan, blocks, workspace, candidates, scores, stamps)
-    lib = emulated.build(kernels.SOURCE_PATH, EMULATED_FUSED_KERNELS, ("TOPK_WARP_SIZE=32",), kernels.source())
+    defines = ("TOPK_WARP_SIZE=32",) + (() if cached is None else (f"FUSED_CACHE={cached}",))
+    lib = emulated.build(kernels.SOURCE_PATH, EMULATED_FUSED_KERNELS, defines, kernels.source())
     together = call.grid[0] * call.block[0] <= emulated.MAX_COOPERATIVE_THREADS
     emulated.run(lib, call, addresses, 1, order_seed, cooperative=together)
     return blocks, workspace

@@ -104,7 +104,9 @@
 #define FUSED_OFFS_WORD 2048
 #define FUSED_MAX_SPLIT 1024
 #define FUSED_CACHE_WORD 3080
+#ifndef FUSED_CACHE  // (the emulator's tests set fewer, to read the candidates from the workspace)
 #define FUSED_CACHE 6652
+#endif
 // Workspace words a row: the head (a 128-byte line: the gate at word 1; in a group's first row also the arrival
 // counter at word 0, the selectors' release word (64-bit) at FUSED_W_RELEASE and their counter at FUSED_W_SELECTED),
 // then the histogram.
@@ -124,6 +126,7 @@ static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET &&
                   FUSED_CACHE_WORD + 2 * FUSED_CACHE <= QSA_FLAGS_OFFSET / 4,
               "the offer's histograms and the finish's words fit the tile stages");
 static_assert(GRID_BINS % QSA_FUSED_THREADS == 0, "whole shares");
+static_assert((FUSED_MAX_SPLIT & (FUSED_MAX_SPLIT - 1)) == 0, "the parts' search halves its step");
 static_assert(QuantKeys<QSA_KIND_FP8>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES &&
                   QuantKeys<QSA_KIND_FP4>::SCALES + 4 * QSA_TILE <= QSA_TILE_BYTES,
               "a quantised stage (keys and their scales) fits a 16-bit stage: one shared-memory plan for every format");
@@ -321,11 +324,12 @@ struct FusedCands {
     int split, cap;
 
     __device__ __forceinline__ uint2 at_global(int j) const {
-        int lo = 0, hi = split - 1;  // the last part whose offset is <= j
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if ((int)offs[mid] <= j) lo = mid; else hi = mid - 1;
-        }
+        // The last part whose offset is <= j (an empty part's offset equals the next one's, so never an empty one):
+        // a fixed number of steps, so that a thread's searches for several candidates overlap.
+        int lo = 0;
+#pragma unroll
+        for (int step = FUSED_MAX_SPLIT / 2; step >= 1; step >>= 1)
+            if (lo + step < split && (int)offs[lo + step] <= j) lo += step;
         return load_cg(cands + (long long)lo * cap + (j - (int)offs[lo]));
     }
     __device__ __forceinline__ uint2 operator()(int j) const { return cache ? cache[j] : at_global(j); }

@@ -61,7 +61,7 @@ selection = selection_call
 
 
 def emulate(batch, token_topk: int, hints: dict, *, split: int = 2, order_seed: int = 0, workspace=None,
-            candidates=None):
+            candidates=None, cached=None):
     """The fused kernel on ``batch`` through the emulator, outputs poisoned: ``(blocks, tokens, scores, workspace,
     plan)``."""
     problem, args = selection(batch, token_topk, hints)
@@ -74,7 +74,7 @@ def emulate(batch, token_topk: int, hints: dict, *, split: int = 2, order_seed: 
         plan = fs.Plan(variant, plan.group_rows, groups, split, 0)
     scores = torch.full((score.num_tokens, score.num_columns), float("nan"))
     blocks, workspace = emulated_fused_select(problem, args, plan, scores=scores, workspace=workspace,
-                                              order_seed=order_seed, candidates=candidates)
+                                              order_seed=order_seed, candidates=candidates, cached=cached)
     return blocks, args.out, scores, workspace, plan
 
 
@@ -362,12 +362,14 @@ def test_emulated_quantised_bad_pages_and_strided_unaligned_caches(rng, cache):
 
 
 @needs_emulator
-def test_emulated_the_gate_keeps_few_candidates_and_never_drops_a_selected_one(rng):
+@pytest.mark.parametrize("cached", (None, 24), ids=("shared", "workspace"))
+def test_emulated_the_gate_keeps_few_candidates_and_never_drops_a_selected_one(rng, cached):
     """Two 4-row groups whose rows differ: a row whose K best columns share one bin and nothing else does, random rows,
     a row with fewer visible groups than K, two constant rows (every key tied: every column a candidate, ties to the
     lowest columns) and a padded row.  Random rows offer far fewer candidates than columns (the gate rises as the
     CTAs merge their histograms), and every row's output is exact; then again on the same workspace with new lengths
-    (shorter positions) and another thread order, the workspace clean after each launch."""
+    (shorter positions) and another thread order, the workspace clean after each launch.  With the finish's shared
+    cache cut to 24 candidates a row, every row's candidates are read from the workspace instead: the same output."""
     k, ratio = 16, 4
     batch = make_batch([2000, 1800, 60, 1500, 900], [1, 2, 1, 2, 1], page_size=16, generator=rng, padded_rows=1)
     cache, table = batch.compressed_k_cache, batch.page_table
@@ -388,7 +390,7 @@ def test_emulated_the_gate_keeps_few_candidates_and_never_drops_a_selected_one(r
         plan = fs.split_plan(4, variant, 4, 2, problem.score.num_columns, SM90)
         candidates = torch.full((plan.candidate_words,), -7, dtype=torch.int32)
         blocks, _, scores, _ = check(batch, k * ratio, dict(max_query_len=4), split=4, workspace=workspace,
-                                     order_seed=seed, candidates=candidates)
+                                     order_seed=seed, candidates=candidates, cached=cached)
         _, visible = reference_paged_mqa_logits(*batch.args())
         offered = candidates_offered(candidates, plan)
         if step == 0:
