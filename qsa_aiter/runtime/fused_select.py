@@ -107,8 +107,9 @@ def fused_plan(problem, device: torch.device, plan: kernels.Plan | None = None, 
     platform = Platform.of(torch.device("cuda", index))
     plan = plan or kernels.choose_plan(problem, platform)
     variant = plan.variant
+    # (clusters above 8 CTAs allowed from sm_90, whatever this plan: the loaded kernel serves every plan)
     kernel = native.kernel_for(kernels.source(), variant.name, kernels.SPEC.defines(variant, platform.arch), index,
-                               platform.arch, settings)
+                               platform.arch, settings, non_portable_cluster=platform.capability >= (9, 0))
     return kernel, plan
 
 
@@ -132,7 +133,7 @@ def fused_select(problem, args, settings=None, plan: kernels.Plan | None = None,
     candidates = grid_topk.workspace_for(args.q.device, plan.candidate_words, CANDIDATES)
     call, addresses = fused_select_call(problem, args, plan, blocks, workspace, candidates, scores, stamps)
     native.PreparedLaunch(FUSED_SELECT_LAUNCH, kernel, call.grid, call.block, call.shared_bytes,
-                          tuple(name for name, _ in call.pointers), call.scalars)(*addresses)
+                          tuple(name for name, _ in call.pointers), call.scalars, cluster=call.cluster)(*addresses)
     return blocks
 
 
@@ -149,7 +150,8 @@ def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tenso
     candidates of a row the finish gathers into shared memory (default the source's ``FUSED_CACHE``; past it they are
     read from the workspace at each pass). The grid's CTAs run together
     where the emulator holds them all (``order_seed`` shuffles their threads' turns, so CTAs offer and arrive in other
-    orders and the selectors wait), else one after another in index order. Raises ``emulated.EmulationError`` where
+    orders and the selectors wait), else one after another in index order; a cluster plan's clusters one after
+    another, each cluster's CTAs together. Raises ``emulated.EmulationError`` where
     the emulated kernel fails."""
     _checked_out(args)
     if workspace is None:
@@ -162,8 +164,10 @@ def emulated_fused_select(problem, args, plan: kernels.Plan, scores: torch.Tenso
     call, addresses = fused_select_call(problem, args, plan, blocks, workspace, candidates, scores, stamps)
     defines = ("TOPK_WARP_SIZE=32",) + (() if cached is None else (f"FUSED_CACHE={cached}",))
     lib = emulated.build(kernels.SOURCE_PATH, EMULATED_FUSED_KERNELS, defines, kernels.source())
-    together = call.grid[0] * call.block[0] <= emulated.MAX_COOPERATIVE_THREADS
-    emulated.run(lib, call, addresses, 1, order_seed, cooperative=together)
+    # A cluster plan's CTAs meet only within their cluster (run together, clusters one after another); the last
+    # arriver's design runs the whole grid together where the emulator holds it, so that CTAs arrive in any order.
+    together = call.cluster == 1 and call.grid[0] * call.block[0] <= emulated.MAX_COOPERATIVE_THREADS
+    emulated.run(lib, call, addresses, call.cluster, order_seed, cooperative=together)
     return blocks, workspace
 
 

@@ -97,10 +97,14 @@
 #define FUSED_W_LAST 32       // 1 in the CTA that arrived last
 #define FUSED_W_GATE 36       // per row: the gate bin (offer)
 #define FUSED_W_SEL 44        // the radix select's result: bin, rank, count
+#define FUSED_W_FIRST 48      // per row: the CTA's first slot among the row's candidates (cluster plans)
+#define FUSED_W_TOTAL 52      // per row: the row's candidates (cluster plans)
 #define FUSED_STASH_OFFSET (QSA_SHARED_BYTES + FUSED_TAIL_WORDS * 4)
 // In the stages, once the tiles are scored (words): the rows' histograms (offer), or in the last arriver the select's
 // histogram | the parts' offsets | the candidates' cache.
 #define FUSED_HIST_WORD 0
+#define FUSED_MERGED_WORD (QSA_MAX_GROUP_ROWS * GRID_BINS)  // cluster plans: rank 0's merged histograms
+#define FUSED_MAX_CLUSTER 16
 #define FUSED_OFFS_WORD 2048
 #define FUSED_MAX_SPLIT 1024
 #define FUSED_CACHE_WORD 3080
@@ -117,13 +121,15 @@
 
 static_assert(QSA_SHARED_BYTES % 16 == 0, "the tail's words and the stash start 16-byte aligned");
 static_assert(2 * (FUSED_NW + 1) <= FUSED_W_WARPS && FUSED_W_WARPS + QSA_MAX_GROUP_ROWS * FUSED_NW <= FUSED_W_LAST &&
-                  FUSED_W_SEL + 3 <= FUSED_TAIL_WORDS,
+                  FUSED_W_SEL + 3 <= FUSED_W_FIRST && FUSED_W_TOTAL + QSA_MAX_GROUP_ROWS <= FUSED_TAIL_WORDS,
               "the tail's words");
 static_assert(QSA_MAX_GROUP_ROWS <= GRID_MAX_ROWS && QSA_MAX_GROUP_ROWS <= 4, "a word a row in the tail's words");
 static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET &&
                   FUSED_HIST_WORD + GRID_BINS <= FUSED_OFFS_WORD &&
                   FUSED_OFFS_WORD + FUSED_MAX_SPLIT + 1 <= FUSED_CACHE_WORD &&
-                  FUSED_CACHE_WORD + 2 * FUSED_CACHE <= QSA_FLAGS_OFFSET / 4,
+                  FUSED_CACHE_WORD + 2 * FUSED_CACHE <= QSA_FLAGS_OFFSET / 4 &&
+                  FUSED_MERGED_WORD + QSA_MAX_GROUP_ROWS * GRID_BINS <= QSA_FLAGS_OFFSET / 4 &&
+                  FUSED_MAX_CLUSTER <= FUSED_MAX_SPLIT,
               "the offer's histograms and the finish's words fit the tile stages");
 static_assert(GRID_BINS % QSA_FUSED_THREADS == 0, "whole shares");
 static_assert((FUSED_MAX_SPLIT & (FUSED_MAX_SPLIT - 1)) == 0, "the parts' search halves its step");
@@ -208,16 +214,11 @@ __device__ __forceinline__ int fused_len(int n, int col0, int chunk) {
     return len < 0 ? 0 : (len > chunk ? chunk : len);
 }
 
-// Step 3 for the group's rows that see more than K columns (bit r of `wide`): keys and histograms, the merge with
-// returning atomics and the gate, the candidates and the count.  Leaves the stash holding keys.
-__device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vis, unsigned wide, int rows, int part,
-                                            int col0, int chunk, int K, int split, int cap, unsigned* hist,
-                                            unsigned* tail, unsigned* stash, unsigned long long* rec) {
-    constexpr int PER = GRID_BINS / QSA_FUSED_THREADS;
-    // The gate published so far (any value it ever held is a lower bound of the row's threshold bin): loaded first,
-    // used after the histograms, so that its round trip overlaps them.
-    const bool reads_gate = (int)threadIdx.x < rows && ((wide >> threadIdx.x) & 1u);
-    const unsigned published = reads_gate ? (unsigned)load_cg((const int*)g.row(threadIdx.x).gate) : 0u;
+// The CTA's keys and histograms, for the group's rows that see more than K columns (bit r of `wide`): turns the
+// stash's scores of its columns into order-preserving keys in place and counts their top 11 bits into hist (row r's
+// GRID_BINS words at r * GRID_BINS, zeroed here).  Leaves the last histogram's increments unsynchronised.
+__device__ __forceinline__ void fused_histograms(const int* s_vis, unsigned wide, int rows, int col0, int chunk,
+                                                 int cap, unsigned* hist, unsigned* stash) {
     for (int i = threadIdx.x; i < rows * GRID_BINS; i += QSA_FUSED_THREADS) hist[i] = 0u;
     __syncthreads();
     for (int r = 0; r < rows; ++r) {
@@ -231,6 +232,71 @@ __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vi
             hist_add_one(H, k >> 21);
         }
     }
+}
+
+// The candidates of the CTA's columns: for each row that sees more than K columns, its keys whose top 11 bits are
+// at or above the row's gate (tail[FUSED_W_GATE + r]), in column order, so that a row's candidates, read part
+// after part, are in ascending columns (the finish writes its output and resolves its ties with one ordered
+// compaction).  Warp w takes a contiguous range of the chunk: fused_count_offers counts its keys a row
+// (tail[FUSED_W_WARPS + r * FUSED_NW + w]; ends with a barrier), fused_write_offers hands each key its slot among
+// the CTA's (the warps' exclusive prefix, then the ballot's), put(r, slot, key, column); fused_offered(tail, r) is
+// the CTA's count of row r.
+__device__ __forceinline__ void fused_count_offers(const int* s_vis, unsigned wide, int rows, int col0, int chunk,
+                                                   int cap, const unsigned* stash, unsigned* tail) {
+    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
+    for (int r = 0; r < rows; ++r) {
+        if (!((wide >> r) & 1u)) continue;
+        const unsigned* S = stash + r * cap;
+        const unsigned gate = tail[FUSED_W_GATE + r];
+        const FusedSpan span = fused_warp_span(fused_len(s_vis[r], col0, chunk), warp);
+        unsigned mine = 0;
+        for (int b = span.lo; b < span.hi; b += WS) {  // warp-uniform trip count: the ballots see every lane
+            const int i = b + lane;
+            mine += (unsigned)__popcll((unsigned long long)warp_ballot(i < span.hi && (S[i] >> 21) >= gate));
+        }
+        if (lane == 0) tail[FUSED_W_WARPS + r * FUSED_NW + warp] = mine;
+    }
+    __syncthreads();
+}
+template <class Put>
+__device__ __forceinline__ void fused_write_offers(const int* s_vis, unsigned wide, int rows, int col0, int chunk,
+                                                   int cap, const unsigned* stash, const unsigned* tail,
+                                                   const Put& put) {
+    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
+    for (int r = 0; r < rows; ++r) {
+        if (!((wide >> r) & 1u)) continue;
+        const unsigned* S = stash + r * cap;
+        const unsigned gate = tail[FUSED_W_GATE + r];
+        const FusedSpan span = fused_warp_span(fused_len(s_vis[r], col0, chunk), warp);
+        unsigned slot = 0;
+        for (int w = 0; w < warp; ++w) slot += tail[FUSED_W_WARPS + r * FUSED_NW + w];
+        for (int b = span.lo; b < span.hi; b += WS) {
+            const int i = b + lane;
+            const unsigned k = i < span.hi ? S[i] : 0u;
+            const bool take = i < span.hi && (k >> 21) >= gate;
+            const unsigned long long mask = (unsigned long long)warp_ballot(take);
+            if (take) put(r, slot + (unsigned)__popcll(mask & fused_lanes_below(lane)), k, col0 + i);
+            slot += (unsigned)__popcll(mask);
+        }
+    }
+}
+__device__ __forceinline__ unsigned fused_offered(const unsigned* tail, int r) {
+    unsigned total = 0;
+    for (int w = 0; w < FUSED_NW; ++w) total += tail[FUSED_W_WARPS + r * FUSED_NW + w];
+    return total;
+}
+
+// Step 3 for the group's rows that see more than K columns (bit r of `wide`): keys and histograms, the merge with
+// returning atomics and the gate, the candidates and the count.  Leaves the stash holding keys.
+__device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vis, unsigned wide, int rows, int part,
+                                            int col0, int chunk, int K, int split, int cap, unsigned* hist,
+                                            unsigned* tail, unsigned* stash, unsigned long long* rec) {
+    constexpr int PER = GRID_BINS / QSA_FUSED_THREADS;
+    // The gate published so far (any value it ever held is a lower bound of the row's threshold bin): loaded first,
+    // used after the histograms, so that its round trip overlaps them.
+    const bool reads_gate = (int)threadIdx.x < rows && ((wide >> threadIdx.x) & 1u);
+    const unsigned published = reads_gate ? (unsigned)load_cg((const int*)g.row(threadIdx.x).gate) : 0u;
+    fused_histograms(s_vis, wide, rows, col0, chunk, cap, hist, stash);
     if ((int)threadIdx.x < rows) tail[FUSED_W_GATE + threadIdx.x] = published;
     __syncthreads();
     // The merge: thread t owns bins 2047 - (t * PER + i) of each row; each returned count, plus its own, is a lower
@@ -274,45 +340,12 @@ __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vi
     }
     __syncthreads();
     qsa_stamp(rec, QSA_STAMP_MERGE);
-    // The candidates: keys at or above the gate, into the CTA's area in column order (so that the finish reads every
-    // row's candidates in ascending columns and writes its output and resolves its ties with one ordered compaction):
-    // warp w takes a contiguous range of the chunk, counts its keys, then writes them at the warps' exclusive prefix.
-    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
-    for (int r = 0; r < rows; ++r) {
-        if (!((wide >> r) & 1u)) continue;
-        const unsigned* S = stash + r * cap;
-        const unsigned gate = tail[FUSED_W_GATE + r];
-        const FusedSpan span = fused_warp_span(fused_len(s_vis[r], col0, chunk), warp);
-        unsigned mine = 0;
-        for (int b = span.lo; b < span.hi; b += WS) {  // warp-uniform trip count: the ballots see every lane
-            const int i = b + lane;
-            mine += (unsigned)__popcll((unsigned long long)warp_ballot(i < span.hi && (S[i] >> 21) >= gate));
-        }
-        if (lane == 0) tail[FUSED_W_WARPS + r * FUSED_NW + warp] = mine;
-    }
-    __syncthreads();
-    for (int r = 0; r < rows; ++r) {
-        if (!((wide >> r) & 1u)) continue;
-        const unsigned* S = stash + r * cap;
-        const unsigned gate = tail[FUSED_W_GATE + r];
-        uint2* mine = g.row(r).cands + (long long)part * cap;
-        const FusedSpan span = fused_warp_span(fused_len(s_vis[r], col0, chunk), warp);
-        unsigned slot = 0, total = 0;
-        for (int w = 0; w < FUSED_NW; ++w) {
-            const unsigned count = tail[FUSED_W_WARPS + r * FUSED_NW + w];
-            slot += w < warp ? count : 0u;
-            total += count;
-        }
-        for (int b = span.lo; b < span.hi; b += WS) {
-            const int i = b + lane;
-            const unsigned k = i < span.hi ? S[i] : 0u;
-            const bool take = i < span.hi && (k >> 21) >= gate;
-            const unsigned long long mask = (unsigned long long)warp_ballot(take);
-            if (take) mine[slot + (unsigned)__popcll(mask & fused_lanes_below(lane))] = make_uint2(k, (unsigned)(col0 + i));
-            slot += (unsigned)__popcll(mask);
-        }
-        if (threadIdx.x == 0) g.row(r).counts[part] = total;
-    }
+    fused_count_offers(s_vis, wide, rows, col0, chunk, cap, stash, tail);
+    fused_write_offers(s_vis, wide, rows, col0, chunk, cap, stash, tail, [&](int r, unsigned slot, unsigned k, int col) {
+        g.row(r).cands[(long long)part * cap + slot] = make_uint2(k, (unsigned)col);
+    });
+    if ((int)threadIdx.x < rows && ((wide >> threadIdx.x) & 1u))
+        g.row(threadIdx.x).counts[part] = fused_offered(tail, threadIdx.x);
 }
 
 // The last arriver's view of a row's candidates: the parts' exclusive offsets (offs[0 .. split], in shared memory)
@@ -402,6 +435,69 @@ __device__ __forceinline__ FusedThreshold fused_radix(int m, const Value& value,
     return t;
 }
 
+// A row's exact select and ordered output over its m candidates `cands` (ascending columns), from the threshold's
+// first digit `keys`: the radix select's further digits over the candidates in its bin, then the ordered compaction
+// with the ties and the expansion (n: the row's visible columns).  H: 2048 words of shared memory.
+__device__ __forceinline__ void fused_select_row(const FusedCands& cands, unsigned m, FusedThreshold keys, int n, int K,
+                                                 int* __restrict__ orow, const GridTokens& ts, int width,
+                                                 unsigned* H, unsigned* tail, unsigned long long* rec) {
+    keys = fused_radix((int)m, [&](int j) { return cands(j).x; }, [](int) { return true; }, keys, 1, H, tail);
+    qsa_stamp(rec, QSA_STAMP_SELECT);
+    // The ordered output: the candidates are in ascending columns (the parts in order, each part's in column order),
+    // so one ordered compaction writes the kept columns and gives the ties at the threshold key to the lowest columns
+    // (the first keys.rank of them).  Warp w takes a contiguous range; its counts, exchanged, give its offsets.
+    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
+    const FusedSpan span = fused_warp_span((int)m, warp);
+    auto classify = [&](int j, bool& above, bool& tie) {
+        above = tie = false;
+        if (j >= span.hi) return;
+        const unsigned km = cands(j).x & keys.mask;
+        above = km > keys.prefix || (km == keys.prefix && keys.all);
+        tie = km == keys.prefix && !keys.all;
+    };
+    unsigned n_above = 0, n_tie = 0;
+    for (int b = span.lo; b < span.hi; b += WS) {  // warp-uniform trip count: the ballots see every lane
+        bool above, tie;
+        classify(b + lane, above, tie);
+        n_above += (unsigned)__popcll((unsigned long long)warp_ballot(above));
+        n_tie += (unsigned)__popcll((unsigned long long)warp_ballot(tie));
+    }
+    if (lane == 0) {
+        tail[FUSED_W_WARPS + warp] = n_above;
+        tail[FUSED_W_WARPS + FUSED_NW + warp] = n_tie;
+    }
+    __syncthreads();
+    unsigned above_before = 0, ties_before = 0, kept = 0;
+    for (int w = 0; w < warp; ++w) {
+        above_before += tail[FUSED_W_WARPS + w];
+        ties_before += tail[FUSED_W_WARPS + FUSED_NW + w];
+    }
+    const unsigned below = fused_lanes_below(lane), rank = keys.rank;
+    for (int b = span.lo; b < span.hi; b += WS) {
+        bool above, tie;
+        classify(b + lane, above, tie);
+        const unsigned long long am = (unsigned long long)warp_ballot(above), tm = (unsigned long long)warp_ballot(tie);
+        const unsigned a = above_before + (unsigned)__popcll(am & below), t = ties_before + (unsigned)__popcll(tm & below);
+        if (above || (tie && t < rank)) {  // its slot: the kept candidates before it
+            const unsigned slot = a + (t < rank ? t : rank);
+            const int col = (int)cands(b + lane).y;
+            orow[slot] = col;
+            if (ts.trow != nullptr) kept += grid_group_tokens(ts, slot, col);
+        }
+        above_before += (unsigned)__popcll(am);
+        ties_before += (unsigned)__popcll(tm);
+    }
+    if (ts.trow != nullptr) {
+        long long total = (long long)K * ts.R;
+        if (ts.limit < (long long)n * ts.R) {  // some kept group keeps fewer than R
+            unsigned all;
+            grid_excl_scan<QSA_FUSED_THREADS>(kept, all, tail);  // (after the barrier of the counts' exchange)
+            total = all;
+        }
+        grid_tail(ts, total, width, threadIdx.x, QSA_FUSED_THREADS);
+    }
+}
+
 // Step 4 in the last arriver, row r of the group (n > K): the candidates' offsets, the exact select, the ordered
 // output with the expansion, the row's workspace left clean.  `smem`: the stages' words.
 __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n, int K, int split, int cap,
@@ -459,61 +555,7 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
 #pragma unroll
     for (int i = 0; i < PER; ++i) area.hist[GRID_BINS - 1 - ((int)threadIdx.x * PER + i)] = 0u;
     qsa_stamp(rec, QSA_STAMP_GATHER);
-    keys = fused_radix((int)m, [&](int j) { return cands(j).x; }, [](int) { return true; }, keys, 1, H, tail);
-    qsa_stamp(rec, QSA_STAMP_SELECT);
-    // The ordered output: the candidates are in ascending columns (the parts in order, each part's in column order),
-    // so one ordered compaction writes the kept columns and gives the ties at the threshold key to the lowest columns
-    // (the first keys.rank of them).  Warp w takes a contiguous range; its counts, exchanged, give its offsets.
-    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
-    const FusedSpan span = fused_warp_span((int)m, warp);
-    auto classify = [&](int j, bool& above, bool& tie) {
-        above = tie = false;
-        if (j >= span.hi) return;
-        const unsigned km = cands(j).x & keys.mask;
-        above = km > keys.prefix || (km == keys.prefix && keys.all);
-        tie = km == keys.prefix && !keys.all;
-    };
-    unsigned n_above = 0, n_tie = 0;
-    for (int b = span.lo; b < span.hi; b += WS) {  // warp-uniform trip count: the ballots see every lane
-        bool above, tie;
-        classify(b + lane, above, tie);
-        n_above += (unsigned)__popcll((unsigned long long)warp_ballot(above));
-        n_tie += (unsigned)__popcll((unsigned long long)warp_ballot(tie));
-    }
-    if (lane == 0) {
-        tail[FUSED_W_WARPS + warp] = n_above;
-        tail[FUSED_W_WARPS + FUSED_NW + warp] = n_tie;
-    }
-    __syncthreads();
-    unsigned above_before = 0, ties_before = 0, kept = 0;
-    for (int w = 0; w < warp; ++w) {
-        above_before += tail[FUSED_W_WARPS + w];
-        ties_before += tail[FUSED_W_WARPS + FUSED_NW + w];
-    }
-    const unsigned below = fused_lanes_below(lane), rank = keys.rank;
-    for (int b = span.lo; b < span.hi; b += WS) {
-        bool above, tie;
-        classify(b + lane, above, tie);
-        const unsigned long long am = (unsigned long long)warp_ballot(above), tm = (unsigned long long)warp_ballot(tie);
-        const unsigned a = above_before + (unsigned)__popcll(am & below), t = ties_before + (unsigned)__popcll(tm & below);
-        if (above || (tie && t < rank)) {  // its slot: the kept candidates before it
-            const unsigned slot = a + (t < rank ? t : rank);
-            const int col = (int)cands(b + lane).y;
-            orow[slot] = col;
-            if (ts.trow != nullptr) kept += grid_group_tokens(ts, slot, col);
-        }
-        above_before += (unsigned)__popcll(am);
-        ties_before += (unsigned)__popcll(tm);
-    }
-    if (ts.trow != nullptr) {
-        long long total = (long long)K * ts.R;
-        if (ts.limit < (long long)n * ts.R) {  // some kept group keeps fewer than R
-            unsigned all;
-            grid_excl_scan<QSA_FUSED_THREADS>(kept, all, tail + parity * (FUSED_NW + 1));
-            total = all;
-        }
-        grid_tail(ts, total, width, threadIdx.x, QSA_FUSED_THREADS);
-    }
+    fused_select_row(cands, m, keys, n, K, orow, ts, width, H, tail, rec);
     // Leave the row's words clean: the gate (the histogram is zeroed above; the counts and candidates are rewritten).
     if (threadIdx.x == 0) *area.gate = 0u;
     __syncthreads();
@@ -533,13 +575,26 @@ __device__ __forceinline__ void fused_finish_row(const FusedRowArea& area, int n
         int *__restrict__ tokens, float *__restrict__ scores, unsigned long long *__restrict__ stamps,             \
         unsigned *workspace, unsigned *candidates, int num_tokens,                                                 \
         int num_requests, int num_pages, int num_columns, int table_width, int table_stride, int page_stride,      \
-        int slot_stride, int group_rows, int row_groups, int split, int cap, int K, int ratio,                     \
+        int slot_stride, int group_rows, int row_groups, int split, int cluster, int cap, int K, int ratio,        \
         int scale_bits, int wide, int aligned, int width, int tok_ld, int scores_ld
 #define QSA_FUSED_ARGS                                                                                            \
     q, keys, k_scale, page_table, token_to_request, query_positions, context_lens, out, tokens, scores, stamps,    \
         workspace, candidates,                                                                                     \
         num_tokens, num_requests, num_pages, num_columns, table_width, table_stride, page_stride, slot_stride,     \
-        group_rows, row_groups, split, cap, K, ratio, scale_bits, wide, aligned, width, tok_ld, scores_ld
+        group_rows, row_groups, split, cluster, cap, K, ratio, scale_bits, wide, aligned, width, tok_ld, scores_ld
+
+// A row that sees at most K columns: 0 .. n-1, then -1, and their expansion (no score read).
+__device__ __forceinline__ void fused_short_row(int n, int K, int* __restrict__ orow, const GridTokens& ts,
+                                                int width) {
+    for (int i = threadIdx.x; i < K; i += QSA_FUSED_THREADS) {
+        orow[i] = i < n ? i : -1;
+        if (ts.trow != nullptr && i < n) grid_group_tokens(ts, i, i);
+    }
+    if (ts.trow != nullptr) {
+        const long long all = (long long)n * ts.R;
+        grid_tail(ts, all < ts.limit ? all : ts.limit, width, threadIdx.x, QSA_FUSED_THREADS);
+    }
+}
 
 // Rows [r0, r1) of a group after every CTA of it arrived: each row's select and output (fused_finish_row), or for a
 // row that sees at most K columns its visible groups.  The gather and select stamps in `rec` are written first (an
@@ -556,20 +611,126 @@ __device__ __forceinline__ void fused_finish_rows(const FusedGroup& g, const int
         const int row = (int)first_row + r;
         const GridTokens ts = grid_tokens(row, x);
         int* orow = out + (long long)row * K;
-        if (n > K) {
+        if (n > K)
             fused_finish_row(g.row(r), n, K, split, cap, orow, ts, width, smem, tail, rec);
-            continue;
-        }
-        for (int i = threadIdx.x; i < K; i += QSA_FUSED_THREADS) {
-            orow[i] = i < n ? i : -1;
-            if (ts.trow != nullptr && i < n) grid_group_tokens(ts, i, i);
-        }
-        if (ts.trow != nullptr) {
-            const long long all = (long long)n * ts.R;
-            grid_tail(ts, all < ts.limit ? all : ts.limit, width, threadIdx.x, QSA_FUSED_THREADS);
-        }
+        else
+            fused_short_row(n, K, orow, ts, width);
     }
 }
+
+#if TOPK_CLUSTERS
+// Steps 3 and 4 where a group's CTAs are one thread-block cluster (a plan's `cluster`: split CTAs, the CTA's rank its
+// part, at least one CTA a row): the merge, the threshold's first digit and the candidates' exchange in distributed
+// shared memory, with four cluster barriers and no round trip to L2, and the select of row r on the CTA of rank r.
+//   1  every CTA: its keys and histograms (rank 0 zeroes the merged histograms: the stages' second half); barrier;
+//   2  each adds its non-zero bins into rank 0's merged histograms (remote reductions); barrier;
+//   3  each reads them (remote loads) and finds every row's threshold bin T and the rank in it (the first digit,
+//      exact: the merged counts are complete); counts its keys in bins >= T a row and stores the count into the
+//      row's selecting CTA's offsets (offs[part]); barrier (after it no one reads the merged histograms);
+//   4  each reads the row's counts there, and writes its candidates at their prefix into that CTA's cache (remote
+//      stores, column order) or, where the row's candidates overflow the cache, into its part of the workspace's
+//      candidates (as the last arriver's design does); barrier;
+//   5  the CTA of rank r < rows selects row r from its cache (the radix select's further digits, the ordered
+//      compaction with the ties and the expansion), or writes 0 .. visible-1 for a row that sees at most K columns.
+// The workspace's counters, gates and histograms are not used (they stay clean).
+__device__ __forceinline__ void fused_cluster_tail(const FusedGroup& g, const int* s_vis, unsigned wide, int rows,
+                                                   int part, int col0, int chunk, int K, int split, int cap,
+                                                   long long first_row, int* __restrict__ out, const GridExpand& x,
+                                                   int width, unsigned* smem, unsigned* tail, unsigned* stash,
+                                                   unsigned long long* rec) {
+    constexpr int PER = GRID_BINS / QSA_FUSED_THREADS;
+    unsigned* merged = smem + FUSED_MERGED_WORD;
+    unsigned* offs = smem + FUSED_OFFS_WORD;
+    uint2* cache = reinterpret_cast<uint2*>(smem + FUSED_CACHE_WORD);
+    FusedThreshold mine = {0u, 0u, (unsigned)K, false};  // the first digit of the row this CTA selects
+    if (wide) {  // group-uniform: every CTA of the cluster meets the same barriers
+        if (part == 0)
+            for (int i = threadIdx.x; i < rows * GRID_BINS; i += QSA_FUSED_THREADS) merged[i] = 0u;
+        fused_histograms(s_vis, wide, rows, col0, chunk, cap, smem, stash);
+        cluster_sync();
+        const unsigned merged0 = mapa_u32(smem_u32(merged), 0u);
+        for (int r = 0; r < rows; ++r) {
+            if (!((wide >> r) & 1u)) continue;
+            for (int b = threadIdx.x; b < GRID_BINS; b += QSA_FUSED_THREADS) {
+                const unsigned v = smem[r * GRID_BINS + b];
+                if (v) red_add_cluster(merged0 + 4u * (unsigned)(r * GRID_BINS + b), v);
+            }
+        }
+        cluster_sync();
+        int parity = 0;
+        for (int r = 0; r < rows; ++r) {
+            if (!((wide >> r) & 1u)) continue;
+            unsigned loc[PER];
+#pragma unroll
+            for (int i = 0; i < PER; ++i)
+                loc[i] = ld_cluster_u32(merged0 + 4u * (unsigned)(r * GRID_BINS + GRID_BINS - 1 -
+                                                                 ((int)threadIdx.x * PER + i)));
+            FusedThreshold t = {0u, 0u, (unsigned)K, false};
+            fused_digit(loc, PER, GRID_BINS, 21, t, tail, parity);
+            if (threadIdx.x == 0) tail[FUSED_W_GATE + r] = t.prefix >> 21;
+            if (r == part) mine = t;
+        }
+        __syncthreads();
+        qsa_stamp(rec, QSA_STAMP_MERGE);
+        fused_count_offers(s_vis, wide, rows, col0, chunk, cap, stash, tail);
+        if ((int)threadIdx.x < rows && ((wide >> threadIdx.x) & 1u))
+            st_cluster_u32(mapa_u32(smem_u32(offs + part), threadIdx.x), fused_offered(tail, threadIdx.x));
+        cluster_sync();
+        if (threadIdx.x == 0) {
+            for (int r = 0; r < rows; ++r) {
+                unsigned before = 0, total = 0;
+                for (int p = 0; p < split && ((wide >> r) & 1u); ++p) {
+                    const unsigned c = ld_cluster_u32(mapa_u32(smem_u32(offs + p), (unsigned)r));
+                    before += p < part ? c : 0u;
+                    total += c;
+                }
+                tail[FUSED_W_FIRST + r] = before;
+                tail[FUSED_W_TOTAL + r] = total;
+            }
+        }
+        __syncthreads();
+        fused_write_offers(s_vis, wide, rows, col0, chunk, cap, stash, tail,
+                           [&](int r, unsigned slot, unsigned k, int col) {
+                               if (tail[FUSED_W_TOTAL + r] <= FUSED_CACHE)
+                                   st_cluster_v2(mapa_u32(smem_u32(cache + tail[FUSED_W_FIRST + r] + slot),
+                                                          (unsigned)r),
+                                                 k, (unsigned)col);
+                               else
+                                   g.row(r).cands[(long long)part * cap + slot] = make_uint2(k, (unsigned)col);
+                           });
+        cluster_sync();
+    } else {
+        qsa_stamp(rec, QSA_STAMP_MERGE);
+    }
+    qsa_stamp(rec, QSA_STAMP_OFFER);
+    qsa_stamp(rec, QSA_STAMP_ARRIVE);
+    if (part >= rows) return;  // CTA-uniform
+    const int n = s_vis[part];
+    const long long row = first_row + part;
+    const GridTokens ts = grid_tokens((int)row, x);
+    int* orow = out + row * K;
+    qsa_stamp(rec, QSA_STAMP_GATHER);
+    if (n <= K) {
+        qsa_stamp(rec, QSA_STAMP_SELECT);
+        fused_short_row(n, K, orow, ts, width);
+    } else {
+        // the parts' exclusive offsets in place of their counts (at most FUSED_MAX_CLUSTER of them)
+        if (threadIdx.x == 0) {
+            unsigned at = 0;
+            for (int p = 0; p < split; ++p) {
+                const unsigned c = offs[p];
+                offs[p] = at;
+                at += c;
+            }
+        }
+        __syncthreads();
+        const unsigned m = tail[FUSED_W_TOTAL + part];
+        const FusedCands cands = {offs, m <= FUSED_CACHE ? cache : nullptr, g.row(part).cands, split, cap};
+        fused_select_row(cands, m, mine, n, K, orow, ts, width, smem + FUSED_HIST_WORD, tail, rec);
+    }
+    qsa_stamp(rec, QSA_STAMP_FINISH);
+}
+#endif  // TOPK_CLUSTERS
 
 template <int PAGE, bool F16, int KIND>
 __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
@@ -644,12 +805,19 @@ __device__ __forceinline__ void fused_kernel(QSA_FUSED_PARAMS) {
                                slot_stride, aligned != 0, static_cast<const unsigned char*>(k_scale)};
         fused_score<PAGE, F16, KIND>(src, a, s_req, s_vis, group_rows, first_row, col0, chunk, table_stride, scale,
                                      tiles, flags, stash, cap, scores, scores_ld);
-        qsa_stamp(rec, QSA_STAMP_SCORE);
-        fused_offer(g, s_vis, wide_rows, rows, part, col0, chunk, K, split, cap, smem, tail, stash, rec);
-    } else {
-        qsa_stamp(rec, QSA_STAMP_SCORE);
-        qsa_stamp(rec, QSA_STAMP_MERGE);
     }
+    qsa_stamp(rec, QSA_STAMP_SCORE);
+#if TOPK_CLUSTERS
+    if (cluster) {  // the group's CTAs are one cluster (launch-uniform)
+        fused_cluster_tail(g, s_vis, wide_rows, rows, part, col0, chunk, K, split, cap, first_row, out, x, width, smem,
+                           tail, stash, rec);
+        return;
+    }
+#endif
+    if (wide_rows)
+        fused_offer(g, s_vis, wide_rows, rows, part, col0, chunk, K, split, cap, smem, tail, stash, rec);
+    else
+        qsa_stamp(rec, QSA_STAMP_MERGE);
     qsa_stamp(rec, QSA_STAMP_OFFER);
     __syncthreads();  // every thread's candidates and counts are issued
     if (threadIdx.x == 0) {

@@ -44,8 +44,9 @@ THREADS, CTAS_PER_SM = scorer.THREADS, scorer.CTAS_PER_SM
 #: stage's bytes (static-asserted in the source).
 TAIL_WORDS = 64
 BASE_SHARED_BYTES = scorer.SHARED_BYTES + 4 * TAIL_WORDS
-#: The most CTAs a row group is split across (``FUSED_MAX_SPLIT``: the last arriver's offsets of the parts).
-MAX_SPLIT = 1024
+#: The most CTAs a row group is split across (``FUSED_MAX_SPLIT``: the last arriver's offsets of the parts), and in
+#: a cluster plan (``FUSED_MAX_CLUSTER``: the non-portable cluster size of sm_90).
+MAX_SPLIT, MAX_CLUSTER = 1024, 16
 #: Workspace words a row (``FUSED_ROW_HEAD``, ``GRID_BINS``): its head (the gate; in a group's first row also the
 #: arrival counter and the selectors' release word and counter), its histogram.
 ROW_HEAD_WORDS, BINS = 32, 2048
@@ -69,7 +70,7 @@ PARAMS = params(
     ("workspace", "unsigned*"), ("candidates", "unsigned*"),
     *((name, "int") for name in ("num_tokens", "num_requests", "num_pages", "num_columns", "table_width",
                                  "table_stride", "page_stride", "slot_stride", "group_rows", "row_groups", "split",
-                                 "cap", "K", "ratio", "scale_bits", "wide", "aligned", "width", "tok_ld",
+                                 "cluster", "cap", "K", "ratio", "scale_bits", "wide", "aligned", "width", "tok_ld",
                                  "scores_ld")),
 )
 POINTERS = tuple((p.name, p.ctype) for p in PARAMS if p.pointer)
@@ -139,13 +140,17 @@ class Plan:
     """One launch: ``variant``; ``row_groups`` groups of ``group_rows`` rows; ``split`` CTAs a group (the grid is
     ``row_groups * split`` CTAs and the ``selectors``, not necessarily resident at once); ``cap``: the scores a CTA
     holds per row and the candidates' room a CTA and row in the workspace (a multiple of ``grid.TILE``; 0 where no
-    row is wider than the budget)."""
+    row is wider than the budget); ``cluster``: 0 for the last arriver's design (a group's CTAs meet through L2:
+    candidates above a gate, the last to arrive and the selectors select), else ``split``: each group's CTAs are one
+    thread-block cluster that merges, exchanges and selects in distributed shared memory (sm_90+, at most
+    ``MAX_CLUSTER`` CTAs and at least one a row, no selectors; the source's ``fused_cluster_tail``)."""
 
     variant: Variant
     group_rows: int
     row_groups: int
     split: int
     cap: int
+    cluster: int = 0
 
     @property
     def shared_bytes(self) -> int:
@@ -155,7 +160,7 @@ class Plan:
     def selectors(self) -> int:
         """The selector CTAs after the scoring ones: ``group_rows - 1`` a group where rows are scored (the group's
         last arriving CTA selects row 0, a selector each other row, at the same time); none for one-row groups."""
-        return self.row_groups * (self.group_rows - 1) if self.cap else 0
+        return self.row_groups * (self.group_rows - 1) if self.cap and not self.cluster else 0
 
     @property
     def grid(self) -> int:
@@ -184,8 +189,10 @@ class Plan:
         return self.row_groups * self.group_rows * self.scratch_row_words
 
     def describe(self) -> str:
-        return (f"{self.variant.name}: {self.row_groups} row groups of {self.group_rows} rows, split {self.split} "
-                f"CTAs a group and {self.selectors} selectors (grid {self.grid} of {THREADS} threads), "
+        shape = (f"split {self.split} CTAs a group, one cluster each" if self.cluster else
+                 f"split {self.split} CTAs a group and {self.selectors} selectors")
+        return (f"{self.variant.name}: {self.row_groups} row groups of {self.group_rows} rows, {shape} "
+                f"(grid {self.grid} of {THREADS} threads), "
                 f"{self.shared_bytes} B shared memory per CTA, workspace {4 * self.workspace_words} B, candidates "
                 f"{4 * self.candidate_words} B")
 
@@ -200,16 +207,24 @@ def max_cap(group_rows: int, platform: Platform, per_multiprocessor: int = 1) ->
 
 
 def split_plan(split: int, variant: Variant, group_rows: int, row_groups: int, columns: int,
-               platform: Platform) -> Plan:
-    """The plan of ``split`` CTAs a group; ``ValueError`` where it does not fit (``MAX_SPLIT``, the scores' room in
-    shared memory, the workspace)."""
+               platform: Platform, cluster: bool = False) -> Plan:
+    """The plan of ``split`` CTAs a group, each group one thread-block cluster where ``cluster``; ``ValueError``
+    where it does not fit (``MAX_SPLIT``, the scores' room in shared memory, the workspace; for a cluster: sm_90+,
+    ``MAX_CLUSTER`` CTAs, one CTA a row at least)."""
     if not 1 <= split <= MAX_SPLIT:
         raise ValueError(f"split must be in [1, {MAX_SPLIT}]; got {split}")
+    if cluster:
+        if platform.backend != "cuda" or platform.capability < (9, 0):
+            raise ValueError(f"thread-block clusters need an NVIDIA GPU of compute capability 9.0+ "
+                             f"({platform.arch} has none)")
+        if not max(2, group_rows) <= split <= MAX_CLUSTER:
+            raise ValueError(f"a cluster plan needs {max(2, group_rows)} to {MAX_CLUSTER} CTAs a group (one a row "
+                             f"at least); got {split}")
     cap = -(-cdiv(columns, split) // grid.TILE) * grid.TILE
     if cap > max_cap(group_rows, platform):
         raise ValueError(f"a split of {split} leaves {cap} scores a row and CTA; {platform.arch} holds at most "
                          f"{max_cap(group_rows, platform)} for {group_rows} rows")
-    plan = Plan(variant, group_rows, row_groups, split, cap)
+    plan = Plan(variant, group_rows, row_groups, split, cap, split if cluster else 0)
     if 4 * (plan.workspace_words + plan.candidate_words) > MAX_WORKSPACE_BYTES:
         raise ValueError(f"a split of {split} needs {4 * (plan.workspace_words + plan.candidate_words)} B of "
                          f"workspace, more than {MAX_WORKSPACE_BYTES}")
@@ -223,11 +238,11 @@ def _shape(problem) -> tuple[Variant, int, int, int, int]:
             cdiv(max(score.num_tokens, 1), group_rows), score.num_columns, problem.block_topk)
 
 
-def problem_split_plan(problem, split: int, platform: Platform) -> Plan:
-    """``split_plan`` of ``split`` CTAs a group for the selection problem ``problem`` (its variant, row groups and
-    columns); ``ValueError`` where it does not fit."""
+def problem_split_plan(problem, split: int, platform: Platform, cluster: bool = False) -> Plan:
+    """``split_plan`` of ``split`` CTAs a group (one cluster each where ``cluster``) for the selection problem
+    ``problem`` (its variant, row groups and columns); ``ValueError`` where it does not fit."""
     variant, group_rows, row_groups, columns, _ = _shape(problem)
-    return split_plan(split, variant, group_rows, row_groups, columns, platform)
+    return split_plan(split, variant, group_rows, row_groups, columns, platform, cluster)
 
 
 def plan_reason(problem, platform: Platform) -> str | None:
@@ -258,8 +273,10 @@ def choose_plan(problem, platform: Platform) -> Plan:
     """The plan of ``problem`` on ``platform``: the scorer's row groups (``native_scorer.group_rows_of``); where no
     row is wider than the budget one CTA a group and no scores; else the scorer's split (as many CTAs a group as fill
     the multiprocessors ``CTAS_PER_SM`` times, at most one per ``native_scorer.MIN_TILES_PER_CTA`` tiles), at least
-    what the scores' room needs with ``CTAS_PER_SM`` CTAs a multiprocessor (else with fewer). ``ValueError``
-    (``plan_reason``) where none fits."""
+    what the scores' room needs with ``CTAS_PER_SM`` CTAs a multiprocessor (else with fewer). A group's CTAs are one
+    thread-block cluster (at most ``MAX_CLUSTER``, one a row at least) where the GPU has clusters and the clusters
+    still give half the CTAs that fill it (a group's exchange in distributed shared memory costs no round trip to
+    L2); else the last arriver's design. ``ValueError`` (``plan_reason``) where none fits."""
     reason = plan_reason(problem, platform)
     if reason:
         raise ValueError(reason)
@@ -272,6 +289,12 @@ def choose_plan(problem, platform: Platform) -> Plan:
     least = cdiv(columns, room) if room else MAX_SPLIT + 1
     if least > MAX_SPLIT:
         least = cdiv(columns, max_cap(group_rows, platform))
+    clustered = min(max(wanted, least, group_rows, 2), MAX_CLUSTER)
+    if clustered >= least and row_groups * clustered >= platform.programs(CTAS_PER_SM) // 2:
+        try:
+            return split_plan(clustered, variant, group_rows, row_groups, columns, platform, cluster=True)
+        except ValueError:
+            pass  # no clusters here, or the scores' room: the last arriver's design
     for split in range(min(MAX_SPLIT, max(wanted, least)), least - 1, -1):
         try:
             return split_plan(split, variant, group_rows, row_groups, columns, platform)
@@ -284,7 +307,7 @@ def launch_arguments(plan: Plan, values: dict[str, int]) -> NativeLaunch:
     """The launch of ``plan`` with the scalar arguments ``values`` by name (the plan's own come from it):
     ``ValueError`` naming a missing one or one past a C ``int``."""
     values = dict(values, group_rows=plan.group_rows, row_groups=plan.row_groups, split=plan.split,
-                  cap=plan.cap)
+                  cluster=plan.cluster, cap=plan.cap)
     missing = [name for name in SCALARS if name not in values]
     if missing:
         raise ValueError(f"values: missing scalar argument(s) {', '.join(missing)}")
@@ -292,7 +315,7 @@ def launch_arguments(plan: Plan, values: dict[str, int]) -> NativeLaunch:
         if not -INT_LIMIT <= values[name] < INT_LIMIT:
             raise ValueError(f"{name} must fit a C int (the kernel's 32-bit argument); got {values[name]}")
     return NativeLaunch(plan.variant.name, (plan.grid, 1, 1), (THREADS, 1, 1), plan.shared_bytes, POINTERS,
-                        tuple((name, "int", values[name]) for name in SCALARS))
+                        tuple((name, "int", values[name]) for name in SCALARS), max(plan.cluster, 1))
 
 
 @dataclass(frozen=True)

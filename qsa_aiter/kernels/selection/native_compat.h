@@ -81,6 +81,68 @@ static_assert(TOPK_WARP_SIZE == TOPK_TARGET_WARP_SIZE,
 #endif
 #endif
 
+// Shared-memory addresses and thread-block clusters (sm_90+; the emulator defines its own): a generic pointer's
+// 32-bit shared::cta address, the CTA's rank in its cluster, the cluster barrier, another CTA's address of a
+// variable, and remote reductions, stores and loads.
+#if !TOPK_EMULATE && (TOPK_BULK || TOPK_CLUSTERS)
+// 32-bit shared::cta address of a generic pointer to shared memory.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+#endif
+#if TOPK_CLUSTERS
+#if !TOPK_EMULATE
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// Full cluster barrier with release/acquire semantics: every shared-memory write and remote
+// reduction issued by any thread of the cluster before it is visible to all threads after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The same barrier in two halves: work between arrive and wait overlaps the other CTAs' arrival.
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// shared::cluster address of the same variable in CTA `r`.
+__device__ __forceinline__ unsigned mapa_u32(unsigned a, unsigned r) {
+    unsigned o;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(r));
+    return o;
+}
+// Fire-and-forget atomic add into another CTA's shared memory (no round trip).
+__device__ __forceinline__ void red_add_cluster(unsigned a, unsigned v) {
+    asm volatile("red.relaxed.cluster.shared::cluster.add.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+}
+// Atomic add into another CTA's shared memory that returns the old value (one round trip).
+__device__ __forceinline__ unsigned atom_add_cluster(unsigned a, unsigned v) {
+    unsigned old;
+    asm volatile("atom.relaxed.cluster.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(a), "r"(v) : "memory");
+    return old;
+}
+// One or two words into another CTA's shared memory (ordered by the next cluster barrier).
+__device__ __forceinline__ void st_cluster_u32(unsigned a, unsigned x) {
+    asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(a), "r"(x) : "memory");
+}
+__device__ __forceinline__ void st_cluster_v2(unsigned a, unsigned x, unsigned y) {
+    asm volatile("st.shared::cluster.v2.u32 [%0], {%1, %2};" ::"r"(a), "r"(x), "r"(y) : "memory");
+}
+// A word of another CTA's shared memory (written before the last cluster barrier).
+__device__ __forceinline__ unsigned ld_cluster_u32(unsigned a) {
+    unsigned v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+#endif  // !TOPK_EMULATE
+#endif  // TOPK_CLUSTERS
+
 // ---------------------------------------------------------------------------------------
 // __launch_bounds__(threads, ctas): CUDA's second argument is the CTAs per multiprocessor the kernel promises to fit
 // (it caps registers at 64K / (threads * ctas)); HIP's is the minimum waves per execution unit (SIMD; a CU has 4),

@@ -267,14 +267,6 @@ __device__ __forceinline__ void pass_first(const float* __restrict__ g, int len,
     }
 }
 
-#if !TOPK_EMULATE && (TOPK_BULK || TOPK_CLUSTERS)
-// 32-bit shared::cta address of a generic pointer to shared memory.
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-#endif
 #if TOPK_BULK
 #if !TOPK_EMULATE
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
@@ -1044,45 +1036,6 @@ extern "C" __global__ void TOPK_LAUNCH_BOUNDS(512, 2) topk_rows_512(TOPK_ROW_PAR
 #error "the cluster kernels are compiled out on this target: thread-block clusters exist on CUDA from sm_90 only"
 #endif
 #if TOPK_CLUSTERS
-#if !TOPK_EMULATE
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// Full cluster barrier with release/acquire semantics: every shared-memory write and remote
-// reduction issued by any thread of the cluster before it is visible to all threads after it.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The same barrier in two halves: work between arrive and wait overlaps the other CTAs' arrival.
-__device__ __forceinline__ void cluster_arrive() {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// shared::cluster address of the same variable in CTA `r`.
-__device__ __forceinline__ unsigned mapa_u32(unsigned a, unsigned r) {
-    unsigned o;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(r));
-    return o;
-}
-// Fire-and-forget atomic add into another CTA's shared memory (no round trip).
-__device__ __forceinline__ void red_add_cluster(unsigned a, unsigned v) {
-    asm volatile("red.relaxed.cluster.shared::cluster.add.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
-}
-// Atomic add into another CTA's shared memory that returns the old value (one round trip).
-__device__ __forceinline__ unsigned atom_add_cluster(unsigned a, unsigned v) {
-    unsigned old;
-    asm volatile("atom.relaxed.cluster.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(a), "r"(v) : "memory");
-    return old;
-}
-// Two words into another CTA's shared memory (ordered by the next cluster barrier).
-__device__ __forceinline__ void st_cluster_v2(unsigned a, unsigned x, unsigned y) {
-    asm volatile("st.shared::cluster.v2.u32 [%0], {%1, %2};" ::"r"(a), "r"(x), "r"(y) : "memory");
-}
-#endif  // !TOPK_EMULATE
 
 // Push the non-zero bins of the local histogram H[0, NB) into S[0, NB) of every CTA of the
 // cluster (including this one).  Sums are order-independent, so this stays deterministic.

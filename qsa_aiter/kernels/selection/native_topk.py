@@ -341,6 +341,7 @@ class NativeLaunch:
     shared_bytes: int
     pointers: tuple[tuple[str, str], ...]
     scalars: tuple[tuple[str, str, int], ...]
+    cluster: int = 1  # CTAs a thread-block cluster given at launch (1: none, or the kernel's own __cluster_dims__)
 
     def scalar(self, name: str) -> int:
         """The value of scalar argument ``name``."""

@@ -24,6 +24,7 @@ CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 CARVEOUT_MAX_SHARED = 100
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 #: Dynamic shared memory a kernel may use without raising its limit.
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024
@@ -222,6 +223,19 @@ def cooperative_config(grid: tuple[int, int, int], block: tuple[int, int, int], 
     resident at once (``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE`` otherwise), so CTAs may wait on each other."""
     attribute = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_COOPERATIVE)
     attribute.value[0] = 1  # cooperative
+    config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, None,
+                          ctypes.pointer(attribute), 1)
+    return config, attribute
+
+
+def cluster_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int, cluster: int
+                   ) -> tuple[LaunchConfig, LaunchAttribute]:
+    """The ``cuLaunchKernelEx`` configuration of a launch whose CTAs form thread-block clusters of ``cluster`` CTAs
+    along x (its stream filled in per launch), and the attribute it points to (keep both alive together): for a
+    kernel without ``__cluster_dims__``, the size given at launch (sm_90+; above 8 the kernel must be loaded with
+    non-portable cluster sizes allowed)."""
+    attribute = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    attribute.value[0], attribute.value[1], attribute.value[2] = cluster, 1, 1
     config = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, None,
                           ctypes.pointer(attribute), 1)
     return config, attribute

@@ -457,6 +457,8 @@ inline unsigned atom_add_cluster(unsigned a, unsigned v) {
     *w = old + v;
     return old;
 }
+inline void st_cluster_u32(unsigned a, unsigned x) { *emu::cluster_word(a) = x; }
+inline unsigned ld_cluster_u32(unsigned a) { return *emu::cluster_word(a); }
 inline void st_cluster_v2(unsigned a, unsigned x, unsigned y) {
     if (a % 8) emu::fail("a two-word remote store that is not 8-byte aligned");
     *emu::cluster_word(a) = x;

@@ -24,7 +24,7 @@ from . import cuda_driver, hip_driver, hiprtc, nvrtc
 from . import native_store as store_module
 from .cuda_driver import (
     C_TYPES, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, LoadedKernel, _in_context, _primary_context, check,
-    cooperative_config, current_stream, driver, load_cubin, programmatic_config,
+    cluster_config, cooperative_config, current_stream, driver, load_cubin, programmatic_config,
 )
 from .native_store import Compiler, native_store, source_hash
 from .paths import jit_root
@@ -92,22 +92,26 @@ class PreparedLaunch:
     so a replayed call only fills in its addresses. ``programmatic``: a programmatic dependent launch
     (``cuda_driver.programmatic_config``; NVIDIA only: the kernel must wait with ``griddepcontrol.wait`` before it
     reads what the kernel before it writes). ``cooperative``: a cooperative launch (``cuda_driver.cooperative_config``;
-    NVIDIA only: the whole grid co-resident or the launch fails). A kernel loaded through HIP launches with
+    NVIDIA only: the whole grid co-resident or the launch fails). ``cluster``: CTAs a thread-block cluster given at
+    launch (``cuda_driver.cluster_config``; NVIDIA sm_90+; 1: none). A kernel loaded through HIP launches with
     ``hipModuleLaunchKernel``."""
 
-    __slots__ = ("_arguments", "_config", "_cooperative", "_lock", "_pointers", "_scalars", "block", "grid", "kernel",
-                 "name", "pointer_names", "shared_bytes")
+    __slots__ = ("_arguments", "_config", "_cooperative", "_lock", "_pointers", "_scalars", "block", "cluster",
+                 "grid", "kernel", "name", "pointer_names", "shared_bytes")
 
     def __init__(self, name: str, kernel: LoadedKernel, grid: tuple[int, int, int], block: tuple[int, int, int],
                  shared_bytes: int, pointer_names: tuple[str, ...], scalars: tuple[tuple[str, str, int], ...],
-                 programmatic: bool = False, cooperative: bool = False):
-        if programmatic and cooperative:
-            raise ValueError(f"{name}: a launch is programmatic or cooperative, not both")
-        if cooperative and kernel.vendor != "cuda":
-            raise ValueError(f"{name}: a cooperative launch is wired for CUDA only (the kernel is {kernel.vendor}'s)")
+                 programmatic: bool = False, cooperative: bool = False, cluster: int = 1):
+        if programmatic + cooperative + (cluster > 1) > 1:
+            raise ValueError(f"{name}: a launch is programmatic, cooperative or clustered, one at most")
+        if (cooperative or cluster > 1) and kernel.vendor != "cuda":
+            raise ValueError(f"{name}: cooperative and clustered launches are wired for CUDA only (the kernel is "
+                             f"{kernel.vendor}'s)")
         self.name, self.kernel, self.grid, self.block, self.shared_bytes = name, kernel, grid, block, shared_bytes
+        self.cluster = cluster
         self._config = (programmatic_config(grid, block, shared_bytes) if programmatic else
-                        cooperative_config(grid, block, shared_bytes) if cooperative else None)
+                        cooperative_config(grid, block, shared_bytes) if cooperative else
+                        cluster_config(grid, block, shared_bytes, cluster) if cluster > 1 else None)
         self._cooperative = cooperative
         self.pointer_names = pointer_names
         self._pointers = [ctypes.c_void_p() for _ in pointer_names]
@@ -147,7 +151,7 @@ class PreparedLaunch:
     @property
     def programmatic(self) -> bool:
         """Whether it is a programmatic dependent launch."""
-        return self._config is not None and not self._cooperative
+        return self._config is not None and not self._cooperative and self.cluster == 1
 
     @property
     def cooperative(self) -> bool:
@@ -161,7 +165,8 @@ class PreparedLaunch:
             config.stream = stream
             check(lib.cuLaunchKernelEx(ctypes.byref(config), self.kernel.function, self._arguments, None),
                   f"cuLaunchKernelEx({self.kernel.kernel}, grid {grid}, block {block}, {self.shared_bytes} B shared, "
-                  f"{'cooperative' if self._cooperative else 'programmatic'})")
+                  f"{'cooperative' if self._cooperative else 'programmatic' if self.cluster == 1 else ''}"
+                  f"{f'clusters of {self.cluster}' if self.cluster > 1 else ''})")
             return
         check(lib.cuLaunchKernel(self.kernel.function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                                  self.shared_bytes, ctypes.c_void_p(stream), self._arguments, None),

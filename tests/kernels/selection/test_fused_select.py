@@ -61,7 +61,7 @@ selection = selection_call
 
 
 def emulate(batch, token_topk: int, hints: dict, *, split: int = 2, order_seed: int = 0, workspace=None,
-            candidates=None, cached=None):
+            candidates=None, cached=None, cluster=False):
     """The fused kernel on ``batch`` through the emulator, outputs poisoned: ``(blocks, tokens, scores, workspace,
     plan)``."""
     problem, args = selection(batch, token_topk, hints)
@@ -69,9 +69,9 @@ def emulate(batch, token_topk: int, hints: dict, *, split: int = 2, order_seed: 
     variant = fs.variant_for(batch.compressed_k_cache.dtype, batch.compressed_k_cache.shape[1], batch.q.dtype)
     groups = -(-score.num_tokens // fs.scorer.group_rows_of(score))
     columns = max(score.num_columns, 1) if score.num_columns > problem.block_topk else 1
-    plan = fs.split_plan(split, variant, fs.scorer.group_rows_of(score), groups, columns, SM90)
+    plan = fs.split_plan(split, variant, fs.scorer.group_rows_of(score), groups, columns, SM90, cluster)
     if score.num_columns <= problem.block_topk:
-        plan = fs.Plan(variant, plan.group_rows, groups, split, 0)
+        plan = fs.Plan(variant, plan.group_rows, groups, split, 0, plan.cluster)
     scores = torch.full((score.num_tokens, score.num_columns), float("nan"))
     blocks, workspace = emulated_fused_select(problem, args, plan, scores=scores, workspace=workspace,
                                               order_seed=order_seed, candidates=candidates, cached=cached)
@@ -119,7 +119,8 @@ def test_the_source_spells_the_declared_parameters_and_splices_both_halves():
     assert macro_params(text, "QSA_FUSED_PARAMS") == fs.PARAMS
     assert re.search(r"#define QSA_FUSED_CTAS_PER_SM (\d+)\n", text).group(1) == str(fs.CTAS_PER_SM)
     for macro, value in (("FUSED_TAIL_WORDS", fs.TAIL_WORDS), ("FUSED_MAX_SPLIT", fs.MAX_SPLIT),
-                         ("FUSED_ROW_HEAD", fs.ROW_HEAD_WORDS), ("GRID_BINS", fs.BINS)):
+                         ("FUSED_MAX_CLUSTER", fs.MAX_CLUSTER), ("FUSED_ROW_HEAD", fs.ROW_HEAD_WORDS),
+                         ("GRID_BINS", fs.BINS)):
         assert re.search(rf"#define {macro} (\d+)\n", text).group(1) == str(value), macro
     for name in ("native_scorer.cu", "native_compat.h", "native_mma.h", "grid_topk.cu"):
         assert f'#line 1 "{name}"' in text, name
@@ -174,6 +175,30 @@ def test_variants_the_catalog_and_plans():
     # A budget wider than every row: no scores held.
     narrow, _ = selection(make_batch([300, 200], 1, page_size=16), 2048, dict(phase="decode"))
     assert fs.choose_plan(narrow, SM90).cap == 0
+
+
+def test_cluster_plans():
+    """Enough row groups to fill half the CTAs with clusters of at most 16: one cluster a group (sm_90 only, one CTA
+    a row at least, no selectors, launched with the cluster's size); else the last arriver's design."""
+    many, _ = selection(make_batch([33000] * 16, 4, page_size=64), 2048, dict(max_query_len=4))
+    plan = fs.choose_plan(many, SM90)
+    assert (plan.cluster, plan.split, plan.selectors, plan.grid) == (16, 16, 0, 16 * 16), plan
+    assert "one cluster each" in plan.describe()
+    call = fs.launch_arguments(plan, {name: 1 for name in fs.SCALARS})
+    assert call.cluster == 16 and call.scalar("cluster") == 16 and call.grid == (256, 1, 1)
+    decode, _ = selection(make_batch([33000] * 64, 1, page_size=64), 2048, dict(phase="decode"))
+    assert fs.choose_plan(decode, SM90).cluster == fs.choose_plan(decode, SM90).split == 396 // 64
+    sm80 = dataclasses.replace(SM90, arch="sm_80", capability=(8, 0))
+    assert fs.choose_plan(many, sm80).cluster == 0  # no clusters before sm_90
+    few, _ = selection(make_batch([130000] * 2, 4, page_size=64), 2048, dict(max_query_len=4))
+    assert fs.choose_plan(few, SM90).cluster == 0  # 2 groups: clusters would leave most of the GPU idle
+    variant = fs.choose_plan(many, SM90).variant
+    with pytest.raises(ValueError, match="4 to 16 CTAs a group"):
+        fs.split_plan(3, variant, 4, 16, 8192, SM90, cluster=True)
+    with pytest.raises(ValueError, match="4 to 16 CTAs a group"):
+        fs.split_plan(17, variant, 4, 16, 8192, SM90, cluster=True)
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        fs.split_plan(8, variant, 4, 16, 8192, sm80, cluster=True)
 
 
 def test_reasons_name_what_it_does_not_serve():
@@ -257,6 +282,21 @@ def test_emulated_verify_matches_its_scores_and_the_oracle(rng, page_size, index
                     index_dtype)
     for split in (1, 3):
         check(batch, 64, dict(max_query_len=4), split=split)
+
+
+@needs_emulator
+@pytest.mark.parametrize("page_size", (16, 64))
+def test_emulated_cluster_plans_match_their_scores_and_the_oracle(rng, page_size):
+    """Each group's CTAs one cluster: verify rows (groups straddle requests, a padded row, uneven contexts, a request
+    shorter than the budget) with 4 and 5 CTAs a group, decode rows with 2 and 3, int64 metadata."""
+    batch = widened(make_batch([2000, 900, 60, 1300], [4, 3, 2, 2], page_size=page_size, generator=rng,
+                               padded_rows=1), torch.int64)
+    for split in (4, 5):
+        check(batch, 64, dict(max_query_len=4), split=split, cluster=True)
+    decode = make_batch([1700, 100, 800, 2600], 1, page_size=page_size, generator=rng)
+    for split in (2, 3):
+        blocks, _, _, plan = check(decode, 128, dict(phase="decode"), split=split, cluster=True)
+        assert plan.cluster == split and blocks[1].tolist() == list(range(25)) + [-1] * 7
 
 
 @needs_emulator
@@ -401,6 +441,26 @@ def test_emulated_the_gate_keeps_few_candidates_and_never_drops_a_selected_one(r
         batch.query_positions -= torch.tensor([1500, 600, 0, 900, 20, 10, 0, 0], dtype=batch.query_positions.dtype)
 
 
+@needs_emulator
+@pytest.mark.parametrize("cached", (None, 24), ids=("shared", "workspace"))
+def test_emulated_cluster_plans_with_ties_constant_rows_and_overflow(rng, cached):
+    """Cluster plans on the gate test's rows: K strong keys in one bin, random rows, a row shorter than the budget,
+    two constant rows (every column in the threshold bin: ties to the lowest columns) and a padded row, 4 CTAs a
+    group; with the selecting CTA's cache cut to 24 candidates, the rows' candidates go through the workspace."""
+    k, ratio = 16, 4
+    batch = make_batch([2000, 1800, 60, 1500, 900], [1, 2, 1, 2, 1], page_size=16, generator=rng, padded_rows=1)
+    cache, table = batch.compressed_k_cache, batch.page_table
+    for r in (0, 3):
+        for page in table[r][table[r] >= 0].tolist():
+            cache[page] = 0
+    strong = [3, 40, 41, 90, 130, 131, 200, 201, 250, 300, 301, 330, 400, 401, 440, 470]
+    for c in strong:
+        cache[table[0, c // 16], c % 16].copy_(batch.q[0, 0])
+    blocks, _, _, plan = check(batch, k * ratio, dict(max_query_len=4), split=4, cluster=True, cached=cached)
+    assert plan.cluster == 4
+    assert blocks[0].tolist() == strong and blocks[4].tolist() == list(range(k)), blocks
+
+
 @pytest.mark.slow
 @needs_emulator
 @pytest.mark.parametrize("token_topk", (32, 256))
@@ -496,6 +556,57 @@ def test_gpu_matches_its_own_scores_and_the_composite_path(monkeypatch, rng, sha
     monkeypatch.setenv("QSA_AITER_BACKEND", "native")
     composite = run_op(monkeypatch, batch, token_topk, hints, "composite")
     assert torch.equal(fused, composite)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("cache,dtype", [(None, torch.bfloat16), *QUANT_FORMATS[::2]], ids=["bf16", *QUANT_IDS[::2]])
+@pytest.mark.parametrize("page_size", (16, 64))
+@pytest.mark.parametrize("shape", ("verify", "decode"))
+def test_gpu_cluster_plans_equal_the_last_arriver_s(rng, shape, page_size, cache, dtype):
+    """Each group's CTAs one thread-block cluster (2 to 16 CTAs, 16 needing the non-portable size): exactly the torch
+    top-k of the kernel's own debug scores, and the same blocks as the last arriver's design; a batch of 16 verify
+    requests, where choose_plan itself takes clusters."""
+    from qsa_aiter.runtime.fused_select import fused_select
+
+    contexts, rows, hints, token_topk, splits = {
+        "verify": ([9000, 20000, 3000, 14000], 4, dict(max_query_len=4), 512, (4, 8, 16)),
+        "decode": ([9000, 20000, 3000, 14000, 60000, 1000], 1, dict(phase="decode"), 2048, (2, 6, 16)),
+    }[shape]
+    batch = make_batch(contexts, rows, page_size=page_size, cache=cache, dtype=dtype, generator=rng, device="cuda",
+                       padded_rows=1)
+    platform = Platform.of(batch.q.device)
+    if platform.capability < (9, 0):
+        pytest.skip("thread-block clusters need sm_90+")
+    problem, args = selection(batch, token_topk, hints, out=torch.empty(
+        (batch.q.shape[0], token_topk + 3), dtype=torch.int32, device="cuda"))
+    ref_logits, visible = reference_paged_mqa_logits(*batch.args(), **batch.kwargs())
+    inside = torch.arange(problem.score.num_columns, device="cuda")[None, :] < visible.long()[:, None]
+    wide = (visible > problem.block_topk).nonzero().flatten()
+    arriver = fused_select(problem, args, plan=fs.problem_split_plan(problem, splits[0], platform))
+    arriver_tokens = args.out.clone()
+    for split in splits:
+        plan = fs.problem_split_plan(problem, split, platform, cluster=True)
+        scores = torch.full((problem.score.num_tokens, problem.score.num_columns), float("nan"), device="cuda")
+        args.out.fill_(-5)
+        blocks = fused_select(problem, args, plan=plan, scores=scores)
+        torch.testing.assert_close(scores[wide][inside[wide]], ref_logits[wide][inside[wide]], rtol=1e-4, atol=1e-4)
+        want = torch.empty_like(blocks)
+        torch_block_topk(torch.where(inside, scores, 0.0), visible, problem.block_topk, want)
+        assert torch.equal(blocks, want), split
+        assert torch.equal(blocks, arriver) and torch.equal(args.out, arriver_tokens), split
+    many = make_batch([33000] * 16, 4, page_size=page_size, cache=cache, dtype=dtype, generator=rng, device="cuda")
+    problem, args = selection(many, 2048, dict(max_query_len=4), out=torch.empty(
+        (many.q.shape[0], 2048 + 3), dtype=torch.int32, device="cuda"))
+    plan = fs.choose_plan(problem, platform)
+    assert plan.cluster > 0, plan.describe()
+    scores = torch.full((problem.score.num_tokens, problem.score.num_columns), float("nan"), device="cuda")
+    blocks = fused_select(problem, args, plan=plan, scores=scores)
+    _, visible = reference_paged_mqa_logits(*many.args(), **many.kwargs())
+    inside = torch.arange(problem.score.num_columns, device="cuda")[None, :] < visible.long()[:, None]
+    want = torch.empty_like(blocks)
+    torch_block_topk(torch.where(inside, scores, 0.0), visible, problem.block_topk, want)
+    assert torch.equal(blocks, want)
 
 
 @pytest.mark.gpu
