@@ -46,6 +46,9 @@
 //      look-back makes the same assumption): they are resident or done, so the wait ends.
 // Rows whose visible count is at most K take 0 .. visible-1 from the last arriver, without a score read; a group none
 // of whose rows sees more than K columns is not scored at all.
+// A cluster plan (`cluster` = split, sm_90+) makes each group's CTAs one thread-block cluster and replaces steps 3-4
+// with fused_cluster_tail: the merge, the exact threshold bin and the candidates go through distributed shared
+// memory, and the CTA of rank r selects row r; no CTA waits on another cluster, the workspace is not used.
 //
 // Time model (estimates; docs/selection.md has the measured numbers).  The keys: as the scorer's grid reads them,
 // each visible key once per row group (256 B a column in bf16, 132 B fp8, 68 B MXFP4 with the scales), the floor
