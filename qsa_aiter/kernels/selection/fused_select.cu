@@ -132,7 +132,9 @@ static_assert(QSA_MAX_GROUP_ROWS * GRID_BINS * 4 <= QSA_FLAGS_OFFSET &&
                   FUSED_OFFS_WORD + FUSED_MAX_SPLIT + 1 <= FUSED_CACHE_WORD &&
                   FUSED_CACHE_WORD + 2 * FUSED_CACHE <= QSA_FLAGS_OFFSET / 4 &&
                   FUSED_MERGED_WORD + QSA_MAX_GROUP_ROWS * GRID_BINS <= QSA_FLAGS_OFFSET / 4 &&
-                  FUSED_MAX_CLUSTER <= FUSED_MAX_SPLIT,
+                  FUSED_MAX_CLUSTER <= FUSED_MAX_SPLIT &&
+                  QSA_MAX_GROUP_ROWS * FUSED_MAX_CLUSTER <= QSA_FUSED_THREADS &&
+                  QSA_MAX_GROUP_ROWS * FUSED_MAX_CLUSTER <= FUSED_OFFS_WORD,
               "the offer's histograms and the finish's words fit the tile stages");
 static_assert(GRID_BINS % QSA_FUSED_THREADS == 0, "whole shares");
 static_assert((FUSED_MAX_SPLIT & (FUSED_MAX_SPLIT - 1)) == 0, "the parts' search halves its step");
@@ -679,17 +681,24 @@ __device__ __forceinline__ void fused_cluster_tail(const FusedGroup& g, const in
         if ((int)threadIdx.x < rows && ((wide >> threadIdx.x) & 1u))
             st_cluster_u32(mapa_u32(smem_u32(offs + part), threadIdx.x), fused_offered(tail, threadIdx.x));
         cluster_sync();
-        if (threadIdx.x == 0) {
-            for (int r = 0; r < rows; ++r) {
-                unsigned before = 0, total = 0;
-                for (int p = 0; p < split && ((wide >> r) & 1u); ++p) {
-                    const unsigned c = ld_cluster_u32(mapa_u32(smem_u32(offs + p), (unsigned)r));
-                    before += p < part ? c : 0u;
-                    total += c;
-                }
-                tail[FUSED_W_FIRST + r] = before;
-                tail[FUSED_W_TOTAL + r] = total;
+        // The rows' counts, a remote load a thread (into the stages' first words, free until the select), then
+        // the CTA's first slot and the row's total.
+        unsigned* counts = smem;
+        if ((int)threadIdx.x < QSA_MAX_GROUP_ROWS * FUSED_MAX_CLUSTER) {
+            const int r = (int)threadIdx.x / FUSED_MAX_CLUSTER, p = (int)threadIdx.x % FUSED_MAX_CLUSTER;
+            counts[threadIdx.x] = r < rows && p < split && ((wide >> r) & 1u)
+                                      ? ld_cluster_u32(mapa_u32(smem_u32(offs + p), (unsigned)r)) : 0u;
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < rows) {
+            unsigned before = 0, total = 0;
+            for (int p = 0; p < split; ++p) {
+                const unsigned c = counts[threadIdx.x * FUSED_MAX_CLUSTER + p];
+                before += p < part ? c : 0u;
+                total += c;
             }
+            tail[FUSED_W_FIRST + threadIdx.x] = before;
+            tail[FUSED_W_TOTAL + threadIdx.x] = total;
         }
         __syncthreads();
         fused_write_offers(s_vis, wide, rows, col0, chunk, cap, stash, tail,
