@@ -242,31 +242,13 @@ __device__ __forceinline__ void fused_histograms(const int* s_vis, unsigned wide
 // The candidates of the CTA's columns: for each row that sees more than K columns, its keys whose top 11 bits are
 // at or above the row's gate (tail[FUSED_W_GATE + r]), in column order, so that a row's candidates, read part
 // after part, are in ascending columns (the finish writes its output and resolves its ties with one ordered
-// compaction).  Warp w takes a contiguous range of the chunk: fused_count_offers counts its keys a row
-// (tail[FUSED_W_WARPS + r * FUSED_NW + w]; ends with a barrier), fused_write_offers hands each key its slot among
-// the CTA's (the warps' exclusive prefix, then the ballot's), put(r, slot, key, column); fused_offered(tail, r) is
-// the CTA's count of row r.
-__device__ __forceinline__ void fused_count_offers(const int* s_vis, unsigned wide, int rows, int col0, int chunk,
-                                                   int cap, const unsigned* stash, unsigned* tail) {
-    const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
-    for (int r = 0; r < rows; ++r) {
-        if (!((wide >> r) & 1u)) continue;
-        const unsigned* S = stash + r * cap;
-        const unsigned gate = tail[FUSED_W_GATE + r];
-        const FusedSpan span = fused_warp_span(fused_len(s_vis[r], col0, chunk), warp);
-        unsigned mine = 0;
-        for (int b = span.lo; b < span.hi; b += WS) {  // warp-uniform trip count: the ballots see every lane
-            const int i = b + lane;
-            mine += (unsigned)__popcll((unsigned long long)warp_ballot(i < span.hi && (S[i] >> 21) >= gate));
-        }
-        if (lane == 0) tail[FUSED_W_WARPS + r * FUSED_NW + warp] = mine;
-    }
-    __syncthreads();
-}
-template <class Put>
-__device__ __forceinline__ void fused_write_offers(const int* s_vis, unsigned wide, int rows, int col0, int chunk,
-                                                   int cap, const unsigned* stash, const unsigned* tail,
-                                                   const Put& put) {
+// compaction).  Warp w takes a contiguous range of the chunk.  Two passes: WRITE false counts a warp's keys a row
+// (tail[FUSED_W_WARPS + r * FUSED_NW + w]; ends with a barrier); WRITE true hands each key its slot among the
+// CTA's (the warps' exclusive prefix, then the ballot's), put(r, slot, key, column).  fused_offered(tail, r): the
+// CTA's count of row r.
+template <bool WRITE, class Put>
+__device__ __forceinline__ void fused_offers(const int* s_vis, unsigned wide, int rows, int col0, int chunk, int cap,
+                                             const unsigned* stash, unsigned* tail, const Put& put) {
     const int lane = threadIdx.x % WS, warp = threadIdx.x / WS;
     for (int r = 0; r < rows; ++r) {
         if (!((wide >> r) & 1u)) continue;
@@ -274,16 +256,22 @@ __device__ __forceinline__ void fused_write_offers(const int* s_vis, unsigned wi
         const unsigned gate = tail[FUSED_W_GATE + r];
         const FusedSpan span = fused_warp_span(fused_len(s_vis[r], col0, chunk), warp);
         unsigned slot = 0;
-        for (int w = 0; w < warp; ++w) slot += tail[FUSED_W_WARPS + r * FUSED_NW + w];
-        for (int b = span.lo; b < span.hi; b += WS) {
+        for (int w = 0; WRITE && w < warp; ++w) slot += tail[FUSED_W_WARPS + r * FUSED_NW + w];
+        for (int b = span.lo; b < span.hi; b += WS) {  // warp-uniform trip count: the ballots see every lane
             const int i = b + lane;
             const unsigned k = i < span.hi ? S[i] : 0u;
             const bool take = i < span.hi && (k >> 21) >= gate;
             const unsigned long long mask = (unsigned long long)warp_ballot(take);
-            if (take) put(r, slot + (unsigned)__popcll(mask & fused_lanes_below(lane)), k, col0 + i);
+            if (WRITE && take) put(r, slot + (unsigned)__popcll(mask & fused_lanes_below(lane)), k, col0 + i);
             slot += (unsigned)__popcll(mask);
         }
+        if (!WRITE && lane == 0) tail[FUSED_W_WARPS + r * FUSED_NW + warp] = slot;
     }
+    if (!WRITE) __syncthreads();
+}
+__device__ __forceinline__ void fused_count_offers(const int* s_vis, unsigned wide, int rows, int col0, int chunk,
+                                                   int cap, const unsigned* stash, unsigned* tail) {
+    fused_offers<false>(s_vis, wide, rows, col0, chunk, cap, stash, tail, [](int, unsigned, unsigned, int) {});
 }
 __device__ __forceinline__ unsigned fused_offered(const unsigned* tail, int r) {
     unsigned total = 0;
@@ -346,9 +334,10 @@ __device__ __forceinline__ void fused_offer(const FusedGroup& g, const int* s_vi
     __syncthreads();
     qsa_stamp(rec, QSA_STAMP_MERGE);
     fused_count_offers(s_vis, wide, rows, col0, chunk, cap, stash, tail);
-    fused_write_offers(s_vis, wide, rows, col0, chunk, cap, stash, tail, [&](int r, unsigned slot, unsigned k, int col) {
-        g.row(r).cands[(long long)part * cap + slot] = make_uint2(k, (unsigned)col);
-    });
+    fused_offers<true>(s_vis, wide, rows, col0, chunk, cap, stash, tail,
+                       [&](int r, unsigned slot, unsigned k, int col) {
+                           g.row(r).cands[(long long)part * cap + slot] = make_uint2(k, (unsigned)col);
+                       });
     if ((int)threadIdx.x < rows && ((wide >> threadIdx.x) & 1u))
         g.row(threadIdx.x).counts[part] = fused_offered(tail, threadIdx.x);
 }
@@ -701,7 +690,7 @@ __device__ __forceinline__ void fused_cluster_tail(const FusedGroup& g, const in
             tail[FUSED_W_TOTAL + threadIdx.x] = total;
         }
         __syncthreads();
-        fused_write_offers(s_vis, wide, rows, col0, chunk, cap, stash, tail,
+        fused_offers<true>(s_vis, wide, rows, col0, chunk, cap, stash, tail,
                            [&](int r, unsigned slot, unsigned k, int col) {
                                if (tail[FUSED_W_TOTAL + r] <= FUSED_CACHE)
                                    st_cluster_v2(mapa_u32(smem_u32(cache + tail[FUSED_W_FIRST + r] + slot),
