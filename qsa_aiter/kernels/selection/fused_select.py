@@ -273,10 +273,9 @@ def choose_plan(problem, platform: Platform) -> Plan:
     """The plan of ``problem`` on ``platform``: the scorer's row groups (``native_scorer.group_rows_of``); where no
     row is wider than the budget one CTA a group and no scores; else the scorer's split (as many CTAs a group as fill
     the multiprocessors ``CTAS_PER_SM`` times, at most one per ``native_scorer.MIN_TILES_PER_CTA`` tiles), at least
-    what the scores' room needs with ``CTAS_PER_SM`` CTAs a multiprocessor (else with fewer). A group's CTAs are one
-    thread-block cluster (at most ``MAX_CLUSTER``, one a row at least) where the GPU has clusters and the clusters
-    still give half the CTAs that fill it (a group's exchange in distributed shared memory costs no round trip to
-    L2); else the last arriver's design. ``ValueError`` (``plan_reason``) where none fits."""
+    what the scores' room needs with ``CTAS_PER_SM`` CTAs a multiprocessor (else with fewer), in the last arriver's
+    design (cluster plans, ``split_plan(..., cluster=True)``, measured slower: docs/selection.md). ``ValueError``
+    (``plan_reason``) where none fits."""
     reason = plan_reason(problem, platform)
     if reason:
         raise ValueError(reason)
@@ -289,12 +288,6 @@ def choose_plan(problem, platform: Platform) -> Plan:
     least = cdiv(columns, room) if room else MAX_SPLIT + 1
     if least > MAX_SPLIT:
         least = cdiv(columns, max_cap(group_rows, platform))
-    clustered = min(max(wanted, least, group_rows, 2), MAX_CLUSTER)
-    if clustered >= least and row_groups * clustered >= platform.programs(CTAS_PER_SM) // 2:
-        try:
-            return split_plan(clustered, variant, group_rows, row_groups, columns, platform, cluster=True)
-        except ValueError:
-            pass  # no clusters here, or the scores' room: the last arriver's design
     for split in range(min(MAX_SPLIT, max(wanted, least)), least - 1, -1):
         try:
             return split_plan(split, variant, group_rows, row_groups, columns, platform)

@@ -178,21 +178,18 @@ def test_variants_the_catalog_and_plans():
 
 
 def test_cluster_plans():
-    """Enough row groups to fill half the CTAs with clusters of at most 16: one cluster a group (sm_90 only, one CTA
-    a row at least, no selectors, launched with the cluster's size); else the last arriver's design."""
+    """One cluster a group where asked (sm_90 only, one CTA a row at least, at most 16, no selectors, launched with
+    the cluster's size); choose_plan keeps the last arriver's design (cluster plans measured slower)."""
     many, _ = selection(make_batch([33000] * 16, 4, page_size=64), 2048, dict(max_query_len=4))
-    plan = fs.choose_plan(many, SM90)
+    assert fs.choose_plan(many, SM90).cluster == 0
+    plan = fs.problem_split_plan(many, 16, SM90, cluster=True)
     assert (plan.cluster, plan.split, plan.selectors, plan.grid) == (16, 16, 0, 16 * 16), plan
     assert "one cluster each" in plan.describe()
     call = fs.launch_arguments(plan, {name: 1 for name in fs.SCALARS})
     assert call.cluster == 16 and call.scalar("cluster") == 16 and call.grid == (256, 1, 1)
-    decode, _ = selection(make_batch([33000] * 64, 1, page_size=64), 2048, dict(phase="decode"))
-    assert fs.choose_plan(decode, SM90).cluster == fs.choose_plan(decode, SM90).split == 396 // 64
+    assert fs.launch_arguments(fs.choose_plan(many, SM90), {name: 1 for name in fs.SCALARS}).cluster == 1
     sm80 = dataclasses.replace(SM90, arch="sm_80", capability=(8, 0))
-    assert fs.choose_plan(many, sm80).cluster == 0  # no clusters before sm_90
-    few, _ = selection(make_batch([130000] * 2, 4, page_size=64), 2048, dict(max_query_len=4))
-    assert fs.choose_plan(few, SM90).cluster == 0  # 2 groups: clusters would leave most of the GPU idle
-    variant = fs.choose_plan(many, SM90).variant
+    variant = plan.variant
     with pytest.raises(ValueError, match="4 to 16 CTAs a group"):
         fs.split_plan(3, variant, 4, 16, 8192, SM90, cluster=True)
     with pytest.raises(ValueError, match="4 to 16 CTAs a group"):
@@ -566,7 +563,7 @@ def test_gpu_matches_its_own_scores_and_the_composite_path(monkeypatch, rng, sha
 def test_gpu_cluster_plans_equal_the_last_arriver_s(rng, shape, page_size, cache, dtype):
     """Each group's CTAs one thread-block cluster (2 to 16 CTAs, 16 needing the non-portable size): exactly the torch
     top-k of the kernel's own debug scores, and the same blocks as the last arriver's design; a batch of 16 verify
-    requests, where choose_plan itself takes clusters."""
+    requests in clusters of 16."""
     from qsa_aiter.runtime.fused_select import fused_select
 
     contexts, rows, hints, token_topk, splits = {
@@ -598,8 +595,7 @@ def test_gpu_cluster_plans_equal_the_last_arriver_s(rng, shape, page_size, cache
     many = make_batch([33000] * 16, 4, page_size=page_size, cache=cache, dtype=dtype, generator=rng, device="cuda")
     problem, args = selection(many, 2048, dict(max_query_len=4), out=torch.empty(
         (many.q.shape[0], 2048 + 3), dtype=torch.int32, device="cuda"))
-    plan = fs.choose_plan(problem, platform)
-    assert plan.cluster > 0, plan.describe()
+    plan = fs.problem_split_plan(problem, 16, platform, cluster=True)
     scores = torch.full((problem.score.num_tokens, problem.score.num_columns), float("nan"), device="cuda")
     blocks = fused_select(problem, args, plan=plan, scores=scores)
     _, visible = reference_paged_mqa_logits(*many.args(), **many.kwargs())
