@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def header() -> str:
-    return ",".join(["point", "cache", "page", "split", "cluster", "grid", "fused_us", *(f"{name}_us" for name in fs.PHASES),
-                     "finish_us", "span_us", "last_us", "candidates", "candidates_share"])
+    return ",".join(["point", "cache", "page", "split", "cluster", "grid", "fused_us",
+                     *(f"{name}_us" for name in fs.PHASES), "finish_us", "span_us", "last_us", "candidates",
+                     "candidates_share"])
 
 
 def offered(problem, plan: fs.Plan, visible: torch.Tensor) -> tuple[float, float]:

@@ -48,7 +48,8 @@
 // of whose rows sees more than K columns is not scored at all.
 // A cluster plan (`cluster` = split, sm_90+) makes each group's CTAs one thread-block cluster and replaces steps 3-4
 // with fused_cluster_tail: the merge, the exact threshold bin and the candidates go through distributed shared
-// memory, and the CTA of rank r selects row r; no CTA waits on another cluster, the workspace is not used.
+// memory, and the CTA of rank r selects row r; no CTA waits on another cluster, the workspace is not used (measured
+// slower than the last arriver's design: fused_select.py's choose_plan never makes one).
 //
 // Time model (estimates; docs/selection.md has the measured numbers).  The keys: as the scorer's grid reads them,
 // each visible key once per row group (256 B a column in bf16, 132 B fp8, 68 B MXFP4 with the scales), the floor
@@ -471,7 +472,8 @@ __device__ __forceinline__ void fused_select_row(const FusedCands& cands, unsign
         bool above, tie;
         classify(b + lane, above, tie);
         const unsigned long long am = (unsigned long long)warp_ballot(above), tm = (unsigned long long)warp_ballot(tie);
-        const unsigned a = above_before + (unsigned)__popcll(am & below), t = ties_before + (unsigned)__popcll(tm & below);
+        const unsigned a = above_before + (unsigned)__popcll(am & below);
+        const unsigned t = ties_before + (unsigned)__popcll(tm & below);
         if (above || (tie && t < rank)) {  // its slot: the kept candidates before it
             const unsigned slot = a + (t < rank ? t : rank);
             const int col = (int)cands(b + lane).y;
