@@ -208,11 +208,29 @@ def test_a_cooperative_launch_is_configured_with_the_attribute():
     kernel = LoadedKernel("grid_topk_256", "entry", 0, ctypes.c_void_p(), ctypes.c_void_p(), shared_limit=1 << 20)
     launch = native.PreparedLaunch("grid_topk", kernel, (12, 1, 1), (256, 1, 1), 20000, ("a",), (), cooperative=True)
     assert launch.cooperative and not launch.programmatic
-    with pytest.raises(ValueError, match="programmatic or cooperative, not both"):
+    with pytest.raises(ValueError, match="programmatic, cooperative or clustered, one at most"):
         native.PreparedLaunch("x", kernel, (1, 1, 1), (32, 1, 1), 0, (), (), programmatic=True, cooperative=True)
+    with pytest.raises(ValueError, match="programmatic, cooperative or clustered, one at most"):
+        native.PreparedLaunch("x", kernel, (4, 1, 1), (32, 1, 1), 0, (), (), cooperative=True, cluster=4)
     amd = dataclasses.replace(kernel, vendor="hip")
     with pytest.raises(ValueError, match="wired for CUDA only"):
         native.PreparedLaunch("x", amd, (1, 1, 1), (64, 1, 1), 0, (), (), cooperative=True)
+    with pytest.raises(ValueError, match="wired for CUDA only"):
+        native.PreparedLaunch("x", amd, (4, 1, 1), (64, 1, 1), 0, (), (), cluster=4)
+
+
+def test_a_clustered_launch_is_configured_with_the_attribute():
+    """The fused selection's cluster plans: the cluster's size along x given at launch."""
+    config, attribute = cuda_driver.cluster_config((32, 1, 1), (128, 1, 1), 90000, 16)
+    assert attribute.id == cuda_driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION == 4
+    assert list(attribute.value[:3]) == [16, 1, 1]
+    assert (list(config.grid), list(config.block), config.shared_bytes, config.attribute_count) == (
+        [32, 1, 1], [128, 1, 1], 90000, 1)
+    assert ctypes.addressof(config.attributes.contents) == ctypes.addressof(attribute)
+    kernel = LoadedKernel("qsa_fused_bf16_page64", "entry", 0, ctypes.c_void_p(), ctypes.c_void_p(),
+                          shared_limit=1 << 20)
+    launch = native.PreparedLaunch("fused_select", kernel, (32, 1, 1), (128, 1, 1), 90000, ("a",), (), cluster=16)
+    assert launch.cluster == 16 and not launch.programmatic and not launch.cooperative
 
 
 def test_the_rows_in_flight_follow_the_drivers_count(monkeypatch):
